@@ -1,0 +1,17 @@
+"""FlashMask for PyTorch: exact attention with column-interval masks in O(N) memory."""
+
+from flashmask import masks
+from flashmask.attention import flashmask_attention
+from flashmask.mask import FlashMask, MaskNotRepresentableError, TileClass, to_dense, validate
+
+__all__ = [
+    "FlashMask",
+    "MaskNotRepresentableError",
+    "TileClass",
+    "flashmask_attention",
+    "masks",
+    "to_dense",
+    "validate",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,229 @@
+"""``flashmask_attention``: argument checks, mask normalisation and dispatch to the custom ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashmask import ops
+from flashmask.mask import FlashMask
+
+__all__ = ["flashmask_attention", "window_mask_indices"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def flashmask_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    startend_row_indices: torch.Tensor | FlashMask | None = None,
+    *,
+    causal: bool = False,
+    window_size: int | tuple[int, int] | None = None,
+    softmax_scale: float | None = None,
+    return_softmax_lse: bool = False,
+    deterministic: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention under a FlashMask column-interval mask.
+
+    Args:
+        query: ``[B, Sq, Hq, D]``.
+        key: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads key/value
+            head ``h // (Hq // Hk)``).
+        value: ``[B, Sk, Hk, Dv]``.
+        startend_row_indices: int32 ``[B, Hm, Sk, C]`` (``Hm`` in ``{1, Hk}``), or ``[B, Hm, Sk]``
+            read as ``C = 1``, or a :class:`FlashMask` (which carries its own ``causal``), or
+            ``None`` for plain full/causal attention. Entry meanings are in :mod:`flashmask.mask`.
+        causal: add the causal mask, bottom-right aligned when ``Sq != Sk`` (key ``j`` is hidden
+            from query ``i`` when ``j > i + Sk - Sq``).
+        window_size: ``w`` or ``(left, right)``: query ``i`` sees keys
+            ``[i' - left, i' + right]`` with ``i' = i + Sk - Sq`` (``right`` is ignored when causal;
+            ``-1`` leaves a side unbounded). Cannot be combined with ``startend_row_indices``.
+        softmax_scale: score scale, default ``D ** -0.5``.
+        return_softmax_lse: also return the natural-log sum of exponentials of the scaled,
+            masked scores, float32 ``[B, Hq, Sq]`` (float64 for float64 inputs), ``-inf`` for
+            fully masked rows. It is differentiable.
+        deterministic: make the backward bit-reproducible (no atomics in the GPU kernels).
+
+    Returns:
+        ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no
+        key get output 0, lse ``-inf`` and zero gradients.
+
+    CUDA fp16/bf16 inputs run the Triton kernels; everything else (CPU, float32/float64) runs the
+    exact chunked reference in :mod:`flashmask.reference`.
+    """
+    _check_qkv(query, key, value)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_softmax_lse, bool):
+        raise TypeError(
+            f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}"
+        )
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    batch, seqlen_q, _, head_dim = query.shape
+    seqlen_k, heads_k = key.shape[1], key.shape[2]
+
+    if window_size is not None:
+        if startend_row_indices is not None:
+            raise ValueError("can't use window_size with startend_row_indices")
+        startend_row_indices = window_mask_indices(
+            window_size, seqlen_q, seqlen_k, causal=causal, device=query.device
+        ).expand(batch, -1, -1, -1)
+    indices, causal = _normalize_mask(startend_row_indices, causal, query, key)
+    _check_indices(indices, batch, seqlen_k, heads_k, query.device)
+
+    if softmax_scale is None:
+        softmax_scale = head_dim**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(
+            f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+        )
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+
+    out, lse = ops.attention_forward(
+        query, key, value, indices, causal, float(softmax_scale), deterministic
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+def window_mask_indices(
+    window_size: int | tuple[int, int],
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Paddle's ``window_size`` conversion, generalised to bottom-right alignment: int32
+    ``[1, 1, Sk, C]`` (C = 1 when causal, else 2).
+
+    Query ``i`` sees keys ``[i' - left, i' + right]`` with ``i' = i + Sk - Sq``; ``-1`` leaves a
+    side unbounded.
+    """
+    if isinstance(window_size, bool):
+        raise TypeError("window_size must be an int or a (left, right) pair of ints")
+    if isinstance(window_size, int):
+        window_size = (window_size, window_size)
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(
+            f"window_size must be an int or a (left, right) pair of ints, got {window_size!r}"
+        )
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
+    offset = seqlen_k - seqlen_q
+    cols = torch.arange(seqlen_k, device=device, dtype=torch.int64)
+    # Key j is visible to rows i with j - right <= i + offset <= j + left.
+    lts = cols + left + 1 - offset if left >= 0 else torch.full_like(cols, seqlen_q)
+    lts = lts.clamp(0, seqlen_q)
+    if causal:
+        return lts.to(torch.int32).view(1, 1, seqlen_k, 1)
+    ute = (cols - right - offset).clamp(0, seqlen_q) if right >= 0 else torch.zeros_like(cols)
+    return torch.stack([lts, ute], dim=-1).to(torch.int32).view(1, 1, seqlen_k, 2)
+
+
+def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}.dtype must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, "
+            f"{value.device}"
+        )
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise ValueError(
+            f"query, key and value must share the batch size, got {query.shape[0]}, "
+            f"{key.shape[0]}, {value.shape[0]}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"key and value must share seqlen_k, got {key.shape[1]} and {value.shape[1]}"
+        )
+    if key.shape[2] != value.shape[2]:
+        raise ValueError(
+            f"key and value must share the number of heads, got {key.shape[2]} and {value.shape[2]}"
+        )
+    if query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"query and key must share head_dim, got {query.shape[3]} and {key.shape[3]}"
+        )
+    if query.shape[2] % key.shape[2] != 0:
+        raise ValueError(
+            "Number of heads in key/value must divide number of heads in query, got "
+            f"{key.shape[2]} and {query.shape[2]}"
+        )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if min(t.shape) == 0:
+            raise ValueError(f"{name} must not have an empty dimension, got shape {tuple(t.shape)}")
+
+
+def _normalize_mask(
+    startend_row_indices: torch.Tensor | FlashMask | None,
+    causal: bool,
+    query: torch.Tensor,
+    key: torch.Tensor,
+) -> tuple[torch.Tensor | None, bool]:
+    if startend_row_indices is None:
+        return None, causal
+    if isinstance(startend_row_indices, FlashMask):
+        if causal and not startend_row_indices.causal:
+            raise ValueError(
+                "causal=True conflicts with a non-causal FlashMask passed as startend_row_indices;"
+                " a FlashMask carries its own causal flag"
+            )
+        return startend_row_indices.startend_row_indices, startend_row_indices.causal
+    if not isinstance(startend_row_indices, torch.Tensor):
+        raise TypeError(
+            "startend_row_indices must be a torch.Tensor, a FlashMask or None, got "
+            f"{type(startend_row_indices).__name__}"
+        )
+    if startend_row_indices.dim() == 3:
+        startend_row_indices = startend_row_indices.unsqueeze(-1)
+    # Constructing the FlashMask runs the dtype, rank and (causal, C) checks.
+    FlashMask(startend_row_indices, causal)
+    return startend_row_indices, causal
+
+
+def _check_indices(
+    indices: torch.Tensor | None, batch: int, seqlen_k: int, heads_k: int, device: torch.device
+) -> None:
+    if indices is None:
+        return
+    if indices.shape[0] != batch:
+        raise ValueError(
+            "startend_row_indices.shape[0] must be equal to batch_size, but got "
+            f"{indices.shape[0]} and {batch}"
+        )
+    if indices.shape[2] != seqlen_k:
+        raise ValueError(
+            "startend_row_indices.shape[2] must be equal to seqlen_k, but got "
+            f"{indices.shape[2]} and {seqlen_k}"
+        )
+    if indices.shape[1] not in (1, heads_k):
+        raise ValueError(
+            "startend_row_indices.shape[1] (mask heads) must be 1 (broadcast) or the number of "
+            f"key/value heads {heads_k}, but got {indices.shape[1]}"
+        )
+    if indices.device != device:
+        raise ValueError(
+            f"startend_row_indices must be on the query's device {device}, got {indices.device}"
+        )

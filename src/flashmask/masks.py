@@ -1,0 +1,1 @@
+"""One builder per FlashMask mask type (placeholder, filled in by the masks work)."""

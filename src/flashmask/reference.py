@@ -1,0 +1,155 @@
+"""The pure-PyTorch oracle: exact FlashMask attention on any device, chunked over query rows.
+
+Forward and backward evaluate the semantics literally (a dense visibility matrix per chunk, a
+softmax with fully masked rows giving 0) in float32, or float64 for float64 inputs. Only
+``chunk x Sk`` scores per (batch, head) are alive at a time, so long sequences run on a CPU.
+
+Layouts follow the public API: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``,
+``out [B, Sq, Hq, Dv]``, ``lse [B, Hq, Sq]`` (natural log; ``-inf`` for fully masked rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmask.mask import ColumnIntervals, dense_rows
+
+__all__ = ["reference_backward", "reference_forward"]
+
+# Score elements kept alive per chunk; about 32 MB of float32 per intermediate.
+_SCORE_BUDGET = 1 << 23
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(batch: int, heads: int, seqlen_k: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        return max(1, chunk_size)
+    return max(1, _SCORE_BUDGET // max(1, batch * heads * seqlen_k))
+
+
+def _grouped(x: torch.Tensor, heads_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, S, Hq, D]`` -> ``[B, Hk, G, S, D]`` in ``dtype`` (query head ``h = hk * G + g``)."""
+    b, s, hq, d = x.shape
+    return x.to(dtype).view(b, s, heads_k, hq // heads_k, d).permute(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """``[B, Hk, G, S, D]`` -> ``[B, S, Hk * G, D]``."""
+    b, hk, g, s, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
+
+
+def _visible(
+    intervals: ColumnIntervals | None,
+    causal: bool,
+    row_start: int,
+    row_end: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Visibility of a row chunk, broadcastable to ``[B, Hk, G, rows, Sk]`` (None = all visible)."""
+    if intervals is None:
+        if not causal:
+            return None
+        rows = torch.arange(row_start, row_end, device=device).view(-1, 1)
+        cols = torch.arange(seqlen_k, device=device).view(1, -1)
+        return cols <= rows + (seqlen_k - seqlen_q)
+    return dense_rows(intervals, causal, row_start, row_end, seqlen_q).unsqueeze(2)
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    intervals: ColumnIntervals | None,
+    causal: bool,
+    softmax_scale: float,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact masked attention; returns ``(out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq])``.
+
+    ``intervals`` are the clamped column intervals of the mask (``None``: no interval mask); lse
+    is float32, or float64 for float64 inputs.
+    """
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    dtype = _compute_dtype(q.dtype)
+    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hk, 1, Sk, D]
+    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    out = torch.empty(b, sq, hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=dtype, device=q.device)
+    step = _rows_per_chunk(b, hq, sk, chunk_size)
+    for r0 in range(0, sq, step):
+        r1 = min(sq, r0 + step)
+        qc = _grouped(q[:, r0:r1], hk, dtype)  # [B, Hk, G, rows, D]
+        scores = (qc @ kg.transpose(-1, -2)) * softmax_scale
+        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        row_max = scores.amax(-1, keepdim=True)
+        # A fully masked row has max -inf; shift by 0 instead so exp gives exact zeros, not NaN.
+        row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
+        p = torch.exp(scores - row_max)
+        row_sum = p.sum(-1, keepdim=True)
+        oc = (p @ vg) / torch.where(row_sum == 0, 1.0, row_sum)
+        out[:, r0:r1] = _ungrouped(oc).to(q.dtype)
+        lse[:, :, r0:r1] = (row_max + torch.log(row_sum)).squeeze(-1).reshape(b, hq, r1 - r0)
+    return out, lse
+
+
+def reference_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    intervals: ColumnIntervals | None,
+    causal: bool,
+    softmax_scale: float,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` in the input dtypes, given ``dout`` and optionally ``dlse``.
+
+    Uses ``dS = P * (dP - rowsum(dO * O) + dlse)``: the lse gradient enters exactly like a
+    shift of the softmax's row term, so merging partial results by lse stays differentiable.
+    """
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    dtype = _compute_dtype(q.dtype)
+    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(b, hk, sk, k.shape[-1], dtype=dtype, device=q.device)
+    dv = torch.zeros(b, hk, sk, v.shape[-1], dtype=dtype, device=q.device)
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)  # [B, Hq, Sq]
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)
+    lse = lse.to(dtype)
+    step = _rows_per_chunk(b, hq, sk, chunk_size)
+    for r0 in range(0, sq, step):
+        r1 = min(sq, r0 + step)
+        rows = r1 - r0
+        qc = _grouped(q[:, r0:r1], hk, dtype)
+        doc = _grouped(dout[:, r0:r1], hk, dtype)
+        lse_c = lse[:, :, r0:r1].reshape(b, hk, g, rows, 1)
+        delta_c = delta[:, :, r0:r1].reshape(b, hk, g, rows, 1)
+        scores = (qc @ kg.transpose(-1, -2)) * softmax_scale
+        p = torch.exp(scores - torch.where(torch.isinf(lse_c), 0.0, lse_c))
+        hidden = torch.isinf(lse_c)
+        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        if visible is not None:
+            hidden = hidden | ~visible
+        p = p.masked_fill(hidden, 0.0)
+        dv += (p.transpose(-1, -2) @ doc).sum(2)
+        dp = doc @ vg.transpose(-1, -2)
+        ds = p * (dp - delta_c) * softmax_scale
+        dq[:, r0:r1] = _ungrouped(ds @ kg).to(q.dtype)
+        dk += (ds.transpose(-1, -2) @ qc).sum(2)
+    return dq, dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
