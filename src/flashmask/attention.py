@@ -139,7 +139,9 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
                 f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}"
             )
         if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}.dtype must be float16, bfloat16, float32 or float64, got {t.dtype}")
+            raise TypeError(
+                f"{name}.dtype must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"

@@ -219,18 +219,7 @@ class FlashMask:
     def block_summary(self, block_n: int, seqlen_q: int | None = None) -> BlockSummary:
         """The 8 per-key-block min/max vectors of semantics §3.1 (pure torch, O(N))."""
         block_n = _check_positive_int("block_n", block_n)
-        iv = self.intervals(seqlen_q)
-        sk = self.seqlen_k
-        n_blocks = -(-sk // block_n)
-        pad = n_blocks * block_n - sk
-        out = []
-        for vec in iv:
-            if pad:
-                # Replicating the last valid column leaves every min and max unchanged.
-                vec = torch.cat([vec, vec[..., -1:].expand(*vec.shape[:-1], pad)], dim=-1)
-            blocks = vec.reshape(*vec.shape[:-1], n_blocks, block_n)
-            out += [blocks.amax(-1), blocks.amin(-1)]
-        return BlockSummary(*out)
+        return summarize_blocks(self.intervals(seqlen_q), block_n)
 
     def classify_tiles(
         self, block_m: int, block_n: int, seqlen_q: int | None = None
@@ -246,7 +235,9 @@ class FlashMask:
             self.block_summary(block_n, sq), self.causal, sq, self.seqlen_k, block_m, block_n
         )
 
-    def sparsity(self, block_m: int = 128, block_n: int = 128, seqlen_q: int | None = None) -> float:
+    def sparsity(
+        self, block_m: int = 128, block_n: int = 128, seqlen_q: int | None = None
+    ) -> float:
         """Fraction of ``block_m x block_n`` tiles that are fully masked (and skipped)."""
         classes = self.classify_tiles(block_m, block_n, seqlen_q)
         return (classes == TileClass.SKIP).float().mean().item()
@@ -308,6 +299,22 @@ def dense_rows(
     return ~masked
 
 
+def summarize_blocks(intervals: ColumnIntervals, block_n: int) -> BlockSummary:
+    """Min and max of each bound over every ``block_n`` key columns (a partial last block
+    reduces only its valid columns)."""
+    sk = intervals.lts.shape[-1]
+    n_blocks = -(-sk // block_n)
+    pad = n_blocks * block_n - sk
+    out = []
+    for vec in intervals:
+        if pad:
+            # Replicating the last valid column leaves every min and max unchanged.
+            vec = torch.cat([vec, vec[..., -1:].expand(*vec.shape[:-1], pad)], dim=-1)
+        blocks = vec.reshape(*vec.shape[:-1], n_blocks, block_n)
+        out += [blocks.amax(-1), blocks.amin(-1)]
+    return BlockSummary(*out)
+
+
 def classify_tiles(
     summary: BlockSummary,
     causal: bool,
@@ -344,9 +351,7 @@ def classify_tiles(
     return classes.to(torch.int8)
 
 
-def as_flashmask(
-    startend_row_indices: torch.Tensor | FlashMask, causal: bool = False
-) -> FlashMask:
+def as_flashmask(startend_row_indices: torch.Tensor | FlashMask, causal: bool = False) -> FlashMask:
     """Accept a :class:`FlashMask`, a 4-D index tensor, or a 3-D ``[B, Hm, Sk]`` tensor (C = 1)."""
     if isinstance(startend_row_indices, FlashMask):
         return startend_row_indices
@@ -499,7 +504,7 @@ def _from_dense(bool_mask: torch.Tensor, causal: bool | None) -> FlashMask:
     if not bool((count <= 2).all()):
         _not_representable(count > 2, masked, "two intervals per column")
     # Two runs: the upper one (smaller rows) is UT, the lower one is LT; a single run is LT.
-    second_start = sq - _runs(masked.flip(-1))[2]  # start of the last run
+    second_start = sq - _first_run_end(masked.flip(-1))  # start of the last run
     lts = torch.where(count == 0, sq, second_start)
     lte = torch.where(count == 0, sq, last_end)
     uts = torch.where(count == 2, first, 0)

@@ -1,0 +1,119 @@
+"""Time the FlashMask kernels under several tile configurations (one GPU call, many variants).
+
+Prints forward, backward (deterministic and atomic dQ) and mask-preparation milliseconds and
+mask-aware TFLOP/s per (mask, config), so a tile choice is a measured decision.
+Usage: ``PYTHONPATH=src python benchmarks/tune.py --seqlen 8192 --head-dim 128``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+import torch
+import triton
+
+from flashmask import kernels, masks
+from flashmask.bench import visible_pairs
+from flashmask.kernels import TileConfig, tiles
+
+
+def configs(head_dim: int) -> dict[str, TileConfig]:
+    base = kernels.tile_config(head_dim)
+    out = {"default": base}
+    if head_dim <= 128:
+        out["fwd128x128"] = replace(base, fwd_m=128, fwd_n=128, fwd_warps=8, fwd_stages=2)
+        out["fwd64x64"] = replace(base, fwd_m=64, fwd_n=64, fwd_warps=4, fwd_stages=3)
+        out["bwd128x128"] = replace(base, bwd_m=128, bwd_n=128, bwd_warps=8, bwd_stages=2)
+        out["bwd64x64w4"] = replace(base, bwd_m=64, bwd_n=64, bwd_warps=4, bwd_stages=2)
+        out["bwd64x128s3"] = replace(base, bwd_stages=3)
+        out["dq64x64"] = replace(base, dq_m=64, dq_n=64, dq_warps=4, dq_stages=2)
+    else:
+        out["fwd64x32"] = replace(base, fwd_m=64, fwd_n=32, fwd_warps=4, fwd_stages=2)
+        out["fwd128x64"] = replace(base, fwd_m=128, fwd_n=64, fwd_warps=8, fwd_stages=2)
+        out["bwd32x64"] = replace(base, bwd_m=32, bwd_n=64, bwd_warps=4, bwd_stages=1)
+        out["bwd64x64w4s2"] = replace(base, bwd_warps=4, bwd_stages=2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument(
+        "--masks", default="full,causal,causal_document,sliding_window,share_question"
+    )
+    args = parser.parse_args()
+    s, d = args.seqlen, args.head_dim
+    b, h = max(1, args.tokens // s), max(1, args.hidden // d)
+    dev = torch.device("cuda")
+    q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
+    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    scale = d**-0.5
+    rows = []
+    for name in args.masks.split(","):
+        if name in ("full", "causal"):
+            sri, causal, m = None, name == "causal", None
+        else:
+            m = masks.example(
+                name, s, batch_size=b, num_heads=h if name == "random_eviction" else 1
+            )
+            sri, causal = m.startend_row_indices.to(dev), m.causal
+        pairs = (
+            int(visible_pairs(m, causal, s, s).sum())
+            * (h // (m.num_heads if m else 1))
+            * (b if m is None else 1)
+        )
+        flop = 4.0 * d * pairs
+        for cname, cfg in configs(d).items():
+            out, lse = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
+            fwd = triton.testing.do_bench(
+                lambda: kernels.forward(q, k, v, sri, causal, scale, config=cfg),
+                return_mode="median",
+            )
+            bwd_det = triton.testing.do_bench(
+                lambda: kernels.backward(
+                    do, None, q, k, v, out, lse, sri, causal, scale, True, config=cfg
+                ),
+                return_mode="median",
+            )
+            bwd_at = triton.testing.do_bench(
+                lambda: kernels.backward(
+                    do, None, q, k, v, out, lse, sri, causal, scale, False, config=cfg
+                ),
+                return_mode="median",
+            )
+
+            def prep():
+                bounds = tiles.column_bounds(sri, causal, s, s, b, dev)
+                tiles.forward_lists(tiles.tile_classes(bounds, causal, s, cfg.fwd_m, cfg.fwd_n))
+
+            prep_ms = triton.testing.do_bench(prep, return_mode="median")
+            row = dict(
+                mask=name,
+                config=cname,
+                fwd_ms=fwd,
+                bwd_det_ms=bwd_det,
+                bwd_atomic_ms=bwd_at,
+                prep_ms=prep_ms,
+                fwd_tflops=flop / fwd / 1e9,
+                total_det_tflops=3.5 * flop / (fwd + bwd_det) / 1e9,
+                total_atomic_tflops=3.5 * flop / (fwd + bwd_at) / 1e9,
+            )
+            rows.append(row)
+            print(
+                f"{name:18s} {cname:12s} fwd {fwd:7.3f} ms ({row['fwd_tflops']:5.0f} TF/s)  bwd det {bwd_det:7.3f}  atomic {bwd_at:7.3f}  "
+                f"tot det {row['total_det_tflops']:5.0f}  atomic {row['total_atomic_tflops']:5.0f} TF/s  prep {prep_ms:.3f} ms",
+                flush=True,
+            )
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, f"tune_S{s}_D{d}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

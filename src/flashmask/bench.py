@@ -1,0 +1,423 @@
+"""``flashmask bench``: FlashMask against FlexAttention and SDPA on the paper's 12 masks.
+
+For every (sequence length, head dim, mask) it times forward and forward+backward of
+
+* ``flashmask``: :func:`flashmask.flashmask_attention` (mask preparation included in every call);
+* ``flex``: ``torch.compile(flex_attention)`` with a ``BlockMask`` built from the same mask
+  (``create_block_mask`` once, outside the timing, its cost reported separately);
+* ``sdpa``: ``scaled_dot_product_attention(is_causal=...)`` for full/causal, and with a dense
+  boolean mask (what "FlashAttention with a dense mask" costs) where it fits in memory;
+
+and reports wall time, mask-aware TFLOP/s (4·D per visible (query, key) pair and head forward,
+2.5x that backward), mask-preparation time and peak memory. Results go to JSON, Markdown and a
+PNG chart. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashmask import masks
+from flashmask.attention import flashmask_attention
+from flashmask.mask import FlashMask
+
+__all__ = ["main", "visible_pairs"]
+
+
+def visible_pairs(
+    mask: FlashMask | None, causal: bool, seqlen_q: int, seqlen_k: int
+) -> torch.Tensor:
+    """Visible (query, key) pairs per (batch, mask head), int64 ``[B, Hm]``, in O(N).
+
+    Masked rows of a column are the union of ``[lts, lte)``, ``[uts, ute)`` and the causal
+    prefix ``[0, j - (Sk - Sq))``; inclusion-exclusion over the three intervals counts it.
+    """
+    if mask is None:
+        cols = torch.arange(seqlen_k, dtype=torch.int64)
+        hidden = (cols - (seqlen_k - seqlen_q)).clamp(0, seqlen_q) if causal else cols * 0
+        return (seqlen_q - hidden).sum().view(1, 1)
+    iv = [x.to(torch.int64) for x in mask.intervals(seqlen_q)]
+    cols = torch.arange(seqlen_k, dtype=torch.int64, device=iv[0].device)
+    zero = torch.zeros_like(iv[0])
+    causal_end = (cols - (seqlen_k - seqlen_q)).clamp(0, seqlen_q) + zero if mask.causal else zero
+    spans = [(zero, causal_end), (iv[0], iv[1]), (iv[2], iv[3])]
+
+    def length(parts):
+        start = torch.stack([p[0] for p in parts]).amax(0)
+        end = torch.stack([p[1] for p in parts]).amin(0)
+        return (end - start).clamp(min=0)
+
+    a, l, u = spans
+    union = (
+        length([a]) + length([l]) + length([u])
+        - length([a, l]) - length([a, u]) - length([l, u])
+        + length([a, l, u])
+    )  # fmt: skip
+    return (seqlen_q - union).sum(-1)
+
+
+@dataclass
+class Row:
+    mask: str
+    seqlen: int
+    batch: int
+    heads: int
+    head_dim: int
+    impl: str
+    sparsity: float
+    fwd_ms: float | None = None
+    total_ms: float | None = None
+    bwd_ms: float | None = None
+    fwd_tflops: float | None = None
+    total_tflops: float | None = None
+    bwd_tflops: float | None = None
+    mask_prep_ms: float | None = None
+    peak_gb: float | None = None
+    max_abs_err: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _bench(fn: Callable[[], object], rep_ms: int) -> float:
+    import triton
+
+    return float(
+        triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+    )
+
+
+def _cuda_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall time (ms) of a host-synchronous call such as mask construction."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+# FlexAttention compiles its kernels per mask_mod; module-level mask_mods reading the bounds from
+# module state keep one compiled kernel per (causal, shape) instead of one per mask.
+_FLEX_STATE: dict = {}
+
+
+def _flex_hidden(b, h, q_idx, kv_idx):
+    bounds = _FLEX_STATE["bounds"]
+    hh = h // _FLEX_STATE["group"]
+    lts = bounds[b, hh, 0, kv_idx]
+    lte = bounds[b, hh, 1, kv_idx]
+    uts = bounds[b, hh, 2, kv_idx]
+    ute = bounds[b, hh, 3, kv_idx]
+    return ((q_idx >= lts) & (q_idx < lte)) | ((q_idx >= uts) & (q_idx < ute))
+
+
+def _flex_mask_mod(b, h, q_idx, kv_idx):
+    return ~_flex_hidden(b, h, q_idx, kv_idx)
+
+
+def _flex_causal_mask_mod(b, h, q_idx, kv_idx):
+    return ~_flex_hidden(b, h, q_idx, kv_idx) & (kv_idx <= q_idx)
+
+
+def _flex_block_mask(mask: FlashMask | None, causal: bool, b: int, hq: int, s: int, device):
+    """A builder of the BlockMask equal to ``mask`` (Sq == Sk), for FlexAttention."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flashmask.kernels.tiles import column_bounds
+
+    is_causal = mask.causal if mask is not None else causal
+    sri = None if mask is None else mask.startend_row_indices
+    bounds = column_bounds(sri, is_causal, s, s, b, device)
+    hm = bounds.shape[1]
+    _FLEX_STATE.update(bounds=bounds, group=hq // hm)
+    mask_mod = _flex_causal_mask_mod if is_causal else _flex_mask_mod
+    heads = None if hm == 1 else hq
+
+    def build():
+        _FLEX_STATE.update(bounds=bounds, group=hq // hm)
+        return create_block_mask(mask_mod, b, heads, s, s, device=device, _compile=True)
+
+    return build
+
+
+def run_case(
+    name: str,
+    seqlen: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    impls: list[str],
+    rep_ms: int,
+    dense_limit_gb: float,
+) -> list[Row]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    mask_heads = heads if name == "random_eviction" else 1
+    if name == "full":
+        mask, causal = None, False
+    elif name == "causal":
+        mask, causal = None, True
+    else:
+        mask = masks.example(
+            name, seqlen, batch_size=batch, num_heads=mask_heads, generator=gen
+        ).to(device)
+        causal = mask.causal
+    ref_mask = (
+        mask if mask is not None else (masks.causal(seqlen) if causal else masks.full(seqlen))
+    )
+    sparsity = ref_mask.to(device).sparsity(128, 128)
+    pairs = visible_pairs(mask.to("cpu") if mask is not None else None, causal, seqlen, seqlen)
+    pairs_total = int(pairs.sum()) * (heads // pairs.shape[1]) * (batch // pairs.shape[0])
+    fwd_flop = 4.0 * head_dim * pairs_total
+    q = torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    do = torch.randn_like(q)
+    rows: list[Row] = []
+
+    def finish(row: Row, fwd: Callable, total: Callable) -> Row:
+        torch.cuda.reset_peak_memory_stats()
+        row.fwd_ms = _bench(fwd, rep_ms)
+        row.total_ms = _bench(total, rep_ms)
+        row.peak_gb = torch.cuda.max_memory_allocated() / 2**30
+        row.bwd_ms = max(row.total_ms - row.fwd_ms, 1e-9)
+        row.fwd_tflops = fwd_flop / row.fwd_ms / 1e9
+        row.total_tflops = 3.5 * fwd_flop / row.total_ms / 1e9
+        row.bwd_tflops = 2.5 * fwd_flop / row.bwd_ms / 1e9
+        return row
+
+    def base(impl: str) -> Row:
+        return Row(name, seqlen, batch, heads, head_dim, impl, sparsity)
+
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    if "flashmask" in impls:
+        from flashmask.kernels import tile_config, tiles
+
+        arg = mask if mask is not None else None
+
+        def fm_fwd():
+            return flashmask_attention(qg, kg, vg, arg, causal=causal)
+
+        def fm_total():
+            out = flashmask_attention(qg, kg, vg, arg, causal=causal)
+            out.backward(do)
+
+        cfg = tile_config(head_dim)
+        sri = mask.startend_row_indices if mask is not None else None
+
+        def prep():
+            bounds = tiles.column_bounds(sri, causal, seqlen, seqlen, batch, device)
+            for bm, bn in ((cfg.fwd_m, cfg.fwd_n), (cfg.bwd_m, cfg.bwd_n)):
+                tiles.forward_lists(tiles.tile_classes(bounds, causal, seqlen, bm, bn))
+
+        row = finish(base("flashmask"), fm_fwd, fm_total)
+        row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
+        rows.append(row)
+
+    if "flex" in impls:
+        flex = torch.compile(flex_attention)
+        build = _flex_block_mask(mask, causal, batch, heads, seqlen, device)
+        block_mask = build()
+        prep_ms = _cuda_time(build)
+        qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+        qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
+
+        def fx_fwd():
+            return flex(qf, kf, vf, block_mask=block_mask)
+
+        def fx_total():
+            flex(qf, kf, vf, block_mask=block_mask).backward(dof)
+
+        row = finish(base("flex"), fx_fwd, fx_total)
+        row.mask_prep_ms = prep_ms
+        rows.append(row)
+
+    if "sdpa" in impls:
+        import torch.nn.functional as F
+
+        qs, ks, vs, dos = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+        qs, ks, vs = (x.requires_grad_() for x in (qs, ks, vs))
+        if mask is None:
+
+            def sd_fwd():
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+
+            def sd_total():
+                F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(dos)
+
+            rows.append(finish(base("sdpa"), sd_fwd, sd_total))
+        dense_gb = batch * mask.num_heads * seqlen * seqlen / 2**30 if mask is not None else 0
+        if mask is not None and dense_gb <= dense_limit_gb:
+            t0 = time.perf_counter()
+            dense = mask.to_dense(seqlen)
+            torch.cuda.synchronize()
+            dense_prep = (time.perf_counter() - t0) * 1e3
+            if mask.num_heads > 1:
+                dense = dense.repeat_interleave(heads // mask.num_heads, dim=1)
+
+            def sdd_fwd():
+                return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense)
+
+            def sdd_total():
+                F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense).backward(dos)
+
+            row = finish(base("sdpa_dense_mask"), sdd_fwd, sdd_total)
+            row.mask_prep_ms = dense_prep
+            rows.append(row)
+            del dense
+    return rows
+
+
+def _markdown(rows: list[Row]) -> str:
+    lines = [
+        "| S | D | mask | sparsity | impl | fwd ms | fwd+bwd ms | fwd TF/s | fwd+bwd TF/s "
+        "| mask prep ms | peak GB | vs flex (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    flex_total = {(r.mask, r.seqlen, r.head_dim): r.total_ms for r in rows if r.impl == "flex"}
+
+    def f(x, fmt="{:.2f}"):
+        return "—" if x is None else fmt.format(x)
+
+    for r in rows:
+        ref = flex_total.get((r.mask, r.seqlen, r.head_dim))
+        speedup = f"{ref / r.total_ms:.2f}x" if ref and r.total_ms else "—"
+        lines.append(
+            f"| {r.seqlen // 1024}K | {r.head_dim} | {r.mask} | {r.sparsity:.2f} | {r.impl} "
+            f"| {f(r.fwd_ms)} | {f(r.total_ms)} | {f(r.fwd_tflops, '{:.0f}')} "
+            f"| {f(r.total_tflops, '{:.0f}')} | {f(r.mask_prep_ms, '{:.3f}')} | {f(r.peak_gb)} "
+            f"| {speedup} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart written", file=sys.stderr)
+        return
+    groups = sorted({(r.seqlen, r.head_dim) for r in rows})
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.2 * len(groups)), squeeze=False)
+    impls = ["flashmask", "flex", "sdpa", "sdpa_dense_mask"]
+    for ax, (s, d) in zip(axes[:, 0], groups, strict=True):
+        sub = [r for r in rows if r.seqlen == s and r.head_dim == d]
+        names = list(dict.fromkeys(r.mask for r in sub))
+        width = 0.2
+        for i, impl in enumerate(impls):
+            vals = [
+                next((r.total_tflops or 0 for r in sub if r.mask == n and r.impl == impl), 0)
+                for n in names
+            ]
+            ax.bar([x + i * width for x in range(len(names))], vals, width, label=impl)
+        ax.set_xticks([x + 1.5 * width for x in range(len(names))], names, rotation=30, ha="right")
+        ax.set_ylabel("fwd+bwd TFLOP/s")
+        ax.set_title(f"S={s // 1024}K, head dim {d}, bf16 (mask-aware FLOPs)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, file=sys.stderr)
+    except ImportError:
+
+        class Plain:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"[{self.n}/{total}]", file=sys.stderr, flush=True)
+
+            def set_description(self, s: str) -> None:
+                print(s, file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                pass
+
+        return Plain()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashmask bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--seqlens", default="8192,32768", help="comma-separated, e.g. 8192,32768,131072"
+    )
+    parser.add_argument("--head-dims", default="128", help="comma-separated head dims")
+    parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))
+    parser.add_argument("--tokens", type=int, default=32768, help="batch x seqlen (fixed)")
+    parser.add_argument("--hidden", type=int, default=2048, help="heads x head_dim (fixed)")
+    parser.add_argument("--impls", default="flashmask,flex,sdpa")
+    parser.add_argument("--rep-ms", type=int, default=200)
+    parser.add_argument("--dense-limit-gb", type=float, default=4.0)
+    parser.add_argument("--out", default="benchmarks/results/bench", help="output path prefix")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flashmask bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    # One compiled flex kernel per shape and causal flag; never fall back to eager flex.
+    torch._dynamo.config.cache_size_limit = 64
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    names = args.masks.split(",")
+    impls = args.impls.split(",")
+    cases = [(s, d, n) for s in seqlens for d in head_dims for n in names]
+    bar = _progress(len(cases))
+    rows: list[Row] = []
+    for s, d, n in cases:
+        bar.set_description(f"{n} S={s} D={d}")
+        batch = max(1, args.tokens // s)
+        heads = max(1, args.hidden // d)
+        try:
+            rows += run_case(n, s, batch, heads, d, impls, args.rep_ms, args.dense_limit_gb)
+        except torch.OutOfMemoryError as exc:  # report and carry on with the next case
+            rows.append(Row(n, s, batch, heads, d, "error", math.nan, note=f"OOM: {exc}"[:200]))
+            torch.cuda.empty_cache()
+        bar.update(1)
+    bar.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "args": vars(args),
+    }
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1)
+    )
+    table = _markdown(rows)
+    out.with_suffix(".md").write_text(
+        f"# flashmask bench ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"{meta['date']})\n\n`flashmask bench {' '.join(argv or sys.argv[1:])}`\n\n" + table
+    )
+    _plot(rows, out.with_suffix(".png"))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

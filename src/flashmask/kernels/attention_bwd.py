@@ -1,0 +1,221 @@
+"""Triton backward kernels.
+
+* ``flashmask_bwd_dkdv_kernel``: key-tile stationary. One program owns ``BLOCK_N`` key columns of
+  one (batch, kv head), loops over the query heads that share it (GQA reduced in registers, no
+  atomics) and over the listed query tiles, and accumulates dK and dV. With ``ACCUMULATE_DQ`` it
+  also adds every tile's dQ contribution into an fp32 buffer with atomics (fast, not
+  bit-reproducible).
+* ``flashmask_bwd_dq_kernel``: query-tile stationary, walks the forward lists and writes dQ with
+  no atomics (the deterministic path).
+
+Both recompute ``P = exp2(S - lse)`` with the forward's lse (natural log, converted to log2; a
+fully masked row's ``-inf`` becomes ``+inf`` so its P is 0) and use
+``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashmask.kernels.attention_fwd import LOG2E, element_mask
+
+
+@triton.jit
+def _load_lse_log2(Lse, offs, row_ok):
+    lse = tl.load(Lse + offs, mask=row_ok, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def flashmask_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_k, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    n_tile = tl.program_id(0)
+    bh_kv = tl.program_id(1)
+    b = bh_kv // num_heads_k
+    h_kv = bh_kv % num_heads_k
+    b64 = b.to(tl.int64)
+
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    col_ok = offs_n < seqlen_k
+    d_ok = offs_d < head_dim
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        K + b64 * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    cols = offs_n[:, None]
+
+    for g in range(0, heads_per_kv):
+        h = h_kv * heads_per_kv + g
+        h_mask = h // heads_per_mask_head
+        mask_head = b64 * num_mask_heads + h_mask
+        bounds_ptr = Bounds + mask_head * 4 * seqlen_k
+        list_row = mask_head * num_n_tiles + n_tile
+        count = tl.load(ListCounts + list_row)
+        entries = ListEntries + list_row * num_m_tiles
+        q_base = Q + b64 * stride_qb + h * stride_qh
+        do_base = DO + b64 * stride_dob + h * stride_doh
+        row_base = (b64 * num_heads_q + h) * seqlen_q
+        for it in tl.range(0, count, num_stages=NUM_STAGES):
+            entry = tl.load(entries + it)
+            m_tile = tl.where(entry >= 0, entry, -entry - 1)
+            offs_m = m_tile * BLOCK_M + offs_m0
+            row_ok = offs_m < seqlen_q
+            qd_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(
+                q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0
+            )
+            lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
+            # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
+            sT = tl.dot(k, tl.trans(q)) * qk_scale
+            pT = tl.math.exp2(sT - lse[None, :])
+            if entry >= 0:
+                hidden = element_mask(
+                    bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
+                    HAS_UPPER,
+                )  # fmt: skip
+                pT = tl.where(hidden, 0.0, pT)
+            do = tl.load(
+                do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0
+            )
+            dv += tl.dot(pT.to(do.dtype), do)
+            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+            if ACCUMULATE_DQ:
+                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
+                tl.atomic_add(
+                    DQAccum + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs
+                    + offs_d[None, :],
+                    dq,
+                    mask=qd_mask,
+                    sem="relaxed",
+                )  # fmt: skip
+
+    dk = dk * softmax_scale
+    tl.store(
+        DK + b64 * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + b64 * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
+
+
+@triton.jit
+def flashmask_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    m_tile = num_m_tiles - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads_q
+    h = bh % num_heads_q
+    h_kv = h // heads_per_kv
+    h_mask = h // heads_per_mask_head
+    b64 = b.to(tl.int64)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < seqlen_q
+    d_ok = offs_d < head_dim
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=qd_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        mask=qd_mask,
+        other=0.0,
+    )
+    row_base = bh.to(tl.int64) * seqlen_q
+    lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b64 * stride_kb + h_kv * stride_kh
+    v_base = V + b64 * stride_vb + h_kv * stride_vh
+    mask_head = b64 * num_mask_heads + h_mask
+    bounds_ptr = Bounds + mask_head * 4 * seqlen_k
+    list_row = mask_head * num_m_tiles + m_tile
+    count = tl.load(ListCounts + list_row)
+    entries = ListEntries + list_row * num_n_tiles
+    rows = offs_m[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for it in tl.range(0, count, num_stages=NUM_STAGES):
+        entry = tl.load(entries + it)
+        n_tile = tl.where(entry >= 0, entry, -entry - 1)
+        offs_n = n_tile * BLOCK_N + offs_n0
+        col_ok = offs_n < seqlen_k
+        kv_mask = col_ok[None, :] & d_ok[:, None]
+        kT = tl.load(
+            k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0
+        )
+        vT = tl.load(
+            v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0
+        )
+        s = tl.dot(q, kT) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if entry >= 0:
+            hidden = element_mask(
+                bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
+            )
+            p = tl.where(hidden, 0.0, p)
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+
+    dq = dq * softmax_scale
+    tl.store(
+        DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=qd_mask,
+    )

@@ -1,0 +1,128 @@
+"""Triton forward kernel: online softmax over the listed key tiles of one query tile.
+
+One program computes ``BLOCK_M`` query rows of one (batch, query head). It walks the ascending
+list of key tiles that are not fully masked for its query tile (see :mod:`.tiles`); fully masked
+tiles are never loaded. Partial tiles apply the element mask built from the four column bounds;
+unmasked tiles skip all mask work. Scores live in log2 units (``exp2`` with the scale folded in).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def element_mask(
+    bounds_ptr,
+    rows,
+    cols,
+    seqlen_q,
+    seqlen_k,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+):
+    """True where (row, col) is hidden: ``rows [M, 1]``, ``cols [1, N]``; ``bounds_ptr`` points
+    at this (batch, mask head)'s ``[4, Sk]`` bounds (LTS, LTE, UTS, UTE)."""
+    in_range = cols < seqlen_k
+    hidden = cols >= seqlen_k
+    if HAS_MASK:
+        lts = tl.load(bounds_ptr + cols, mask=in_range, other=0)
+        lte = tl.load(bounds_ptr + seqlen_k + cols, mask=in_range, other=0)
+        hidden = hidden | ((rows >= lts) & (rows < lte))
+        if HAS_UPPER:
+            uts = tl.load(bounds_ptr + 2 * seqlen_k + cols, mask=in_range, other=0)
+            ute = tl.load(bounds_ptr + 3 * seqlen_k + cols, mask=in_range, other=0)
+            hidden = hidden | ((rows >= uts) & (rows < ute))
+    if CAUSAL:
+        hidden = hidden | (cols > rows + (seqlen_k - seqlen_q))
+    return hidden
+
+
+@triton.jit
+def flashmask_fwd_kernel(
+    Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, head_dim, qk_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    # Heavier query tiles (later rows under causal-like masks) launch first.
+    m_tile = num_m_tiles - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads_q
+    h = bh % num_heads_q
+    h_kv = h // heads_per_kv
+    h_mask = h // heads_per_mask_head
+    b64 = b.to(tl.int64)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < seqlen_q
+    d_ok = offs_d < head_dim
+
+    q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b64 * stride_kb + h_kv * stride_kh
+    v_base = V + b64 * stride_vb + h_kv * stride_vh
+    mask_head = b64 * num_mask_heads + h_mask
+    bounds_ptr = Bounds + mask_head * 4 * seqlen_k
+    list_row = mask_head * num_m_tiles + m_tile
+    count = tl.load(ListCounts + list_row)
+    entries = ListEntries + list_row * num_n_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    rows = offs_m[:, None]
+
+    for it in tl.range(0, count, num_stages=NUM_STAGES):
+        entry = tl.load(entries + it)
+        n_tile = tl.where(entry >= 0, entry, -entry - 1)
+        offs_n = n_tile * BLOCK_N + offs_n0
+        col_ok = offs_n < seqlen_k
+        kT = tl.load(
+            k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, kT) * qk_scale
+        if entry >= 0:
+            hidden = element_mask(
+                bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
+            )
+            s = tl.where(hidden, float("-inf"), s)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+            mask=col_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    visible = l_i > 0
+    acc = acc / tl.where(visible, l_i, 1.0)[:, None]
+    o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = tl.where(visible, (m_i + tl.math.log2(tl.where(visible, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(Lse + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
