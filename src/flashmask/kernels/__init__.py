@@ -98,7 +98,7 @@ def forward(
 
     ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
     """
-    from flashmask.kernels.attention_fwd import LOG2E, flashmask_fwd_kernel
+    from flashmask.kernels.attention_fwd import LOG2E_VALUE, flashmask_fwd_kernel
 
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
@@ -114,7 +114,7 @@ def forward(
     flashmask_fwd_kernel[(tm, b * hq)](
         q, k, v, out, lse, bounds, lists.entries, lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
-        sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E,
+        sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
         HAS_MASK=startend_row_indices is not None,
         HAS_UPPER=not causal,
@@ -149,7 +149,7 @@ def backward(
     otherwise the key-stationary pass adds dQ with fp32 atomics.
     """
     from flashmask.kernels.attention_bwd import flashmask_bwd_dkdv_kernel, flashmask_bwd_dq_kernel
-    from flashmask.kernels.attention_fwd import LOG2E
+    from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
@@ -166,7 +166,7 @@ def backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     flags = dict(CAUSAL=causal, HAS_MASK=startend_row_indices is not None, HAS_UPPER=not causal)
     block_d = _block_d(d)
-    qk_scale = softmax_scale * LOG2E
+    qk_scale = softmax_scale * LOG2E_VALUE
 
     bwd_classes = tiles.tile_classes(bounds, causal, sq, cfg.bwd_m, cfg.bwd_n, skip_tiles)
     kv_lists = tiles.backward_lists(bwd_classes)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E_VALUE = 1.4426950408889634  # for the launchers (plain Python float)
+LOG2E = tl.constexpr(LOG2E_VALUE)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

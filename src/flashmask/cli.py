@@ -1,0 +1,369 @@
+"""The ``flashmask`` command: ``show`` a mask, run the ``demo`` against SDPA, ``bench``.
+
+Every subcommand returns an exit status from :func:`main`: 0 on success, 1 when the demo's
+results disagree, 2 for a usage error (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import flashmask
+from flashmask import kernels, masks
+from flashmask.mask import FlashMask, TileClass
+
+__all__ = ["main"]
+
+_EXAMPLE_ONLY = ("hash_sparse",)  # accepted by masks.example, not among the benchmark types
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``flashmask`` command line with ``argv`` (default ``sys.argv[1:]``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # Everything after "bench" belongs to the benchmark's own parser.
+        return _bench(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashmask",
+        description="FlashMask attention masks for PyTorch: draw masks, compare against SDPA.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {flashmask.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    show = sub.add_parser(
+        "show",
+        help="draw an example mask as text (and optionally as a PNG)",
+        description="Build masks.example(NAME, SEQLEN), print it as text with a summary line, "
+        "and optionally write a PNG of the dense mask with its tile classes.",
+    )
+    show.add_argument("name", metavar="NAME", help="mask type: " + ", ".join(_mask_names()))
+    show.add_argument("--seqlen", type=_positive_int, default=64, help="key length Sk (64)")
+    show.add_argument(
+        "--seqlen-q", type=_positive_int, default=None, help="query length Sq (default: Sk)"
+    )
+    show.add_argument("--batch", type=_non_negative_int, default=0, help="batch index to draw (0)")
+    show.add_argument("--head", type=_non_negative_int, default=0, help="head index to draw (0)")
+    show.add_argument(
+        "--block", type=_positive_int, default=16, help="tile size for the tile classes (16)"
+    )
+    show.add_argument(
+        "--max-size",
+        type=_positive_int,
+        default=64,
+        help="largest Sq/Sk drawn element by element; larger masks are drawn per tile (64)",
+    )
+    show.add_argument("--seed", type=int, default=0, help="seed of random mask types (0)")
+    show.add_argument("--png", metavar="PATH", default=None, help="also write a PNG (matplotlib)")
+    show.set_defaults(run=_show)
+
+    demo = sub.add_parser(
+        "demo",
+        help="packed documents: flashmask_attention vs SDPA with a dense mask",
+        description="Pack documents of random lengths into one sequence and compare "
+        "flashmask_attention (causal-document FlashMask) with "
+        "torch.nn.functional.scaled_dot_product_attention (the same mask as a dense boolean "
+        "tensor): outputs, gradients, mask memory and forward+backward time.",
+    )
+    demo.add_argument(
+        "--seqlen",
+        type=_positive_int,
+        default=None,
+        help="packed sequence length (default: 4096 on CUDA, 2048 on CPU)",
+    )
+    demo.add_argument("--heads", type=_positive_int, default=8, help="attention heads (8)")
+    demo.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension (64)")
+    demo.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N]"
+    )
+    demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs (3)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of document lengths and inputs")
+    demo.set_defaults(run=_demo)
+
+    sub.add_parser(
+        "bench",
+        help="run the benchmark (arguments go to flashmask.bench; see flashmask bench --help)",
+        add_help=False,
+    )
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
+def _mask_names() -> tuple[str, ...]:
+    return (*getattr(masks, "MASK_TYPES", ()), *_EXAMPLE_ONLY)
+
+
+def _error(command: str, message: str) -> int:
+    print(f"flashmask {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------- show
+def _show(args: argparse.Namespace) -> int:
+    names = _mask_names()
+    if args.name not in names:
+        return _error("show", f"unknown mask {args.name!r}; valid names: {', '.join(names)}")
+    generator = torch.Generator().manual_seed(args.seed)
+    mask = masks.example(
+        args.name,
+        args.seqlen,
+        batch_size=args.batch + 1,
+        num_heads=args.head + 1,
+        generator=generator,
+    )
+    if args.batch >= mask.batch_size:
+        return _error("show", f"--batch {args.batch} is out of range for {mask!r}")
+    # A mask with one head (Hm = 1) is shared by every head.
+    head = args.head if mask.num_heads > 1 else 0
+    if head >= mask.num_heads:
+        return _error("show", f"--head {args.head} is out of range for {mask!r}")
+    seqlen_q = args.seqlen_q or mask.seqlen_k
+
+    print(mask.to_string(seqlen_q, batch=args.batch, head=head, max_size=args.max_size))
+    summary = _summary(args.name, mask, seqlen_q, args.block)
+    if mask.batch_size > 1 or mask.num_heads > 1:
+        summary += f" | drawn: batch {args.batch}, head {head}"
+    print(summary)
+    if args.png is not None:
+        _write_png(args.png, args.name, mask, seqlen_q, args.batch, head, args.block)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _summary(name: str, mask: FlashMask, seqlen_q: int, block: int) -> str:
+    classes = mask.classify_tiles(block, block, seqlen_q)
+    counts = {c: int((classes == c).sum()) for c in (TileClass.SKIP, TileClass.PARTIAL)}
+    total = classes.numel()
+    dense_bytes = mask.batch_size * mask.num_heads * seqlen_q * mask.seqlen_k
+    return (
+        f"{name}: causal={mask.causal} C={mask.bounds} Sq={seqlen_q} Sk={mask.seqlen_k} "
+        f"B={mask.batch_size} Hm={mask.num_heads} | {mask.nbytes} bytes "
+        f"(dense bool mask: {dense_bytes} bytes) | {block}x{block} tiles: "
+        f"{counts[TileClass.SKIP]}/{total} skipped ({counts[TileClass.SKIP] / total:.1%}), "
+        f"{counts[TileClass.PARTIAL]} partial, "
+        f"{total - counts[TileClass.SKIP] - counts[TileClass.PARTIAL]} unmasked"
+    )
+
+
+# Colours of (tile class, element visible); a skipped tile has no visible element and an
+# unmasked tile no masked one.
+_TILE_COLOURS = {
+    "skipped tile (fully masked)": "#d9d9d9",
+    "partial tile: masked element": "#fde0b6",
+    "partial tile: visible element": "#e8870e",
+    "unmasked tile (nothing masked)": "#3b75af",
+}
+
+
+def _write_png(
+    path: str, name: str, mask: FlashMask, seqlen_q: int, batch: int, head: int, block: int
+) -> None:
+    import matplotlib  # lazily: only the PNG path needs matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    one = FlashMask(mask.startend_row_indices[batch : batch + 1, head : head + 1], mask.causal)
+    visible = one.to_dense(seqlen_q)[0, 0].cpu()
+    classes = one.classify_tiles(block, block, seqlen_q)[0, 0].cpu().long()
+    per_element = classes.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    per_element = per_element[:seqlen_q, : mask.seqlen_k]
+    # 0 skipped, 1 partial+masked, 2 partial+visible, 3 unmasked.
+    index = torch.where(
+        per_element == TileClass.PARTIAL,
+        1 + visible.long(),
+        torch.where(per_element == TileClass.SKIP, 0, 3),
+    )
+
+    sq, sk = seqlen_q, mask.seqlen_k
+    size = 6.0
+    fig, ax = plt.subplots(figsize=(size * min(1.0, sk / sq) + 2.8, size * min(1.0, sq / sk)))
+    ax.imshow(
+        index.numpy(),
+        cmap=ListedColormap(list(_TILE_COLOURS.values())),
+        vmin=-0.5,
+        vmax=3.5,
+        interpolation="nearest",
+        extent=(0, sk, sq, 0),
+    )
+    if max(sq, sk) // block <= 128:
+        for r in range(block, sq, block):
+            ax.axhline(r, color="white", linewidth=0.6)
+        for c in range(block, sk, block):
+            ax.axvline(c, color="white", linewidth=0.6)
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    ax.set_title(f"{name} (causal={mask.causal}, C={mask.bounds}), {block}x{block} tiles")
+    handles = [
+        Patch(facecolor=c, edgecolor="grey", label=label) for label, c in _TILE_COLOURS.items()
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- demo
+# Largest allowed max |flashmask - SDPA|, relative to the largest |SDPA value|. For bf16 two
+# correct kernels differ by a few units in the last place (2^-8 relative); a masking bug gives
+# differences of the order of the values themselves.
+_DEMO_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            return _error("demo", f"invalid --device {args.device!r}: {e}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return _error("demo", "--device cuda was asked for but CUDA is not available")
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    seqlen = args.seqlen or (4096 if on_cuda else 2048)
+    heads, head_dim = args.heads, args.head_dim
+
+    generator = torch.Generator().manual_seed(args.seed)
+    doc_lens = _random_doc_lens(seqlen, generator)
+    mask = masks.causal_document(doc_lens, seqlen, device=device)
+    dense = mask.to_dense()  # [1, 1, S, S], True = may attend
+
+    q, k, v, dout = (
+        torch.randn(1, seqlen, heads, head_dim, generator=generator).to(device, dtype)
+        for _ in range(4)
+    )
+
+    def run_flashmask(q, k, v):
+        return flashmask.flashmask_attention(q, k, v, mask)
+
+    def run_sdpa(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=dense
+        )
+        return out.transpose(1, 2)  # back to [B, S, H, D]
+
+    out_fm, grads_fm = _forward_backward(run_flashmask, q, k, v, dout)
+    out_ref, grads_ref = _forward_backward(run_sdpa, q, k, v, dout)
+    out_diff = _max_abs(out_fm.float() - out_ref.float())
+    grad_diff = max(
+        _max_abs(a.float() - b.float()) for a, b in zip(grads_fm, grads_ref, strict=True)
+    )
+    rtol = _DEMO_RTOL[dtype]
+    out_tol = rtol * _max_abs(out_ref.float())
+    grad_tol = rtol * max(_max_abs(g.float()) for g in grads_ref)
+    ok = out_diff <= out_tol and grad_diff <= grad_tol
+
+    time_fm = _median_time(run_flashmask, q, k, v, dout, args.repeats, on_cuda)
+    time_ref = _median_time(run_sdpa, q, k, v, dout, args.repeats, on_cuda)
+
+    dev_name = torch.cuda.get_device_name(device) if on_cuda else "CPU"
+    path = "Triton kernels" if kernels.supports(q, k, v) else "chunked PyTorch reference"
+    dense_bytes = dense.numel() * dense.element_size()
+    rule = f"tolerance ({rtol:g} x max |SDPA|)"
+    rows = [
+        ("", "flashmask", "SDPA + dense mask"),
+        ("mask", f"{mask.nbytes:,} B (O(N))", f"{dense_bytes:,} B (O(N^2))"),
+        (f"fwd+bwd time (median of {args.repeats})", _ms(time_fm), _ms(time_ref)),
+        ("max |out diff|", _sci(out_diff), f"{rule}: {_sci(out_tol)}"),
+        ("max |dq, dk, dv diff|", _sci(grad_diff), f"{rule}: {_sci(grad_tol)}"),
+    ]
+    print(
+        f"flashmask demo: {len(doc_lens)} documents packed into seqlen {seqlen}, causal-document "
+        f"mask, {heads} heads, head_dim {head_dim}, {dtype} on {device} ({dev_name}); "
+        f"flashmask runs the {path}"
+    )
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, width, strict=True)).rstrip())
+    print("PASS" if ok else "FAIL: flashmask_attention and SDPA disagree beyond the tolerance")
+    return 0 if ok else 1
+
+
+def _random_doc_lens(seqlen: int, generator: torch.Generator) -> list[int]:
+    """Document lengths between ``seqlen / 16`` and ``seqlen / 4`` that add up to ``seqlen``."""
+    low, high = max(1, seqlen // 16), max(1, seqlen // 4)
+    lens: list[int] = []
+    remaining = seqlen
+    while remaining > 0:
+        n = int(torch.randint(low, high + 1, (1,), generator=generator))
+        lens.append(min(n, remaining))
+        remaining -= lens[-1]
+    return lens
+
+
+def _forward_backward(
+    fn: Callable[..., torch.Tensor], q, k, v, dout
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _median_time(fn: Callable[..., torch.Tensor], q, k, v, dout, repeats: int, sync: bool):
+    times = []
+    for i in range(repeats + 1):  # the first run is a warm-up
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        _forward_backward(fn, q, k, v, dout)
+        if sync:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return x.abs().max().item()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _sci(x: float) -> str:
+    return f"{x:.2e}"
+
+
+# ---------------------------------------------------------------------- bench
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("flashmask.bench")
+    except ModuleNotFoundError as e:
+        if e.name != "flashmask.bench":
+            raise
+        return _error("bench", "the benchmark module flashmask.bench is not available yet")
+    status = bench.main(argv)
+    return 0 if status is None else int(status)
