@@ -148,7 +148,7 @@ def main() -> int:
     for name in names:
         for d in head_dims:
             for dtype in (torch.bfloat16, torch.float16):
-                if dtype == torch.float16 and d not in (64, 128):
+                if dtype == torch.float16 and d != 128:
                     continue
                 for hq, hk in ((8, 8), (8, 2)):
                     hm = hk if name == "random_eviction" else 1
@@ -161,6 +161,9 @@ def main() -> int:
                     det = hk != 2  # both backward paths get covered
                     r = check_case(f"{name}/D{d}/H{hq}:{hk}/det={det}", q, k, v, sri, causal, det)
                     results.append(r)
+                    if not r["pass"]:
+                        print("FAIL", json.dumps(r), flush=True)
+        print(f"{name}: {len(results)} cases, {time.time() - t0:.0f} s", flush=True)
         q, k, v = inputs(2, seqlen, seqlen, 8, 2, 128, torch.bfloat16)
         if name in ("full", "causal"):
             sri, causal = None, name == "causal"
@@ -187,7 +190,7 @@ def main() -> int:
     for causal, c in FORMS:
         for sq, sk in shapes:
             for hq, hk, hm in ((4, 4, 4), (8, 1, 1)):
-                for d in (64, 128):
+                for d in (128,) if args.quick else (64, 128):
                     sri = random_indices(2, hm, sq, sk, causal, c, gen).to(dev)
                     q, k, v = inputs(2, sq, sk, hq, hk, d, torch.bfloat16)
                     name = f"random/causal={causal}/C={c}/{sq}x{sk}/H{hq}:{hk}:{hm}/D{d}"

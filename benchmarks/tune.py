@@ -17,7 +17,7 @@ import triton
 
 from flashmask import kernels, masks
 from flashmask.bench import visible_pairs
-from flashmask.kernels import TileConfig, tiles
+from flashmask.kernels import TileConfig
 
 
 def configs(head_dim: int) -> dict[str, TileConfig]:
@@ -28,8 +28,14 @@ def configs(head_dim: int) -> dict[str, TileConfig]:
         out["fwd64x64"] = replace(base, fwd_m=64, fwd_n=64, fwd_warps=4, fwd_stages=3)
         out["bwd128x128"] = replace(base, bwd_m=128, bwd_n=128, bwd_warps=8, bwd_stages=2)
         out["bwd64x64w4"] = replace(base, bwd_m=64, bwd_n=64, bwd_warps=4, bwd_stages=2)
+        out["fwd128x128s3"] = replace(base, fwd_m=128, fwd_n=128, fwd_warps=8, fwd_stages=3)
         out["bwd64x128s3"] = replace(base, bwd_stages=3)
+        out["bwd32x128w4s4"] = replace(base, bwd_m=32, bwd_n=128, bwd_warps=4, bwd_stages=4)
+        out["bwd64x128w4"] = replace(base, bwd_warps=4)
+        out["bwd128x64"] = replace(base, bwd_m=128, bwd_n=64, bwd_warps=8, bwd_stages=2)
         out["dq64x64"] = replace(base, dq_m=64, dq_n=64, dq_warps=4, dq_stages=2)
+        out["dq128x32s4"] = replace(base, dq_m=128, dq_n=32, dq_warps=4, dq_stages=4)
+        out["dq128x64s3"] = replace(base, dq_stages=3)
     else:
         out["fwd64x32"] = replace(base, fwd_m=64, fwd_n=32, fwd_warps=4, fwd_stages=2)
         out["fwd128x64"] = replace(base, fwd_m=128, fwd_n=64, fwd_warps=8, fwd_stages=2)
@@ -70,49 +76,52 @@ def main() -> None:
         )
         flop = 4.0 * d * pairs
         for cname, cfg in configs(d).items():
-            out, lse = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
-            fwd = triton.testing.do_bench(
-                lambda: kernels.forward(q, k, v, sri, causal, scale, config=cfg),
-                return_mode="median",
-            )
-            bwd_det = triton.testing.do_bench(
-                lambda: kernels.backward(
-                    do, None, q, k, v, out, lse, sri, causal, scale, True, config=cfg
-                ),
-                return_mode="median",
-            )
-            bwd_at = triton.testing.do_bench(
-                lambda: kernels.backward(
-                    do, None, q, k, v, out, lse, sri, causal, scale, False, config=cfg
-                ),
-                return_mode="median",
-            )
-
-            def prep():
-                bounds = tiles.column_bounds(sri, causal, s, s, b, dev)
-                tiles.forward_lists(tiles.tile_classes(bounds, causal, s, cfg.fwd_m, cfg.fwd_n))
-
-            prep_ms = triton.testing.do_bench(prep, return_mode="median")
-            row = dict(
-                mask=name,
-                config=cname,
-                fwd_ms=fwd,
-                bwd_det_ms=bwd_det,
-                bwd_atomic_ms=bwd_at,
-                prep_ms=prep_ms,
-                fwd_tflops=flop / fwd / 1e9,
-                total_det_tflops=3.5 * flop / (fwd + bwd_det) / 1e9,
-                total_atomic_tflops=3.5 * flop / (fwd + bwd_at) / 1e9,
-            )
+            try:
+                row = time_config(q, k, v, do, sri, causal, scale, cfg, b, s, flop)
+            except Exception as exc:  # a config that does not fit (shared memory) is reported
+                print(f"{name:18s} {cname:14s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            row.update(mask=name, config=cname)
             rows.append(row)
             print(
-                f"{name:18s} {cname:12s} fwd {fwd:7.3f} ms ({row['fwd_tflops']:5.0f} TF/s)  bwd det {bwd_det:7.3f}  atomic {bwd_at:7.3f}  "
-                f"tot det {row['total_det_tflops']:5.0f}  atomic {row['total_atomic_tflops']:5.0f} TF/s  prep {prep_ms:.3f} ms",
+                f"{name:18s} {cname:14s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:4.0f} TF/s)"
+                f"  bwd det {row['bwd_det_ms']:7.3f} atomic {row['bwd_atomic_ms']:7.3f}"
+                f"  total det {row['total_det_tflops']:4.0f} atomic {row['total_atomic_tflops']:4.0f}"
+                f" TF/s  prep {row['prep_ms']:.3f} ms",
                 flush=True,
             )
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, f"tune_S{s}_D{d}.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def time_config(q, k, v, do, sri, causal, scale, cfg, b, s, flop) -> dict:
+    """Forward, both backward paths and the (Triton) mask preparation of one tile config."""
+    out, lse = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
+    fwd = triton.testing.do_bench(
+        lambda: kernels.forward(q, k, v, sri, causal, scale, config=cfg), return_mode="median"
+    )
+    bwd = {}
+    for det in (True, False):
+        bwd[det] = triton.testing.do_bench(
+            lambda: kernels.backward(
+                do, None, q, k, v, out, lse, sri, causal, scale, det, config=cfg
+            ),
+            return_mode="median",
+        )
+    shapes = [(cfg.fwd_m, cfg.fwd_n, True), (cfg.bwd_m, cfg.bwd_n, False)]
+    prep_ms = triton.testing.do_bench(
+        lambda: kernels.prepare(sri, causal, s, s, b, q.device, shapes), return_mode="median"
+    )
+    return dict(
+        fwd_ms=fwd,
+        bwd_det_ms=bwd[True],
+        bwd_atomic_ms=bwd[False],
+        prep_ms=prep_ms,
+        fwd_tflops=flop / fwd / 1e9,
+        total_det_tflops=3.5 * flop / (fwd + bwd[True]) / 1e9,
+        total_atomic_tflops=3.5 * flop / (fwd + bwd[False]) / 1e9,
+    )
 
 
 if __name__ == "__main__":

@@ -206,24 +206,15 @@ def run_case(
 
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     if "flashmask" in impls:
-        from flashmask.kernels import tile_config, tiles
-
-        arg = mask if mask is not None else None
-
-        def fm_fwd():
-            return flashmask_attention(qg, kg, vg, arg, causal=causal)
-
-        def fm_total():
-            out = flashmask_attention(qg, kg, vg, arg, causal=causal)
-            out.backward(do)
+        from flashmask.kernels import prepare, tile_config
 
         cfg = tile_config(head_dim)
         sri = mask.startend_row_indices if mask is not None else None
+        # What one forward + backward (atomic dQ, the default) prepares.
+        shapes = [(cfg.fwd_m, cfg.fwd_n, True), (cfg.bwd_m, cfg.bwd_n, False)]
 
         def prep():
-            bounds = tiles.column_bounds(sri, causal, seqlen, seqlen, batch, device)
-            for bm, bn in ((cfg.fwd_m, cfg.fwd_n), (cfg.bwd_m, cfg.bwd_n)):
-                tiles.forward_lists(tiles.tile_classes(bounds, causal, seqlen, bm, bn))
+            prepare(sri, causal, seqlen, seqlen, batch, device, shapes)
 
         row = finish(base("flashmask"), fm_fwd, fm_total)
         row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))

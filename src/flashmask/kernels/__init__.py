@@ -17,7 +17,7 @@ import torch
 
 from flashmask.kernels import tiles
 
-__all__ = ["TileConfig", "backward", "forward", "supports", "tile_config"]
+__all__ = ["TileConfig", "backward", "forward", "prepare", "supports", "tile_config"]
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -71,6 +71,65 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def prepare(
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    device: torch.device,
+    shapes: list[tuple[int, int, bool]],
+    skip_tiles: bool = True,
+) -> tuple[torch.Tensor, list[tiles.TileLists]]:
+    """Mask preparation with the Triton kernels of :mod:`.mask_prep`.
+
+    Returns the normalised bounds ``[B, Hm, 4, Sk]`` and one :class:`tiles.TileLists` per
+    ``(block_m, block_n, row_major)`` in ``shapes``: row-major lists give each query tile its key
+    tiles (forward, dQ), column-major ones each key tile its query tiles (dK/dV). Equal to
+    :func:`tiles.column_bounds` + :func:`tiles.tile_classes` + :func:`tiles.compact`.
+    """
+    from flashmask.kernels.mask_prep import summarize_kernel, tile_list_kernel
+
+    sri = startend_row_indices
+    hm = 1 if sri is None else sri.shape[1]
+    bounds = torch.empty(batch, hm, 4, seqlen_k, dtype=torch.int32, device=device)
+    summaries: dict[int, torch.Tensor] = {}
+    for _, bn, _ in shapes:
+        if bn in summaries:
+            continue
+        tn = -(-seqlen_k // bn)
+        summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
+        strides = (0, 0, 0) if sri is None else (sri.stride(0), sri.stride(1), sri.stride(2))
+        summarize_kernel[(tn, batch * hm)](
+            bounds if sri is None else sri, bounds, summary, *strides,
+            hm, seqlen_q, seqlen_k, tn,
+            CAUSAL=causal,
+            BOUNDS_PER_COLUMN=1 if sri is None else sri.shape[-1],
+            HAS_MASK=sri is not None,
+            WRITE_BOUNDS=not summaries,
+            BLOCK_N=bn,
+        )  # fmt: skip
+        summaries[bn] = summary
+    lists = []
+    tm_of = {bm: -(-seqlen_q // bm) for bm, _, _ in shapes}
+    for bm, bn, row_major in shapes:
+        tm, tn = tm_of[bm], -(-seqlen_k // bn)
+        outer, inner = (tm, tn) if row_major else (tn, tm)
+        entries = torch.empty(batch, hm, outer, inner, dtype=torch.int32, device=device)
+        counts = torch.empty(batch, hm, outer, dtype=torch.int32, device=device)
+        tile_list_kernel[(outer, batch * hm)](
+            summaries[bn], entries, counts, seqlen_q, seqlen_k, tm, tn,
+            CAUSAL=causal,
+            ROW_MAJOR=row_major,
+            SKIP_TILES=skip_tiles,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            CHUNK=min(256, max(16, 1 << (inner - 1).bit_length())),
+        )  # fmt: skip
+        lists.append(tiles.TileLists(entries, counts))
+    return bounds, lists
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -104,11 +163,12 @@ def forward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     cfg = config or tile_config(d)
-    bounds = tiles.column_bounds(startend_row_indices, causal, sq, sk, b, q.device)
+    bounds, (lists,) = prepare(
+        startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
+        skip_tiles,
+    )  # fmt: skip
     hm = bounds.shape[1]
-    classes = tiles.tile_classes(bounds, causal, sq, cfg.fwd_m, cfg.fwd_n, skip_tiles)
-    lists = tiles.forward_lists(classes)
-    tm, tn = classes.shape[-2:]
+    tm, tn = lists.entries.shape[-2:]
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     flashmask_fwd_kernel[(tm, b * hq)](
@@ -155,7 +215,10 @@ def backward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     cfg = config or tile_config(d)
-    bounds = tiles.column_bounds(startend_row_indices, causal, sq, sk, b, q.device)
+    shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
+    if deterministic:
+        shapes.append((cfg.dq_m, cfg.dq_n, True))
+    bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
     hm = bounds.shape[1]
     lse = lse.float().contiguous()
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
@@ -168,9 +231,8 @@ def backward(
     block_d = _block_d(d)
     qk_scale = softmax_scale * LOG2E_VALUE
 
-    bwd_classes = tiles.tile_classes(bounds, causal, sq, cfg.bwd_m, cfg.bwd_n, skip_tiles)
-    kv_lists = tiles.backward_lists(bwd_classes)
-    tm, tn = bwd_classes.shape[-2:]
+    kv_lists = lists[0]
+    tn, tm = kv_lists.entries.shape[-2:]
     dq_accum = None
     if not deterministic:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
@@ -191,9 +253,8 @@ def backward(
         return dq_accum.to(q.dtype), dk, dv
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dq_classes = tiles.tile_classes(bounds, causal, sq, cfg.dq_m, cfg.dq_n, skip_tiles)
-    q_lists = tiles.forward_lists(dq_classes)
-    tm, tn = dq_classes.shape[-2:]
+    q_lists = lists[1]
+    tm, tn = q_lists.entries.shape[-2:]
     flashmask_bwd_dq_kernel[(tm, b * hq)](
         q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),

@@ -1,0 +1,135 @@
+"""Triton mask preparation: normalised bounds, per-key-tile min/max summary, tile lists.
+
+Two small kernels replace the dozens of torch ops of :mod:`.tiles` (which stays as their
+oracle) so that preparing a mask costs O(N) + O(tiles) work in a handful of launches:
+
+* ``summarize_kernel`` (one program per (batch, mask head, key tile)): reads the raw
+  ``[B, Hm, Sk, C]`` indices, writes the normalised ``[B, Hm, 4, Sk]`` bounds (optional) and the
+  8 min/max values of each bound over the tile's valid columns, ``[B, Hm, 8, Tn]``.
+* ``tile_list_kernel`` (one program per (batch, mask head, outer tile)): classifies the tiles of
+  one row (``ROW_MAJOR``: a query tile's key tiles) or one column (a key tile's query tiles) of the
+  tile grid and compacts the survivors into an ascending list, as :func:`.tiles.compact` does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BIG = tl.constexpr(2**30)
+
+
+@triton.jit
+def summarize_kernel(
+    Indices, Bounds, Summary,
+    stride_ib, stride_ih, stride_is,
+    num_mask_heads, seqlen_q, seqlen_k, num_n_tiles,
+    CAUSAL: tl.constexpr,
+    BOUNDS_PER_COLUMN: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    WRITE_BOUNDS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    n_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_mask_heads
+    h = bh % num_mask_heads
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = cols < seqlen_k
+    full = tl.full([BLOCK_N], 0, tl.int32) + seqlen_q
+    zero = tl.zeros([BLOCK_N], dtype=tl.int32)
+    lts = full
+    lte = full
+    uts = zero
+    ute = zero
+    if HAS_MASK:
+        base = Indices + b.to(tl.int64) * stride_ib + h * stride_ih + cols * stride_is
+        lts = tl.minimum(tl.maximum(tl.load(base, mask=valid, other=0), 0), seqlen_q)
+        if BOUNDS_PER_COLUMN >= 2:
+            second = tl.minimum(tl.maximum(tl.load(base + 1, mask=valid, other=0), 0), seqlen_q)
+            if CAUSAL:
+                lte = second  # causal C=2: (LTS, LTE)
+            elif BOUNDS_PER_COLUMN == 2:
+                ute = second  # non-causal C=2: (LTS, UTE)
+            else:
+                lte = second  # non-causal C=4: (LTS, LTE, UTS, UTE)
+                uts = tl.minimum(tl.maximum(tl.load(base + 2, mask=valid, other=0), 0), seqlen_q)
+                ute = tl.minimum(tl.maximum(tl.load(base + 3, mask=valid, other=0), 0), seqlen_q)
+    if WRITE_BOUNDS:
+        out = Bounds + bh.to(tl.int64) * 4 * seqlen_k + cols
+        tl.store(out, lts, mask=valid)
+        tl.store(out + seqlen_k, lte, mask=valid)
+        tl.store(out + 2 * seqlen_k, uts, mask=valid)
+        tl.store(out + 3 * seqlen_k, ute, mask=valid)
+    s = Summary + bh.to(tl.int64) * 8 * num_n_tiles + n_tile
+    tl.store(s, tl.max(tl.where(valid, lts, -BIG), 0))
+    tl.store(s + num_n_tiles, tl.min(tl.where(valid, lts, BIG), 0))
+    tl.store(s + 2 * num_n_tiles, tl.max(tl.where(valid, lte, -BIG), 0))
+    tl.store(s + 3 * num_n_tiles, tl.min(tl.where(valid, lte, BIG), 0))
+    tl.store(s + 4 * num_n_tiles, tl.max(tl.where(valid, uts, -BIG), 0))
+    tl.store(s + 5 * num_n_tiles, tl.min(tl.where(valid, uts, BIG), 0))
+    tl.store(s + 6 * num_n_tiles, tl.max(tl.where(valid, ute, -BIG), 0))
+    tl.store(s + 7 * num_n_tiles, tl.min(tl.where(valid, ute, BIG), 0))
+
+
+@triton.jit
+def tile_list_kernel(
+    Summary, Entries, Counts,
+    seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
+    CAUSAL: tl.constexpr,
+    ROW_MAJOR: tl.constexpr,
+    SKIP_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    outer = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    if ROW_MAJOR:
+        num_outer = num_m_tiles
+        num_inner = num_n_tiles
+    else:
+        num_outer = num_n_tiles
+        num_inner = num_m_tiles
+    summary = Summary + bh * 8 * num_n_tiles
+    entries = Entries + (bh * num_outer + outer) * num_inner
+    count = 0
+    for start in range(0, num_inner, CHUNK):
+        inner = start + tl.arange(0, CHUNK)
+        in_range = inner < num_inner
+        if ROW_MAJOR:
+            m = outer
+            n = inner
+        else:
+            m = inner
+            n = outer
+        n_load = tl.minimum(n, num_n_tiles - 1)
+        lts_max = tl.load(summary + n_load)
+        lts_min = tl.load(summary + num_n_tiles + n_load)
+        lte_max = tl.load(summary + 2 * num_n_tiles + n_load)
+        lte_min = tl.load(summary + 3 * num_n_tiles + n_load)
+        uts_max = tl.load(summary + 4 * num_n_tiles + n_load)
+        uts_min = tl.load(summary + 5 * num_n_tiles + n_load)
+        ute_max = tl.load(summary + 6 * num_n_tiles + n_load)
+        ute_min = tl.load(summary + 7 * num_n_tiles + n_load)
+        m_s = m * BLOCK_M
+        m_e = tl.minimum(m_s + BLOCK_M, seqlen_q)
+        n_s = n * BLOCK_N
+        n_e = tl.minimum(n_s + BLOCK_N, seqlen_k)
+        skip = ((m_s >= lts_max) & (m_e <= lte_min)) | ((m_s >= uts_max) & (m_e <= ute_min))
+        partial = ((m_s < lte_max) & (m_e > lts_min)) | ((m_s < ute_max) & (m_e > uts_min))
+        if CAUSAL:
+            offset = seqlen_k - seqlen_q
+            skip = skip | (n_s > m_e - 1 + offset)
+            partial = partial | (n_e - 1 > m_s + offset)
+        # A key tile that runs past Sk always needs the element mask.
+        partial = partial | (n_e - n_s < BLOCK_N)
+        if not SKIP_TILES:
+            skip = skip & False
+            partial = partial | True
+        keep = (~skip) & in_range
+        encoded = tl.where(partial, inner, -inner - 1)
+        position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(entries + position, encoded, mask=keep)
+        count += tl.sum(keep.to(tl.int32), 0)
+    tl.store(Counts + bh * num_outer + outer, count)
