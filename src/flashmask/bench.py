@@ -216,6 +216,12 @@ def run_case(
         def prep():
             prepare(sri, causal, seqlen, seqlen, batch, device, shapes)
 
+        def fm_fwd():
+            return flashmask_attention(qg, kg, vg, mask, causal=causal)
+
+        def fm_total():
+            flashmask_attention(qg, kg, vg, mask, causal=causal).backward(do)
+
         row = finish(base("flashmask"), fm_fwd, fm_total)
         row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
         rows.append(row)
