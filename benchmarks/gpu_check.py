@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +27,7 @@ from flashmask import kernels, masks
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 
+ABS_FLOOR = 1e-5
 FORMS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
 
@@ -58,7 +60,11 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     iv = mask.intervals(sq) if mask is not None else None
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
-    dq, dk, dv = kernels.backward(do, None, q, k, v, out, lse, sri, causal, scale, deterministic)
+    # deterministic=False exercises the fp32-atomic dQ path.
+    cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
+    dq, dk, dv = kernels.backward(
+        do, None, q, k, v, out, lse, sri, causal, scale, deterministic, config=cfg
+    )
     ro, rl = reference_forward(q.float(), k.float(), v.float(), iv, causal, scale)
     rq, rk, rv = reference_backward(
         do.float(), None, q.float(), k.float(), v.float(), ro, rl, iv, causal, scale
@@ -98,7 +104,9 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
         rtol = 2.0 if (tname != "dq" or deterministic) else 3.0
         ratio = err / max(err_lo + noise, 1e-12)
         res[tname] = {"err": err, "err_lowp": err_lo, "ratio": ratio}
-        ok &= err <= rtol * err_lo + 2 * noise
+        # Absolute floor: with Sk = 1 the exact dq and dk are 0 and every implementation returns
+        # rounding noise of order 1e-6, which the relative rule would call a failure.
+        ok &= err <= rtol * err_lo + 2 * noise or err < ABS_FLOOR
     finite = torch.isfinite(rl)
     lse_err = (lse - rl)[finite].abs().max().item() if finite.any() else 0.0
     res["lse_err"] = lse_err

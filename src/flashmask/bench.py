@@ -392,8 +392,21 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(n, s, batch, heads, d, "error", math.nan, note=f"OOM: {exc}"[:200]))
             torch.cuda.empty_cache()
         bar.update(1)
+        _write_json(Path(args.out), rows, args)  # partial results survive an interrupted run
     bar.close()
     out = Path(args.out)
+    meta = _write_json(out, rows, args)
+    table = _markdown(rows)
+    out.with_suffix(".md").write_text(
+        f"# flashmask bench ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+        f"{meta['date']})\n\n`flashmask bench {' '.join(argv or sys.argv[1:])}`\n\n" + table
+    )
+    _plot(rows, out.with_suffix(".png"))
+    print(table)
+    return 0
+
+
+def _write_json(out: Path, rows: list[Row], args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -406,14 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1)
     )
-    table = _markdown(rows)
-    out.with_suffix(".md").write_text(
-        f"# flashmask bench ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-        f"{meta['date']})\n\n`flashmask bench {' '.join(argv or sys.argv[1:])}`\n\n" + table
-    )
-    _plot(rows, out.with_suffix(".png"))
-    print(table)
-    return 0
+    return meta
 
 
 if __name__ == "__main__":

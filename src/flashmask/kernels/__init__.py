@@ -39,6 +39,9 @@ class TileConfig:
     dq_n: int
     dq_warps: int
     dq_stages: int
+    # Non-deterministic backward: add dQ with fp32 atomics in the dK/dV pass instead of a
+    # separate dQ pass. Off by default: the separate pass measured faster on the H200.
+    atomic_dq: bool = False
 
 
 def _interpreting() -> bool:
@@ -49,10 +52,10 @@ def tile_config(head_dim: int) -> TileConfig:
     """The tile configuration for a head dimension (small tiles under the interpreter)."""
     if _interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
-    if head_dim <= 64:
-        return TileConfig(128, 64, 4, 3, 64, 128, 8, 2, 128, 64, 8, 2)
+    # Measured on the H200 (benchmarks/NOTES.md, tune_S8192_D128_run1.json): 64x64 forward tiles
+    # waste less on partial tiles of sparse masks; 64x64/4-warp backward tiles were fastest.
     if head_dim <= 128:
-        return TileConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2)
+        return TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
     return TileConfig(64, 64, 4, 2, 64, 64, 8, 1, 64, 64, 8, 1)
 
 
@@ -205,8 +208,9 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
 
-    ``deterministic=True`` computes dQ in a separate query-stationary pass (bit-reproducible);
-    otherwise the key-stationary pass adds dQ with fp32 atomics.
+    dQ comes from a separate query-stationary pass (bit-reproducible). Only when
+    ``deterministic=False`` and ``config.atomic_dq`` does the key-stationary pass add dQ with fp32
+    atomics instead (not bit-reproducible; slower on the H200, kept for measurement).
     """
     from flashmask.kernels.attention_bwd import flashmask_bwd_dkdv_kernel, flashmask_bwd_dq_kernel
     from flashmask.kernels.attention_fwd import LOG2E_VALUE
@@ -215,8 +219,9 @@ def backward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     cfg = config or tile_config(d)
+    use_atomics = cfg.atomic_dq and not deterministic
     shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
-    if deterministic:
+    if not use_atomics:
         shapes.append((cfg.dq_m, cfg.dq_n, True))
     bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
     hm = bounds.shape[1]
@@ -234,7 +239,7 @@ def backward(
     kv_lists = lists[0]
     tn, tm = kv_lists.entries.shape[-2:]
     dq_accum = None
-    if not deterministic:
+    if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     dq_target = dq_accum if dq_accum is not None else dk  # unused pointer when deterministic
     flashmask_bwd_dkdv_kernel[(tn, b * hk)](
@@ -242,7 +247,7 @@ def backward(
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hk, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
-        ACCUMULATE_DQ=not deterministic,
+        ACCUMULATE_DQ=use_atomics,
         BLOCK_M=cfg.bwd_m,
         BLOCK_N=cfg.bwd_n,
         BLOCK_D=block_d,
