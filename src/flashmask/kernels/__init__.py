@@ -133,6 +133,10 @@ def prepare(
     return bounds, lists
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -212,7 +216,11 @@ def backward(
     ``deterministic=False`` and ``config.atomic_dq`` does the key-stationary pass add dQ with fp32
     atomics instead (not bit-reproducible; slower on the H200, kept for measurement).
     """
-    from flashmask.kernels.attention_bwd import flashmask_bwd_dkdv_kernel, flashmask_bwd_dq_kernel
+    from flashmask.kernels.attention_bwd import (
+        flashmask_bwd_delta_kernel,
+        flashmask_bwd_dkdv_kernel,
+        flashmask_bwd_dq_kernel,
+    )
     from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
@@ -226,10 +234,13 @@ def backward(
     bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
     hm = bounds.shape[1]
     lse = lse.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    out = _last_dim_contiguous(out)
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    dlse_arg = delta if dlse is None else dlse.float().contiguous()
+    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), b * hq)](
+        out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
+        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
+    )  # fmt: skip
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     flags = dict(CAUSAL=causal, HAS_MASK=startend_row_indices is not None, HAS_UPPER=not causal)

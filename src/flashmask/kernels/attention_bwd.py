@@ -219,3 +219,39 @@ def flashmask_bwd_dq_kernel(
         dq.to(DQ.dtype.element_ty),
         mask=qd_mask,
     )
+
+
+@triton.jit
+def flashmask_bwd_delta_kernel(
+    Out, DO, DLse, Delta,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    seqlen_q, num_heads_q, head_dim,
+    HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term)."""
+    m_tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // num_heads_q).to(tl.int64)
+    h = bh % num_heads_q
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+    mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    rows = bh.to(tl.int64) * seqlen_q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + rows, mask=row_ok, other=0.0)
+    tl.store(Delta + rows, delta, mask=row_ok)
