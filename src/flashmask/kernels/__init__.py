@@ -102,7 +102,7 @@ def prepare(
             continue
         tn = -(-seqlen_k // bn)
         summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
-        strides = (0, 0, 0) if sri is None else (sri.stride(0), sri.stride(1), sri.stride(2))
+        strides = (0, 0, 0, 0) if sri is None else sri.stride()
         summarize_kernel[(tn, batch * hm)](
             bounds if sri is None else sri, bounds, summary, *strides,
             hm, seqlen_q, seqlen_k, tn,

@@ -22,7 +22,7 @@ BIG = tl.constexpr(2**30)
 @triton.jit
 def summarize_kernel(
     Indices, Bounds, Summary,
-    stride_ib, stride_ih, stride_is,
+    stride_ib, stride_ih, stride_is, stride_ic,
     num_mask_heads, seqlen_q, seqlen_k, num_n_tiles,
     CAUSAL: tl.constexpr,
     BOUNDS_PER_COLUMN: tl.constexpr,
@@ -46,15 +46,21 @@ def summarize_kernel(
         base = Indices + b.to(tl.int64) * stride_ib + h * stride_ih + cols * stride_is
         lts = tl.minimum(tl.maximum(tl.load(base, mask=valid, other=0), 0), seqlen_q)
         if BOUNDS_PER_COLUMN >= 2:
-            second = tl.minimum(tl.maximum(tl.load(base + 1, mask=valid, other=0), 0), seqlen_q)
+            second = tl.minimum(
+                tl.maximum(tl.load(base + stride_ic, mask=valid, other=0), 0), seqlen_q
+            )
             if CAUSAL:
                 lte = second  # causal C=2: (LTS, LTE)
             elif BOUNDS_PER_COLUMN == 2:
                 ute = second  # non-causal C=2: (LTS, UTE)
             else:
                 lte = second  # non-causal C=4: (LTS, LTE, UTS, UTE)
-                uts = tl.minimum(tl.maximum(tl.load(base + 2, mask=valid, other=0), 0), seqlen_q)
-                ute = tl.minimum(tl.maximum(tl.load(base + 3, mask=valid, other=0), 0), seqlen_q)
+                uts = tl.minimum(
+                    tl.maximum(tl.load(base + 2 * stride_ic, mask=valid, other=0), 0), seqlen_q
+                )
+                ute = tl.minimum(
+                    tl.maximum(tl.load(base + 3 * stride_ic, mask=valid, other=0), 0), seqlen_q
+                )
     if WRITE_BOUNDS:
         out = Bounds + bh.to(tl.int64) * 4 * seqlen_k + cols
         tl.store(out, lts, mask=valid)

@@ -1,0 +1,1 @@
+"""Tests of ``flashmask.kernels``: tile preparation and the Triton kernels (interpreter on CPU)."""
