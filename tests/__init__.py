@@ -1,0 +1,1 @@
+"""Test suite for flashmask; shared helpers live in ``tests.tolerance`` and ``tests.strategies``."""

@@ -1,0 +1,159 @@
+"""The ``torch.library`` custom ops: opcheck, and ``torch.compile(fullgraph=True)`` through
+``flashmask_attention`` without graph breaks or recompiles on new mask values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import flashmask
+from flashmask import FlashMask, ops
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Compiled code and recompile counters must not leak between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tensors(seed, *shapes, dtype=torch.float32, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(s, generator=g, dtype=dtype).requires_grad_(requires_grad) for s in shapes
+    )
+
+
+def qkv(seed, seqlen=10, dtype=torch.float32, requires_grad=False):
+    """q [2, S, 4, 8], k and v [2, S, 2, 8] (GQA), v with head dim 6."""
+    shapes = [(2, seqlen, 4, 8), (2, seqlen, 2, 8), (2, seqlen, 2, 6)]
+    return tensors(seed, *shapes, dtype=dtype, requires_grad=requires_grad)
+
+
+def indices(seed, seqlen=10, bounds=2, heads=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, seqlen + 1, (2, heads, seqlen, bounds), generator=g, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------- opcheck
+OPCHECK_CASES = [
+    (torch.float32, None, False),
+    (torch.float64, None, True),
+    (torch.float32, (1, 2), True),
+    (torch.float64, (2, 2), False),
+    (torch.float32, (1, 4), False),
+]
+OPCHECK_IDS = ["fp32-no-mask", "fp64-causal", "fp32-causal-C2", "fp64-C2-Hm2", "fp32-C4"]
+
+
+@pytest.mark.parametrize(("dtype", "mask", "causal"), OPCHECK_CASES, ids=OPCHECK_IDS)
+def test_opcheck_attention_forward(dtype, mask, causal):
+    """Schema, fake (meta) kernel, autograd registration and AOT dispatch (static and dynamic)."""
+    q, k, v = qkv(0, seqlen=6, dtype=dtype, requires_grad=True)
+    sri = None if mask is None else indices(1, 6, bounds=mask[1], heads=mask[0])
+    torch.library.opcheck(ops.attention_forward, (q, k, v, sri, causal, 0.4, False))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+@pytest.mark.parametrize(("dtype", "mask", "causal"), OPCHECK_CASES, ids=OPCHECK_IDS)
+def test_opcheck_attention_backward(dtype, mask, causal, with_dlse):
+    q, k, v = qkv(2, seqlen=6, dtype=dtype)
+    sri = None if mask is None else indices(3, 6, bounds=mask[1], heads=mask[0])
+    out, lse = ops.attention_forward(q, k, v, sri, causal, 0.4, False)
+    dout, dlse = tensors(4, out.shape, lse.shape, dtype=dtype)
+    dlse = torch.where(torch.isfinite(lse), dlse.to(lse.dtype), 0.0) if with_dlse else None
+    torch.library.opcheck(
+        ops.attention_backward, (dout, dlse, q, k, v, out, lse, sri, causal, 0.4, False)
+    )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads-outermost"])
+def test_backward_outputs_are_laid_out_like_the_inputs(layout):
+    """Regression: the reference returned dk/dv as transposed views while the fake kernel promises
+    ``empty_like(k)`` strides, a fake/real mismatch that compiled graphs can trip over."""
+    q, k, v = qkv(5)
+    if layout == "heads-outermost":
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] stored as [B, H, S, D]
+    out, lse = ops.attention_forward(q, k, v, None, True, 0.4, False)
+    dq, dk, dv = ops.attention_backward(
+        torch.ones_like(out), None, q, k, v, out, lse, None, True, 0.4, False
+    )
+    assert dq.stride() == q.stride()
+    assert dk.stride() == k.stride()
+    assert dv.stride() == v.stride()
+
+
+# ---------------------------------------------------------------------------- torch.compile
+class MaskedAttention(torch.nn.Module):
+    """A module whose forward builds a FlashMask from raw indices and calls the public API."""
+
+    def forward(self, q, k, v, startend_row_indices):
+        mask = FlashMask(startend_row_indices, causal=True)
+        return flashmask.flashmask_attention(q, k, v, mask, return_softmax_lse=True)
+
+
+def test_compiled_module_never_recompiles_for_new_mask_values():
+    """5 different masks of one shape: one frame compiled, outputs and grads equal eager."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    module = MaskedAttention()
+    compiled = torch.compile(module, backend=counter, fullgraph=True)
+    for seed in range(5):
+        q, k, v = qkv(10 + seed, requires_grad=True)
+        sri = indices(20 + seed, bounds=1)
+        out, lse = compiled(q, k, v, sri)
+        eager_out, eager_lse = module(q, k, v, sri)
+        assert torch.equal(out, eager_out)
+        assert torch.equal(lse, eager_lse)
+        loss = out.sum() + torch.where(lse.isinf(), 0.0, lse).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
+        eager_loss = eager_out.sum() + torch.where(eager_lse.isinf(), 0.0, eager_lse).sum()
+        for got, want in zip(grads, torch.autograd.grad(eager_loss, (q, k, v)), strict=True):
+            assert torch.equal(got, want)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, sri, causal=False),
+        lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, sri[..., 0], causal=True),
+        lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, window_size=(2, 1)),
+        lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, causal=True, softmax_scale=0.3),
+    ],
+    ids=["raw-indices", "3d-indices", "window_size", "no-mask"],
+)
+def test_every_mask_path_traces_as_one_graph(call):
+    q, k, v = qkv(30)
+    explanation = torch._dynamo.explain(call)(q, k, v, indices(31))
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
+
+
+def test_a_flashmask_argument_does_not_recompile_for_new_values():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def attend(q, k, v, mask):
+        return flashmask.flashmask_attention(q, k, v, mask)
+
+    q, k, v = qkv(40)
+    for seed in range(3):
+        mask = FlashMask(indices(41 + seed, bounds=4), causal=False)
+        assert torch.equal(attend(q, k, v, mask), flashmask.flashmask_attention(q, k, v, mask))
+    assert counter.frame_count == 1
+
+
+def test_sequence_length_changes_recompile_once_then_run_dynamic():
+    """Automatic dynamic shapes: static first, one dynamic recompile, then no more."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(MaskedAttention(), backend=counter, fullgraph=True)
+    frames = []
+    for seqlen in (8, 12, 16):
+        q, k, v = qkv(50, seqlen=seqlen, requires_grad=True)
+        out, _ = compiled(q, k, v, indices(51, seqlen=seqlen, bounds=1))
+        out.sum().backward()
+        assert q.grad.shape == q.shape
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2]

@@ -1,0 +1,128 @@
+"""The one tolerance rule of the test suite, and the naive oracle the reference is checked against.
+
+Rule (testing-anchors §6.A.1; FlashAttention-3's max rule plus FlexAttention's mean rule): a result
+``actual`` is close to the high-precision reference ``ref_hi`` when its error is no larger than
+twice the error that a plain low-precision implementation (``ref_lo``, same inputs, same dtype as
+``actual``) makes, plus the rounding noise of the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["assert_close_to_reference", "naive_attention", "naive_logsumexp"]
+
+
+def _rounding_noise(ref_hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``|(hi + 0.3 - 0.3) - hi|`` evaluated in ``dtype``, returned in float64."""
+    hi = ref_hi.to(dtype)
+    return ((hi + 0.3) - 0.3 - hi).abs().double()
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor,
+    ref_hi: torch.Tensor,
+    ref_lo: torch.Tensor,
+    name: str,
+    *,
+    context: str = "",
+) -> None:
+    """Assert ``actual`` is as close to ``ref_hi`` as a plain low-precision computation is.
+
+    * every element of ``actual``, ``ref_hi`` and ``ref_lo`` is finite;
+    * ``max|actual - hi| <= 2 * max|lo - hi| + 2 * max(noise)``;
+    * ``mean|actual - hi| <= 1.1 * mean|lo - hi| + mean(noise)``;
+
+    where ``noise = |(hi + 0.3 - 0.3) - hi|`` is computed in ``actual.dtype``. Compare ``lse``
+    only on rows where it is finite (fully masked rows are ``-inf`` and checked exactly).
+
+    Args:
+        actual: the result under test (any float dtype).
+        ref_hi: the same quantity from a float64 (CPU) or float32 (GPU) reference.
+        ref_lo: the same quantity from a plain implementation run in ``actual``'s dtype.
+        name: what is compared (``"out"``, ``"dq"``, ...), printed on failure.
+        context: anything else worth printing on failure (form, shape, seed).
+    """
+    if actual.shape != ref_hi.shape or ref_lo.shape != ref_hi.shape:
+        raise AssertionError(
+            f"{name}: shape mismatch actual {tuple(actual.shape)}, ref_hi "
+            f"{tuple(ref_hi.shape)}, ref_lo {tuple(ref_lo.shape)} {context}"
+        )
+    header = f"{name} {tuple(actual.shape)} {actual.dtype} {context}".rstrip()
+    for label, t in (("actual", actual), ("ref_hi", ref_hi), ("ref_lo", ref_lo)):
+        if not bool(torch.isfinite(t).all()):
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise AssertionError(f"{header}: {label} has non-finite values, first at {bad}")
+    hi = ref_hi.double()
+    err = (actual.double() - hi).abs()
+    ref_err = (ref_lo.double() - hi).abs()
+    noise = _rounding_noise(ref_hi, actual.dtype)
+    if err.numel() == 0:
+        return
+    max_bound = 2 * ref_err.max().item() + 2 * noise.max().item()
+    mean_bound = 1.1 * ref_err.mean().item() + noise.mean().item()
+    max_err, mean_err = err.max().item(), err.mean().item()
+    if max_err > max_bound or mean_err > mean_bound:
+        raise AssertionError(
+            f"{header}: max error {max_err:.3e} (bound {max_bound:.3e}, low-precision reference "
+            f"{ref_err.max().item():.3e}); mean error {mean_err:.3e} (bound {mean_bound:.3e}, "
+            f"low-precision reference {ref_err.mean().item():.3e}); worst element at "
+            f"{list(torch.unravel_index(err.argmax(), err.shape))}"
+        )
+
+
+def _scores(q, k, dense_mask, scale, dtype):
+    """Masked scores ``[B, Hq, Sq, Sk]`` and the visibility they were masked with."""
+    hq, hk = q.shape[2], k.shape[2]
+    qh = q.to(dtype).transpose(1, 2)
+    kh = k.to(dtype).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    # In a low-precision dtype the scale goes on k first (FlashAttention's "reorder_ops"), which
+    # estimates the error of merely reordering the computation.
+    scores = qh @ (kh * scale).transpose(-1, -2) if dtype.itemsize < 4 else qh @ kh.mT * scale
+    if dense_mask is None:
+        visible = torch.ones_like(scores, dtype=torch.bool)
+    else:
+        m = dense_mask if dense_mask.dim() == 4 else dense_mask[None, None]
+        visible = m.repeat_interleave(hq // m.shape[1], dim=1).expand_as(scores)
+    any_visible = visible.any(-1, keepdim=True)
+    scores = torch.where(visible, scores, float("-inf"))
+    return torch.where(any_visible, scores, 0.0), visible, any_visible
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dense_mask: torch.Tensor | None,
+    scale: float,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Dense-softmax attention, written independently of ``flashmask.reference``.
+
+    ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``; ``dense_mask`` is bool
+    ``[B, Hm, Sq, Sk]`` or ``[Sq, Sk]`` (True = may attend; query head ``h`` uses mask head
+    ``h // (Hq // Hm)``) or None. Computes in ``dtype`` (float64 by default) and returns
+    ``out [B, Sq, Hq, Dv]`` in ``dtype``; fully masked rows give 0. Differentiable.
+    """
+    scores, visible, _ = _scores(q, k, dense_mask, scale, dtype)
+    p = torch.softmax(scores, dim=-1) * visible
+    vh = v.to(dtype).transpose(1, 2).repeat_interleave(q.shape[2] // v.shape[2], dim=1)
+    return (p @ vh).transpose(1, 2)
+
+
+def naive_logsumexp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    dense_mask: torch.Tensor | None,
+    scale: float,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``logsumexp`` of the scaled, masked scores: ``[B, Hq, Sq]``, ``-inf`` on fully masked rows.
+
+    Differentiable (the gradient of a fully masked row is 0, not NaN).
+    """
+    scores, _, any_visible = _scores(q, k, dense_mask, scale, dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.where(any_visible.squeeze(-1), lse, float("-inf"))
