@@ -80,9 +80,11 @@ def main() -> None:
             row.update(mask=name, config=cname)
             rows.append(row)
             print(
-                f"{name:18s} {cname:14s} fwd {row['fwd_ms']:7.3f} ms ({row['fwd_tflops']:4.0f} TF/s)"
+                f"{name:18s} {cname:14s} fwd {row['fwd_ms']:7.3f} ms "
+                f"({row['fwd_tflops']:4.0f} TF/s)"
                 f"  bwd det {row['bwd_det_ms']:7.3f} atomic {row['bwd_atomic_ms']:7.3f}"
-                f"  total det {row['total_det_tflops']:4.0f} atomic {row['total_atomic_tflops']:4.0f}"
+                f"  total det {row['total_det_tflops']:4.0f} "
+                f"atomic {row['total_atomic_tflops']:4.0f}"
                 f" TF/s  prep {row['prep_ms']:.3f} ms",
                 flush=True,
             )

@@ -144,7 +144,8 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
             )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
-            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+            "query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
         )
     if not (query.device == key.device == value.device):
         raise ValueError(

@@ -182,7 +182,10 @@ class FlashMask:
 
     # ------------------------------------------------------------------ semantics
     def intervals(self, seqlen_q: int | None = None) -> ColumnIntervals:
-        """The masked row intervals of every column, clamped to ``[0, seqlen_q]`` (default ``Sk``)."""
+        """The masked row intervals of every column, clamped to ``[0, seqlen_q]``.
+
+        ``seqlen_q`` defaults to ``Sk``.
+        """
         sq = self._seqlen_q(seqlen_q)
         sri = self.startend_row_indices.clamp(0, sq)
         full = torch.full_like(sri[..., 0], sq)
@@ -196,7 +199,7 @@ class FlashMask:
         return ColumnIntervals(sri[..., 0], sri[..., 1], sri[..., 2], sri[..., 3])
 
     def to_dense(self, seqlen_q: int | None = None) -> torch.Tensor:
-        """Boolean ``[B, Hm, Sq, Sk]``, ``True`` where the query row may attend to the key column."""
+        """Boolean ``[B, Hm, Sq, Sk]``, True where the query row may attend to the key column."""
         sq = self._seqlen_q(seqlen_q)
         return dense_rows(self.intervals(sq), self.causal, 0, sq, sq)
 
