@@ -62,6 +62,20 @@ def _visible(
     return dense_rows(intervals, causal, row_start, row_end, seqlen_q).unsqueeze(2)
 
 
+def _key_range(visible: torch.Tensor | None, seqlen_k: int) -> tuple[int, int]:
+    """The smallest key range ``[lo, hi)`` holding every key visible to some row of the chunk.
+
+    Keys outside it only add exact zeros to the softmax, so slicing them away keeps the result
+    exact while sparse masks (documents, windows) run in proportion to their visible area.
+    """
+    if visible is None:
+        return 0, seqlen_k
+    seen = visible.reshape(-1, seqlen_k).any(0).nonzero()
+    if seen.numel() == 0:
+        return 0, 0
+    return int(seen[0]), int(seen[-1]) + 1
+
+
 def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,17 +100,22 @@ def reference_forward(
     step = _rows_per_chunk(b, hq, sk, chunk_size)
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
-        qc = _grouped(q[:, r0:r1], hk, dtype)  # [B, Hk, G, rows, D]
-        scores = (qc @ kg.transpose(-1, -2)) * softmax_scale
         visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        lo, hi = _key_range(visible, sk)
+        if lo == hi:  # every row of the chunk is fully masked
+            out[:, r0:r1] = 0
+            lse[:, :, r0:r1] = float("-inf")
+            continue
+        qc = _grouped(q[:, r0:r1], hk, dtype)  # [B, Hk, G, rows, D]
+        scores = (qc @ kg[..., lo:hi, :].transpose(-1, -2)) * softmax_scale
         if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
+            scores = scores.masked_fill(~visible[..., lo:hi], float("-inf"))
         row_max = scores.amax(-1, keepdim=True)
         # A fully masked row has max -inf; shift by 0 instead so exp gives exact zeros, not NaN.
         row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
         p = torch.exp(scores - row_max)
         row_sum = p.sum(-1, keepdim=True)
-        oc = (p @ vg) / torch.where(row_sum == 0, 1.0, row_sum)
+        oc = (p @ vg[..., lo:hi, :]) / torch.where(row_sum == 0, 1.0, row_sum)
         out[:, r0:r1] = _ungrouped(oc).to(q.dtype)
         lse[:, :, r0:r1] = (row_max + torch.log(row_sum)).squeeze(-1).reshape(b, hq, r1 - r0)
     return out, lse
@@ -137,22 +156,27 @@ def reference_backward(
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
         rows = r1 - r0
+        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        lo, hi = _key_range(visible, sk)
+        if lo == hi:  # fully masked rows have zero gradients
+            dq[:, r0:r1] = 0
+            continue
+        kc, vc = kg[..., lo:hi, :], vg[..., lo:hi, :]
         qc = _grouped(q[:, r0:r1], hk, dtype)
         doc = _grouped(dout[:, r0:r1], hk, dtype)
         lse_c = lse[:, :, r0:r1].reshape(b, hk, g, rows, 1)
         delta_c = delta[:, :, r0:r1].reshape(b, hk, g, rows, 1)
-        scores = (qc @ kg.transpose(-1, -2)) * softmax_scale
+        scores = (qc @ kc.transpose(-1, -2)) * softmax_scale
         p = torch.exp(scores - torch.where(torch.isinf(lse_c), 0.0, lse_c))
         hidden = torch.isinf(lse_c)
-        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
         if visible is not None:
-            hidden = hidden | ~visible
+            hidden = hidden | ~visible[..., lo:hi]
         p = p.masked_fill(hidden, 0.0)
-        dv += (p.transpose(-1, -2) @ doc).sum(2)
-        dp = doc @ vg.transpose(-1, -2)
+        dv[:, :, lo:hi] += (p.transpose(-1, -2) @ doc).sum(2)
+        dp = doc @ vc.transpose(-1, -2)
         ds = p * (dp - delta_c) * softmax_scale
-        dq[:, r0:r1] = _ungrouped(ds @ kg).to(q.dtype)
-        dk += (ds.transpose(-1, -2) @ qc).sum(2)
+        dq[:, r0:r1] = _ungrouped(ds @ kc).to(q.dtype)
+        dk[:, :, lo:hi] += (ds.transpose(-1, -2) @ qc).sum(2)
     # Laid out like ``torch.empty_like(k)`` / ``(v)``: the fake kernel in ops.py promises that.
     dk_out = torch.empty_like(k).copy_(dk.transpose(1, 2))
     dv_out = torch.empty_like(v).copy_(dv.transpose(1, 2))
