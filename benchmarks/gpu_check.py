@@ -207,6 +207,12 @@ def main() -> int:
         q, k, v = inputs(2, 1024, 1024, 8, 2, 128, torch.bfloat16)
         exact.append(bit_exact_case(f"random/causal={causal}/C={c}", q, k, v, sri, causal))
 
+    # More (batch x head) programs than one grid axis may hold (65535): the grid keeps heads and
+    # batch on separate axes, so this must run and be right.
+    q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
+    sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
+    results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
+
     failed = [r for r in results if not r["pass"]]
     not_exact = [e for e in exact if not (e["skip_equals_dense"] and e["deterministic_repeat"])]
     worst = {

@@ -103,7 +103,7 @@ def prepare(
         tn = -(-seqlen_k // bn)
         summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
         strides = (0, 0, 0, 0) if sri is None else sri.stride()
-        summarize_kernel[(tn, batch * hm)](
+        summarize_kernel[(tn, hm, batch)](
             bounds if sri is None else sri, bounds, summary, *strides,
             hm, seqlen_q, seqlen_k, tn,
             CAUSAL=causal,
@@ -120,7 +120,7 @@ def prepare(
         outer, inner = (tm, tn) if row_major else (tn, tm)
         entries = torch.empty(batch, hm, outer, inner, dtype=torch.int32, device=device)
         counts = torch.empty(batch, hm, outer, dtype=torch.int32, device=device)
-        tile_list_kernel[(outer, batch * hm)](
+        tile_list_kernel[(outer, hm, batch)](
             summaries[bn], entries, counts, seqlen_q, seqlen_k, tm, tn,
             CAUSAL=causal,
             ROW_MAJOR=row_major,
@@ -178,7 +178,7 @@ def forward(
     tm, tn = lists.entries.shape[-2:]
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    flashmask_fwd_kernel[(tm, b * hq)](
+    flashmask_fwd_kernel[(tm, hq, b)](
         q, k, v, out, lse, bounds, lists.entries, lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
@@ -237,7 +237,7 @@ def backward(
     out = _last_dim_contiguous(out)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     dlse_arg = delta if dlse is None else dlse.float().contiguous()
-    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), b * hq)](
+    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
         out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
         HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
     )  # fmt: skip
@@ -253,7 +253,7 @@ def backward(
     if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     dq_target = dq_accum if dq_accum is not None else dk  # unused pointer when deterministic
-    flashmask_bwd_dkdv_kernel[(tn, b * hk)](
+    flashmask_bwd_dkdv_kernel[(tn, hk, b)](
         q, k, v, dout, lse, delta, dk, dv, dq_target, bounds, kv_lists.entries, kv_lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hk, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
@@ -271,7 +271,7 @@ def backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q_lists = lists[1]
     tm, tn = q_lists.entries.shape[-2:]
-    flashmask_bwd_dq_kernel[(tm, b * hq)](
+    flashmask_bwd_dq_kernel[(tm, hq, b)](
         q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,

@@ -49,9 +49,9 @@ def flashmask_bwd_dkdv_kernel(
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     n_tile = tl.program_id(0)
-    bh_kv = tl.program_id(1)
-    b = bh_kv // num_heads_k
-    h_kv = bh_kv % num_heads_k
+    # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
+    h_kv = tl.program_id(1)
+    b = tl.program_id(2)
     b64 = b.to(tl.int64)
 
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,9 +154,9 @@ def flashmask_bwd_dq_kernel(
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     m_tile = num_m_tiles - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads_q
-    h = bh % num_heads_q
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * num_heads_q + h
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head
     b64 = b.to(tl.int64)
@@ -233,9 +233,9 @@ def flashmask_bwd_delta_kernel(
 ):  # fmt: skip
     """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term)."""
     m_tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // num_heads_q).to(tl.int64)
-    h = bh % num_heads_q
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * num_heads_q + h
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q

@@ -63,9 +63,9 @@ def flashmask_fwd_kernel(
 ):  # fmt: skip
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads_q
-    h = bh % num_heads_q
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * num_heads_q + h
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head
     b64 = b.to(tl.int64)

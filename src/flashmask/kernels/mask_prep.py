@@ -31,9 +31,9 @@ def summarize_kernel(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     n_tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_mask_heads
-    h = bh % num_mask_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * num_mask_heads + h
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = cols < seqlen_k
     full = tl.full([BLOCK_N], 0, tl.int32) + seqlen_q
@@ -90,7 +90,7 @@ def tile_list_kernel(
     CHUNK: tl.constexpr,
 ):  # fmt: skip
     outer = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     if ROW_MAJOR:
         num_outer = num_m_tiles
         num_inner = num_n_tiles
