@@ -2,6 +2,7 @@
 
 from flashmask import masks
 from flashmask.attention import flashmask_attention
+from flashmask.compose import intersect
 from flashmask.mask import FlashMask, MaskNotRepresentableError, TileClass, to_dense, validate
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "MaskNotRepresentableError",
     "TileClass",
     "flashmask_attention",
+    "intersect",
     "masks",
     "to_dense",
     "validate",

@@ -268,6 +268,15 @@ class FlashMask:
             lines
         )
 
+    def __and__(self, other: FlashMask) -> FlashMask:
+        """Visible where both masks are visible (read with ``Sq = Sk``; for another query length
+        use :func:`flashmask.compose.intersect`)."""
+        if not isinstance(other, FlashMask):
+            return NotImplemented
+        from flashmask.compose import intersect
+
+        return intersect(self, other)
+
     def __repr__(self) -> str:
         head = (
             f"FlashMask(batch={self.batch_size}, heads={self.num_heads}, "
