@@ -643,3 +643,27 @@ TYPE_ERRORS = [
 def test_arguments_of_the_wrong_type_raise_type_error_naming_the_argument(build, argument):
     with pytest.raises(TypeError, match=argument):
         build()
+
+
+@pytest.mark.parametrize(
+    ("seqlen", "seqlen_q", "window", "sinks"),
+    [(10, 10, 3, 2), (10, 4, 3, 2), (12, 1, 4, 3), (5, 5, 0, 1), (6, 6, 2, 6)],
+    ids=["square", "new-queries", "decode-step", "zero-window", "all-sinks"],
+)
+def test_sliding_window_with_sink_tokens_and_a_longer_key_cache(seqlen, seqlen_q, window, sinks):
+    """Streaming attention: query i (at key position i + Sk - Sq) sees the last ``window`` keys
+    before it, itself, and the first ``sinks`` keys."""
+    offset = seqlen - seqlen_q
+    expected = torch.tensor(
+        [
+            [j <= i + offset and (j >= i + offset - window or j < sinks) for j in range(seqlen)]
+            for i in range(seqlen_q)
+        ]
+    )
+    mask = masks.sliding_window(seqlen, window, sink_tokens=sinks, seqlen_q=seqlen_q)
+    assert torch.equal(mask.to_dense(seqlen_q)[0, 0], expected)
+
+
+def test_sliding_window_rejects_negative_sink_tokens():
+    with pytest.raises(ValueError, match="sink_tokens"):
+        masks.sliding_window(8, 2, sink_tokens=-1)

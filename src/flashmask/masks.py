@@ -239,13 +239,22 @@ def causal(
 
 
 def sliding_window(
-    seqlen: int, window: int, *, batch_size: int = 1, device: _Device = None
+    seqlen: int,
+    window: int,
+    *,
+    sink_tokens: int = 0,
+    seqlen_q: int | None = None,
+    batch_size: int = 1,
+    device: _Device = None,
 ) -> FlashMask:
-    """Causal local attention: query ``i`` sees keys ``[i - window, i]``.
+    """Causal local attention: query ``i`` sees keys ``[i - window, i]`` (and the first
+    ``sink_tokens`` keys, which stay visible to every later query: streaming "attention sinks").
 
     Causal, C=1, ``LTS_j = min(j + window + 1, S)``: Paddle's ``window_size`` convention, the
     query plus ``window`` keys before it. The test generator's ``min(j + w, S)`` (``w`` keys in
-    all, the query included) is ``window = w - 1`` here.
+    all, the query included) is ``window = w - 1`` here. With ``seqlen_q < seqlen`` (new queries
+    over a longer key cache) everything is aligned bottom-right: query ``i`` stands at key
+    position ``i + seqlen - seqlen_q``.
 
     >>> print(sliding_window(6, 2).to_string())
     #.....
@@ -254,11 +263,24 @@ def sliding_window(
     .###..
     ..###.
     ...###
+    >>> print(sliding_window(7, 2, sink_tokens=1).to_string())
+    #......
+    ##.....
+    ###....
+    ####...
+    #.###..
+    #..###.
+    #...###
     """
     seqlen = _int("seqlen", seqlen, minimum=1)
     window = _int("window", window, minimum=0)
+    sink_tokens = _int("sink_tokens", sink_tokens, minimum=0)
     batch_size = _int("batch_size", batch_size, minimum=1)
-    lts = (torch.arange(seqlen, dtype=torch.int64) + window + 1).clamp(max=seqlen)
+    sq = seqlen if seqlen_q is None else _int("seqlen_q", seqlen_q, minimum=1)
+    cols = torch.arange(seqlen, dtype=torch.int64)
+    # Column j leaves the window of query i once i + (Sk - Sq) > j + window.
+    lts = (cols + window + 1 - (seqlen - sq)).clamp(0, sq)
+    lts = torch.where(cols < sink_tokens, sq, lts)
     return _mask([_repeat(lts, batch_size)], True, device)
 
 
