@@ -88,9 +88,29 @@ def test_show_png_writes_a_png(name, tmp_path, capsys):
     assert len(data) > 1000
 
 
-def test_demo_matches_sdpa_and_prints_the_table(capsys):
-    argv = ["demo", "--seqlen", "256", "--heads", "2", "--head-dim", "16", "--device", "cpu"]
-    assert main([*argv, "--repeats", "1"]) == 0
+def test_demo_trains_with_flashmask_and_sdpa_to_equal_losses(capsys):
+    pytest.importorskip("transformers")
+    argv = ["demo", "--seqlen", "128", "--steps", "3", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "packed SFT, tiny Llama" in out
+    lines = out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("step ")))
+    steps = [line.split() for line in lines[header + 1 : header + 4]]
+    assert [row[0] for row in steps] == ["1", "2", "3"]
+    for _, loss_flashmask, loss_sdpa, _ in steps:
+        assert float(loss_flashmask) == pytest.approx(float(loss_sdpa), rel=1e-4)
+    for row in ("mask per step", "median step time", "peak RSS above step 1"):
+        assert any(line.startswith(row) for line in lines), row
+    mask_row = next(line for line in lines if line.startswith("mask per step"))
+    # int32 [2, 1, 128, 1] against bool [2, 1, 128, 128]
+    assert mask_row.split()[3:] == ["1.0", "KiB", "32.0", "KiB"]
+    assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
+def test_demo_attention_only_matches_sdpa_and_prints_the_table(capsys):
+    argv = ["demo", "--attention-only", "--seqlen", "256", "--heads", "2", "--head-dim", "16"]
+    assert main([*argv, "--device", "cpu", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "packed into seqlen 256" in out
     for row in ("mask", "fwd+bwd time (median of 1)", "max |out diff|", "max |dq, dk, dv diff|"):

@@ -17,3 +17,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The model-level API needs transformers; import it only when asked for.
+    if name in ("apply_flashmask", "remove_flashmask"):
+        from flashmask.integrations import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module 'flashmask' has no attribute {name!r}")

@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         # Everything after "bench" belongs to the benchmark's own parser.
         return _bench(argv[1:])
+    if argv[:1] == ["cp-plan"]:
+        # Everything after "cp-plan" belongs to the planner report's own parser.
+        return _cp_plan(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -74,30 +77,49 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="packed documents: flashmask_attention vs SDPA with a dense mask",
-        description="Pack documents of random lengths into one sequence and compare "
-        "flashmask_attention (causal-document FlashMask) with "
-        "torch.nn.functional.scaled_dot_product_attention (the same mask as a dense boolean "
-        "tensor): outputs, gradients, mask memory and forward+backward time.",
+        help="packed SFT on a tiny Llama: flashmask vs SDPA with a dense mask",
+        description="Train a tiny randomly initialised Llama for a few steps on packed random "
+        "documents twice, with attn_implementation='flashmask' (causal-document FlashMask) and "
+        "with 'sdpa' (the same mask as a dense 4-D boolean tensor), from the same weights on the "
+        "same batches: loss of every step, step time and peak memory of both (needs "
+        "transformers). --attention-only compares the attention op alone instead "
+        "(flashmask_attention vs scaled_dot_product_attention: outputs, gradients, time).",
     )
     demo.add_argument(
         "--seqlen",
         type=_positive_int,
         default=None,
-        help="packed sequence length (default: 4096 on CUDA, 2048 on CPU)",
+        help="packed sequence length (default: 8192 on CUDA, 1024 on CPU; attention only: "
+        "4096 on CUDA, 2048 on CPU)",
     )
-    demo.add_argument("--heads", type=_positive_int, default=8, help="attention heads (8)")
-    demo.add_argument("--head-dim", type=_positive_int, default=64, help="head dimension (64)")
+    demo.add_argument("--steps", type=_positive_int, default=4, help="training steps (4)")
+    demo.add_argument("--rows", type=_positive_int, default=2, help="packed rows per step (2)")
     demo.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N]"
     )
-    demo.add_argument("--repeats", type=_positive_int, default=3, help="timed runs (3)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of document lengths and inputs")
+    demo.add_argument("--seed", type=int, default=0, help="seed of documents, inputs, weights")
+    demo.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="compare the attention op alone (no transformers needed)",
+    )
+    demo.add_argument("--heads", type=_positive_int, default=8, help="attention only: heads (8)")
+    demo.add_argument(
+        "--head-dim", type=_positive_int, default=64, help="attention only: head dimension (64)"
+    )
+    demo.add_argument(
+        "--repeats", type=_positive_int, default=3, help="attention only: timed runs (3)"
+    )
     demo.set_defaults(run=_demo)
 
     sub.add_parser(
         "bench",
         help="run the benchmark (arguments go to flashmask.bench; see flashmask bench --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "cp-plan",
+        help="context-parallel planner report for a mask (see flashmask cp-plan --help)",
         add_help=False,
     )
     return parser
@@ -249,6 +271,21 @@ def _demo(args: argparse.Namespace) -> int:
             return _error("demo", f"invalid --device {args.device!r}: {e}")
         if device.type == "cuda" and not torch.cuda.is_available():
             return _error("demo", "--device cuda was asked for but CUDA is not available")
+    if args.attention_only:
+        return _demo_attention(args, device)
+    try:
+        from flashmask.integrations.demo import run_demo
+    except ImportError as e:
+        return _error(
+            "demo",
+            f"the training demo needs transformers ({e}); pip install 'flashmask[integrations]' "
+            "or run flashmask demo --attention-only",
+        )
+    seqlen = args.seqlen or (8192 if device.type == "cuda" else 1024)
+    return run_demo(seqlen=seqlen, rows=args.rows, steps=args.steps, device=device, seed=args.seed)
+
+
+def _demo_attention(args: argparse.Namespace, device: torch.device) -> int:
     on_cuda = device.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
     seqlen = args.seqlen or (4096 if on_cuda else 2048)
@@ -367,3 +404,10 @@ def _bench(argv: list[str]) -> int:
         return _error("bench", "the benchmark module flashmask.bench is not available yet")
     status = bench.main(argv)
     return 0 if status is None else int(status)
+
+
+# ---------------------------------------------------------------------- cp-plan
+def _cp_plan(argv: list[str]) -> int:
+    from flashmask.distributed import report  # lazily: only this command needs it
+
+    return report.main(argv)

@@ -1,0 +1,382 @@
+"""Per-layer mask policies and training-step schedules for transformers models.
+
+``apply_flashmask(model, mask=...)`` switches a loaded model to the ``"flashmask"`` attention
+backend and gives every attention layer a *policy*: the mask that layer applies. The batch's own
+structure (packed documents from ``position_ids``, padding, an explicit mask) is always respected:
+the layer's mask is intersected with the batch's document boundaries. Examples::
+
+    apply_flashmask(model, mask="sliding_window", window=1024)            # every layer
+    apply_flashmask(model, mask="sliding_window", window=[512, 1024, 2048])  # cycles over layers
+    apply_flashmask(model, mask="sliding_window", window=512, layers=range(4))  # rest causal
+    apply_flashmask(model, mask=lambda layer_idx, ctx: my_flashmask)     # anything
+    schedule = MaskSchedule([(0, {"mask": "sliding_window", "window": 256}), (1000, "causal")])
+    apply_flashmask(model, mask=schedule)                                 # changes with the step
+    remove_flashmask(model)                                               # back to the original
+
+A policy sees a :class:`MaskContext` (layer index, batch size, query and key lengths, device) and
+returns a :class:`~flashmask.FlashMask` ``[1 or B, 1 or Hk, Sk, C]`` for that call. Masks are
+aligned bottom-right, so the same policy serves training (``Sq == Sk``), chunked prefill and
+single-token decode over a KV cache (``Sq < Sk``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any, NamedTuple
+
+import torch
+
+from flashmask.mask import FlashMask
+
+__all__ = [
+    "MASK_KINDS",
+    "MaskContext",
+    "MaskSchedule",
+    "MaskSpec",
+    "apply_flashmask",
+    "layer_mask",
+    "remove_flashmask",
+    "spec_of",
+]
+
+MASK_KINDS = ("causal", "full", "sliding_window", "prefix_lm")
+_POLICY_ATTR = "flashmask_policy"
+_STATE_ATTR = "_flashmask_original_attn_implementation"
+
+
+class MaskContext(NamedTuple):
+    """What a policy knows about one attention call."""
+
+    layer_idx: int
+    batch_size: int
+    seqlen_q: int
+    seqlen_k: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """One mask type with its parameters.
+
+    ``kind``: ``"causal"``, ``"full"`` (bidirectional), ``"sliding_window"`` (causal, query at
+    key position ``p`` sees keys ``[p - window, p]`` plus the first ``sink_tokens`` keys) or
+    ``"prefix_lm"`` (the first ``prefix_len`` keys are seen by every query, the rest causally).
+    """
+
+    kind: str = "causal"
+    window: int | None = None
+    sink_tokens: int = 0
+    prefix_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in MASK_KINDS:
+            raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.kind!r}")
+        if self.kind == "sliding_window":
+            if not _is_int(self.window) or self.window < 0:
+                raise ValueError(
+                    f"window must be a non-negative int for sliding_window, got {self.window!r}"
+                )
+        elif self.window is not None:
+            raise ValueError(f"window only applies to sliding_window, not {self.kind!r}")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be a non-negative int, got {self.sink_tokens!r}")
+        if self.sink_tokens and self.kind != "sliding_window":
+            raise ValueError(f"sink_tokens only applies to sliding_window, not {self.kind!r}")
+        if self.kind == "prefix_lm":
+            if not _is_int(self.prefix_len) or self.prefix_len < 0:
+                raise ValueError(
+                    f"prefix_len must be a non-negative int for prefix_lm, got {self.prefix_len!r}"
+                )
+        elif self.prefix_len is not None:
+            raise ValueError(f"prefix_len only applies to prefix_lm, not {self.kind!r}")
+
+    def build(self, ctx: MaskContext) -> FlashMask:
+        """This spec's mask for one call: int32 ``[1, 1, Sk, C]`` on ``ctx.device``."""
+        return layer_mask(self, ctx.seqlen_q, ctx.seqlen_k, ctx.device)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def layer_mask(
+    spec: MaskSpec, seqlen_q: int, seqlen_k: int, device: torch.device | str | None = None
+) -> FlashMask:
+    """The mask of ``spec`` for ``Sq`` queries standing at the last ``Sq`` of ``Sk`` positions."""
+    cols = torch.arange(seqlen_k, device=device, dtype=torch.int64)
+    offset = seqlen_k - seqlen_q  # query i stands at key position i + offset
+    full_rows = torch.full_like(cols, seqlen_q)
+    if spec.kind == "causal":
+        return FlashMask(full_rows.to(torch.int32).view(1, 1, -1, 1), True)
+    if spec.kind == "full":
+        bounds = torch.stack([full_rows, torch.zeros_like(cols)], -1)
+        return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False)
+    if spec.kind == "sliding_window":
+        lts = (cols + spec.window + 1 - offset).clamp(0, seqlen_q)
+        lts = torch.where(cols < spec.sink_tokens, seqlen_q, lts)
+        return FlashMask(lts.to(torch.int32).view(1, 1, -1, 1), True)
+    # prefix_lm: prefix keys are seen by every query; later keys causally (rows before them).
+    ute = torch.where(cols < spec.prefix_len, 0, (cols - offset).clamp(0, seqlen_q))
+    bounds = torch.stack([full_rows, ute], -1)
+    return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False)
+
+
+def _spec_fields(value: str | Mapping[str, Any] | MaskSpec) -> dict[str, Any]:
+    """``{"mask": kind, **params}`` for a kind name, a dict or a :class:`MaskSpec`."""
+    if isinstance(value, str):
+        return {"mask": value}
+    if isinstance(value, MaskSpec):
+        return {
+            "mask": value.kind,
+            "window": value.window,
+            "sink_tokens": value.sink_tokens,
+            "prefix_len": value.prefix_len,
+        }
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"a mask spec must be a str, a dict or a MaskSpec, got {type(value).__name__}")
+
+
+def _as_spec(value: str | Mapping[str, Any] | MaskSpec) -> MaskSpec:
+    if isinstance(value, MaskSpec):
+        return value
+    fields = _spec_fields(value)
+    return MaskSpec(fields.pop("mask", "causal"), **fields)
+
+
+class MaskSchedule:
+    """Mask policies that change with the training step.
+
+    Args:
+        milestones: ``(first_step, policy)`` pairs in increasing step order; ``policy`` is anything
+            :func:`apply_flashmask` takes as ``mask`` (a kind name, a dict such as
+            ``{"mask": "sliding_window", "window": 256}``, a :class:`MaskSpec`, a per-layer list,
+            or a callable). The first milestone must start at step 0.
+
+    Drive it with :meth:`set_step` from a plain loop, or with :meth:`callback` from a
+    transformers ``Trainer``.
+    """
+
+    def __init__(self, milestones: Sequence[tuple[int, Any]]) -> None:
+        if not isinstance(milestones, Sequence) or not milestones:
+            raise ValueError("milestones must be a non-empty list of (step, policy) pairs")
+        steps = []
+        policies = []
+        for item in milestones:
+            if not isinstance(item, (tuple, list)) or len(item) != 2 or not _is_int(item[0]):
+                raise ValueError(f"milestones entries must be (int step, policy), got {item!r}")
+            steps.append(item[0])
+            policies.append(_resolve_policy(item[1], None))
+        if steps[0] != 0 or any(b <= a for a, b in pairwise(steps)):
+            raise ValueError(f"milestone steps must start at 0 and increase, got {steps}")
+        self.steps = steps
+        self._policies = policies
+        self.step = 0
+
+    def set_step(self, step: int) -> None:
+        """Use the policy of the last milestone at or before ``step``."""
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.step = step
+
+    def current_index(self) -> int:
+        """Index of the milestone in force."""
+        index = 0
+        for i, first in enumerate(self.steps):
+            if self.step >= first:
+                index = i
+        return index
+
+    def __call__(self, layer_idx: int, ctx: MaskContext) -> FlashMask | None:
+        return self._policies[self.current_index()](layer_idx, ctx)
+
+    def spec_for(self, layer_idx: int) -> MaskSpec | None:
+        return spec_of(self._policies[self.current_index()], layer_idx)
+
+    def callback(self) -> Any:
+        """A transformers ``TrainerCallback`` that sets the step before every training step."""
+        from transformers import TrainerCallback
+
+        schedule = self
+
+        class FlashMaskScheduleCallback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                schedule.set_step(state.global_step)
+
+        return FlashMaskScheduleCallback()
+
+
+Policy = Callable[[int, MaskContext], "FlashMask | None"]
+
+
+class _Cycle:
+    """Layer ``i`` uses ``specs[i % len(specs)]``."""
+
+    def __init__(self, specs: list[MaskSpec]) -> None:
+        self.specs = specs
+
+    def spec_for(self, layer_idx: int) -> MaskSpec:
+        return self.specs[layer_idx % len(self.specs)]
+
+    def __call__(self, layer_idx: int, ctx: MaskContext) -> FlashMask:
+        return self.spec_for(layer_idx).build(ctx)
+
+
+class _OnlyLayers:
+    """``base`` on the chosen layers, causal on the others."""
+
+    def __init__(self, base: Policy, chosen: set[int]) -> None:
+        self.base = base
+        self.chosen = chosen
+
+    def spec_for(self, layer_idx: int) -> MaskSpec | None:
+        if layer_idx not in self.chosen:
+            return MaskSpec("causal")
+        return spec_of(self.base, layer_idx)
+
+    def __call__(self, layer_idx: int, ctx: MaskContext) -> FlashMask | None:
+        if layer_idx not in self.chosen:
+            return MaskSpec("causal").build(ctx)
+        return self.base(layer_idx, ctx)
+
+
+def spec_of(policy: Policy | None, layer_idx: int) -> MaskSpec | None:
+    """The :class:`MaskSpec` a policy applies to a layer, or ``None`` when it is an opaque
+    callable (the streaming cache then keeps that layer's whole history)."""
+    spec_for = getattr(policy, "spec_for", None)
+    return spec_for(layer_idx) if spec_for is not None else None
+
+
+def _resolve_policy(mask: Any, layers: Iterable[int] | None, **params: Any) -> Policy:
+    """Normalise ``apply_flashmask``'s arguments to one callable ``(layer_idx, ctx) -> mask``."""
+    if isinstance(mask, MaskSchedule) or (callable(mask) and not isinstance(mask, MaskSpec)):
+        if params:
+            raise ValueError(f"parameters {sorted(params)} do not apply to a callable mask policy")
+        base: Policy = mask
+    elif isinstance(mask, (list, tuple)):
+        if params:
+            raise ValueError(f"parameters {sorted(params)} do not apply to a list of mask specs")
+        base = _Cycle([_as_spec(m) for m in mask])
+    else:
+        fields = {**_spec_fields(mask), **params}
+        lists = {k: v for k, v in fields.items() if isinstance(v, (list, tuple))}
+        lengths = {len(v) for v in lists.values()}
+        if len(lengths) > 1 or 0 in lengths:
+            raise ValueError(f"per-layer parameter lists must share one non-zero length: {lists}")
+        count = lengths.pop() if lengths else 1
+        base = _Cycle(
+            [
+                _as_spec({k: (v[i] if k in lists else v) for k, v in fields.items()})
+                for i in range(count)
+            ]
+        )
+    if layers is None:
+        return base
+    chosen = set(layers)
+    if not all(_is_int(x) for x in chosen):
+        raise TypeError(f"layers must be ints, got {sorted(map(repr, chosen))}")
+    return _OnlyLayers(base, chosen)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not found:
+        raise ValueError(
+            "model has no attention modules with a layer_idx (is it a transformers decoder?)"
+        )
+    return found
+
+
+def apply_flashmask(
+    model: torch.nn.Module,
+    mask: Any = "causal",
+    *,
+    layers: Iterable[int] | None = None,
+    **params: Any,
+) -> torch.nn.Module:
+    """Switch ``model`` to the ``"flashmask"`` attention backend with a per-layer mask policy.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (Llama-, Qwen2-, Mistral-style decoders).
+        mask: a kind (``"causal"``, ``"full"``, ``"sliding_window"``, ``"prefix_lm"``) with its
+            ``params``; a dict ``{"mask": kind, **params}`` or :class:`MaskSpec`; a list of those
+            cycled over layers; a :class:`MaskSchedule`; or a callable
+            ``(layer_idx, ctx: MaskContext) -> FlashMask | None`` (``None``: plain causal).
+        layers: the layer indices that get ``mask``; the others stay causal.
+        params: ``window``, ``sink_tokens``, ``prefix_len``; a list value (e.g.
+            ``window=[512, 1024, 2048]``) cycles over layers.
+
+    Returns:
+        ``model``, changed in place (undo with :func:`remove_flashmask`).
+    """
+    import flashmask.integrations.transformers as backend
+
+    policy = _resolve_policy(mask, layers, **params)
+    modules = _attention_modules(model)
+    if not hasattr(model, _STATE_ATTR):
+        original = getattr(model.config, "_attn_implementation", None)
+        object.__setattr__(model, _STATE_ATTR, original)
+    _set_attn_implementation(model, backend.ATTN_IMPLEMENTATION)
+    for module in modules:
+        setattr(module, _POLICY_ATTR, policy)
+    return model
+
+
+def remove_flashmask(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`apply_flashmask`: drop the policies and restore the original backend."""
+    if not hasattr(model, _STATE_ATTR):
+        raise ValueError("remove_flashmask: this model was not changed by apply_flashmask")
+    for module in _attention_modules(model):
+        if hasattr(module, _POLICY_ATTR):
+            delattr(module, _POLICY_ATTR)
+    _set_attn_implementation(model, getattr(model, _STATE_ATTR) or "eager")
+    object.__delattr__(model, _STATE_ATTR)
+    return model
+
+
+def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # older transformers: the config field is what attention layers read
+        model.config._attn_implementation = name
+
+
+def layer_policy_mask(
+    module: torch.nn.Module,
+    boundaries: FlashMask | None,
+    batch_size: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+) -> FlashMask | None:
+    """The mask an attention call of ``module`` applies under its policy (``None``: no policy).
+
+    ``boundaries`` is the batch's own non-causal mask (documents, padding, an explicit mask) or
+    ``None``; the layer's mask is intersected with it.
+    """
+    policy = policy_of(module)
+    if policy is None:
+        return None
+    ctx = MaskContext(module.layer_idx, batch_size, seqlen_q, seqlen_k, device)
+    mask = policy(module.layer_idx, ctx)
+    if mask is None:
+        mask = MaskSpec("causal").build(ctx)
+    if not isinstance(mask, FlashMask):
+        raise TypeError(f"a mask policy must return a FlashMask or None, got {type(mask).__name__}")
+    if mask.device != device:
+        mask = mask.to(device)
+    if mask.batch_size == 1 and batch_size > 1:
+        mask = FlashMask(mask.startend_row_indices.expand(batch_size, -1, -1, -1), mask.causal)
+    if boundaries is None:
+        return mask
+    from flashmask.compose import intersect
+
+    return intersect(mask, boundaries, seqlen_q=seqlen_q)
+
+
+def policy_of(module: torch.nn.Module) -> Policy | None:
+    """The policy :func:`apply_flashmask` attached to an attention module, if any."""
+    return getattr(module, _POLICY_ATTR, None)

@@ -1,0 +1,468 @@
+"""The ``"flashmask"`` attention backend for Hugging Face transformers.
+
+Importing this module registers the backend::
+
+    import flashmask.integrations.transformers  # noqa: F401  (registers "flashmask")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flashmask")
+    loss = model(**batch).loss   # batch from flashmask.integrations.data.pack_sft
+
+It works for models that call transformers' attention interface (Llama, Qwen2, Mistral and most
+decoder-only models of transformers >= 5). The attention function receives ``[B, H, S, D]``
+query/key/value, runs :func:`flashmask.flashmask_attention` on ``[B, S, H, D]`` views (GQA
+natively, ``softmax_scale`` = the module's ``scaling``) and returns ``(out [B, S, H, D], None)``.
+
+Which mask it applies, first match wins:
+
+1. an explicit mask passed through the model call: ``model(..., flashmask=FlashMask)`` or
+   ``model(..., startend_row_indices=int32 [B, Hm, Sk, C])`` (a raw tensor is read as causal
+   when ``C`` is 1 or 2 and as non-causal when ``C`` is 4; pass a :class:`~flashmask.FlashMask`
+   for a non-causal ``C = 2`` mask). Shared-prompt (DPO/RM) batches must use this: their
+   position ids restart mid-document on purpose;
+2. ``cu_seq_lens_q`` (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+   one causal document per segment;
+3. a 2-D padding mask ``attention_mask [B, Sk]`` with zeros: padded keys are hidden from every
+   query; when each row's real tokens are one contiguous run (left or right padding) padded
+   queries see nothing (output 0), otherwise they see the real keys before them, as in SDPA;
+4. packed ``position_ids`` (no padding mask): a new document starts wherever the position does
+   not continue the previous one by +1 (transformers' own rule), each document causal, as TRL's
+   packing / padding-free collators expect (transformers' SDPA/eager paths skip this while a KV
+   cache is in use, e.g. ``model.eval()`` with ``use_cache=True``; here it applies whenever
+   queries and keys are the same tokens);
+5. plain causal (or full, for a module with ``is_causal = False``).
+
+A model whose attention layers pass ``sliding_window=w`` (Mistral, Qwen2 with
+``use_sliding_window``) gets transformers' window (query ``i`` sees keys ``(i - w, i]``)
+intersected with the mask above; for the built-in masks that is one interval per key column,
+``LTS_j = min(end of j's document, j + w)``. A 4-D mask that transformers hands over unchanged
+(a dense bool or additive mask passed as ``attention_mask``) is converted with
+:meth:`FlashMask.from_dense` (O(S^2) per layer: meant for tests and compatibility).
+
+Dtypes: under autocast, attention runs in the autocast dtype (as SDPA does; autocast can hand
+over mixed dtypes). Otherwise CPU inputs of any float dtype run the exact reference; on CUDA,
+float32 inputs (PEFT upcasts layer norms) are cast to the dtype the Triton kernels take (that of
+the attention module's first half-precision ``nn.Linear`` weight) and the output is cast back;
+without one they run the exact (slow) float32 reference.
+
+Not supported (clear errors): attention dropout while training, ``softcap``, attention sinks
+(``s_aux``). ``output_attentions`` returns ``None`` weights. Models that overlay their own mask
+functions on the causal mask (``or_mask_function``/``and_mask_function``, e.g. bidirectional
+image tokens) get only the masks above, as with FlashAttention. Because the name contains
+"flash", transformers 5.x treats the backend as a FlashAttention flavour where it checks names
+(see :func:`_skip_flash_attention_preload`); for the models above that changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashmask.attention import flashmask_attention
+from flashmask.compose import intersect
+from flashmask.integrations.policy import layer_policy_mask, policy_of
+from flashmask.mask import FlashMask
+
+try:
+    from transformers import AttentionInterface
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "flashmask.integrations.transformers needs transformers>=5: "
+        "pip install 'flashmask[integrations]'"
+    ) from error
+
+try:  # transformers >= 4.5x; older versions build 4-D masks themselves (read via from_dense)
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError:  # pragma: no cover - depends on the installed version
+    AttentionMaskInterface = None
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "flashmask_attention_forward",
+    "flashmask_mask_interface",
+    "register",
+    "resolve_mask",
+]
+
+ATTN_IMPLEMENTATION = "flashmask"
+"""The ``attn_implementation`` name this module registers."""
+
+_HALF = (torch.float16, torch.bfloat16)
+_REGISTERED: set[str] = set()
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> None:
+    """Register the attention function (and mask function, where transformers has the interface)
+    under ``name``. Runs on import with the default name; calling it again is harmless."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    AttentionInterface.register(name, flashmask_attention_forward)
+    _REGISTERED.add(name)
+    if "flash" in name:
+        _skip_flash_attention_preload()
+    if AttentionMaskInterface is not None:
+        # Without a registered mask function transformers drops every mask (even causal) for
+        # an unknown backend; ours just hands the 2-D padding mask through.
+        AttentionMaskInterface.register(name, flashmask_mask_interface)
+
+
+def _skip_flash_attention_preload() -> None:
+    """Let transformers accept a registered name that contains "flash".
+
+    transformers 5.x treats every ``attn_implementation`` containing "flash" as a FlashAttention
+    flavour and, when a model is built or switched to it, preloads the FlashAttention package or
+    a Hub kernel of that name (``modeling_utils.lazy_import_flash_attention``), which fails for
+    "flashmask". The preload's result is unused there, so for our names it is skipped; every
+    other name goes to transformers' function unchanged.
+    """
+    try:
+        import transformers.modeling_utils as modeling_utils
+    except ImportError:  # pragma: no cover - depends on the installed version
+        return
+    original = getattr(modeling_utils, "lazy_import_flash_attention", None)
+    if original is None or getattr(original, "_flashmask_skips", None) is _REGISTERED:
+        return
+
+    def lazy_import_flash_attention(implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if implementation in _REGISTERED:
+            return None
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention._flashmask_skips = _REGISTERED
+    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+def flashmask_mask_interface(
+    batch_size: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask hook: the 2-D padding mask ``[B, kv_length]`` (bool, True = real token)
+    when it has a zero, else ``None``.
+
+    The attention function builds the FlashMask itself (from this, the position ids or an
+    explicit mask), so nothing O(S^2) is ever materialised. Keyword-only extras differ between
+    transformers versions and are ignored.
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    if kv_length is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask.bool()
+
+
+def flashmask_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    flashmask: FlashMask | torch.Tensor | None = None,
+    startend_row_indices: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [B, Hq, Sq, D]``, ``key``/``value
+    [B, Hk, Sk, D]`` -> ``(out [B, Sq, Hq, D], None)``.
+
+    ``attention_mask`` is what :func:`flashmask_mask_interface` returned (a 2-D padding mask or
+    ``None``) or a 4-D mask passed by the caller. The mask applied is described in the module
+    docstring; ``scaling`` defaults to ``D ** -0.5``.
+    """
+    if dropout:
+        raise ValueError(
+            f"the flashmask attention backend has no attention dropout, got dropout={dropout} "
+            "(the model is training with config.attention_dropout > 0); set "
+            "config.attention_dropout = 0"
+        )
+    if softcap is not None:
+        raise ValueError(f"the flashmask attention backend does not support softcap={softcap}")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("the flashmask attention backend does not support attention sinks (s_aux)")
+    if flashmask is not None and startend_row_indices is not None:
+        raise ValueError("pass either flashmask or startend_row_indices, not both")
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+
+    # [B, H, S, D] -> [B, S, H, D] views; the kernels take strided inputs.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    # A layer policy from apply_flashmask supplies the causal structure itself; the batch then
+    # contributes only its boundaries (documents, padding) as a non-causal mask.
+    has_policy = policy_of(module) is not None
+    mask = resolve_mask(
+        batch,
+        seqlen_q,
+        seqlen_k,
+        device=q.device,
+        causal=causal and not has_policy,
+        explicit=flashmask if flashmask is not None else startend_row_indices,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cu_seq_lens_q=cu_seq_lens_q,
+        sliding_window=sliding_window,
+    )
+    if has_policy:
+        mask = layer_policy_mask(module, mask, batch, seqlen_q, seqlen_k, q.device)
+
+    compute, output = _dtypes(q, k, v, module)
+    q, k, v = (t.to(compute) for t in (q, k, v))
+    if mask is None:
+        out = flashmask_attention(q, k, v, causal=causal, softmax_scale=scaling)
+    else:
+        out = flashmask_attention(q, k, v, mask, softmax_scale=scaling)
+    return out.to(output), None
+
+
+def resolve_mask(
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    device: torch.device,
+    causal: bool = True,
+    explicit: FlashMask | torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> FlashMask | None:
+    """The FlashMask the backend applies (see the module docstring), or ``None`` for plain
+    causal (``causal=True``) / full attention.
+
+    Args:
+        batch, seqlen_q, seqlen_k: ``B``, ``Sq``, ``Sk`` of the attention call.
+        device: where the mask must live (the query's device).
+        causal: the attention module's causality (used for every mask but an explicit one).
+        explicit: a :class:`FlashMask` or int32 ``startend_row_indices [B or 1, Hm, Sk, C]``.
+        attention_mask: a 2-D padding mask ``[B, >= Sk]`` (the last ``Sk`` columns are used;
+            nonzero = real token) or a 4-D dense mask (bool True = attend, or additive float
+            with 0 = attend).
+        position_ids: ``[B or 1, Sq]`` positions; restarts mark packed documents.
+        cu_seq_lens_q: int ``[N + 1]`` cumulative document lengths over the flattened batch.
+        sliding_window: transformers' window ``w``: query ``i`` sees keys ``(i - w, i]``.
+    """
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if explicit is not None:
+        mask = _explicit_mask(explicit, batch, seqlen_k, device)
+        if sliding_window is not None:
+            window = _window_only(seqlen_q, seqlen_k, mask.causal, sliding_window, device)
+            mask = intersect(mask, window, seqlen_q=seqlen_q)
+        return mask
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = _from_dense_4d(attention_mask, batch, seqlen_q, seqlen_k, device)
+        if sliding_window is not None:
+            window = _window_only(seqlen_q, seqlen_k, mask.causal, sliding_window, device)
+            mask = intersect(mask, window, seqlen_q=seqlen_q)
+        return mask
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "attention_mask must be a 2-D padding mask [batch, seqlen_k] or a 4-D mask, got "
+            f"shape {tuple(attention_mask.shape)}"
+        )
+
+    # Per key column j: masked query rows [lts_j, Sq), plus [0, ute_j) when not causal.
+    cols = torch.arange(seqlen_k, device=device)
+    lts = torch.full((batch, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
+    ute = torch.zeros_like(lts)
+    shaped = False  # whether anything narrows plain causal / full attention
+    if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
+        starts, valid = _starts_from_cu_seqlens(cu_seq_lens_q, batch, seqlen_k, device)
+        ute, lts = _document_bounds(starts)
+        lts = torch.where(valid, lts, 0)
+        shaped = True
+    elif attention_mask is not None:
+        valid = attention_mask[:, -seqlen_k:].to(device=device, dtype=torch.bool)
+        if valid.shape[0] == 1 and batch > 1:
+            valid = valid.expand(batch, -1)
+        if valid.shape != (batch, seqlen_k):
+            raise ValueError(
+                f"attention_mask must be [batch={batch}, >= seqlen_k={seqlen_k}], got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if seqlen_q == seqlen_k:
+            # A row padded on the left or right: its real run [start, end) is all that any of its
+            # queries may see, so padded queries see nothing. A row with holes keeps full rows.
+            runs = valid[:, :1].int() + (valid[:, 1:] & ~valid[:, :-1]).sum(-1, keepdim=True)
+            run_start = valid.int().argmax(-1, keepdim=True)
+            run_end = seqlen_k - valid.flip(-1).int().argmax(-1, keepdim=True)
+            lts = torch.where(runs <= 1, run_end, lts)
+            ute = torch.where(runs <= 1, run_start, ute)
+        lts = torch.where(valid, lts, 0)
+        shaped = True
+    elif position_ids is not None and position_ids.dim() == 2 and seqlen_q == seqlen_k:
+        pos = position_ids.to(device)
+        if pos.shape[0] == 1 and batch > 1:
+            pos = pos.expand(batch, -1)
+        if pos.shape != (batch, seqlen_q):
+            raise ValueError(
+                f"position_ids must be [batch={batch} or 1, seqlen={seqlen_q}], got shape "
+                f"{tuple(position_ids.shape)}"
+            )
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        # One host sync per layer keeps unpacked batches on the maskless causal fast path.
+        if bool(starts[:, 1:].any()):
+            ute, lts = _document_bounds(starts)
+            shaped = True
+
+    if sliding_window is not None:
+        offset = seqlen_k - seqlen_q  # query i stands at key position i + offset
+        lts = torch.minimum(lts, cols + sliding_window - offset)
+        if not causal:
+            ute = torch.maximum(ute, cols - sliding_window + 1 - offset)
+        shaped = True
+    if not shaped:
+        return None
+    return _column_mask(lts, ute, causal, seqlen_q)
+
+
+# ---------------------------------------------------------------------- helpers
+def _explicit_mask(
+    explicit: FlashMask | torch.Tensor, batch: int, seqlen_k: int, device: torch.device
+) -> FlashMask:
+    if isinstance(explicit, FlashMask):
+        mask = explicit
+    elif isinstance(explicit, torch.Tensor):
+        sri = explicit.unsqueeze(-1) if explicit.dim() == 3 else explicit
+        if sri.dim() != 4:
+            raise ValueError(
+                "startend_row_indices must be [batch, mask_heads, seqlen_k, C] (or without C), "
+                f"got shape {tuple(explicit.shape)}"
+            )
+        # Paddle's convention for a decoder: C = 1 or 2 are causal forms, C = 4 is not.
+        mask = FlashMask(sri, causal=sri.shape[-1] != 4)
+    else:
+        raise TypeError(
+            "flashmask must be a FlashMask and startend_row_indices an int32 tensor, got "
+            f"{type(explicit).__name__}"
+        )
+    if mask.seqlen_k != seqlen_k:
+        raise ValueError(
+            f"the explicit mask covers {mask.seqlen_k} keys but the attention call has "
+            f"{seqlen_k} (with a KV cache, the mask must cover the whole cache)"
+        )
+    if mask.device != device:
+        mask = mask.to(device)
+    if mask.batch_size == 1 and batch > 1:
+        mask = FlashMask(mask.startend_row_indices.expand(batch, -1, -1, -1), mask.causal)
+    return mask
+
+
+def _column_mask(lts: torch.Tensor, ute: torch.Tensor, causal: bool, seqlen_q: int) -> FlashMask:
+    """FlashMask ``[B, 1, Sk, C]`` masking rows ``[lts_j, Sq)`` (plus ``[0, ute_j)`` and C = 2
+    when not causal) of every key column ``j``; ``lts``/``ute`` are ``[B, Sk]``."""
+    columns = [lts] if causal else [lts, ute]
+    bounds = torch.stack([c.clamp(0, seqlen_q) for c in columns], dim=-1)
+    return FlashMask(bounds.unsqueeze(1).to(torch.int32).contiguous(), causal)
+
+
+def _window_only(
+    seqlen_q: int, seqlen_k: int, causal: bool, window: int, device: torch.device
+) -> FlashMask:
+    """transformers' sliding window as a FlashMask ``[1, 1, Sk, C]`` (bottom-right aligned)."""
+    cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    offset = seqlen_k - seqlen_q
+    return _column_mask(cols + window - offset, cols - window + 1 - offset, causal, seqlen_q)
+
+
+def _document_bounds(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(doc_start, doc_end)`` of every token, ``[B, S]`` int64, from ``starts [B, S]`` bool
+    (True where a document begins; position 0 always begins one)."""
+    seqlen = starts.shape[-1]
+    idx = torch.arange(seqlen, device=starts.device).expand_as(starts)
+    doc_start = torch.where(starts, idx, 0).cummax(-1).values
+    # The end of t's document is the first start after t: a reverse running minimum.
+    next_start = torch.full_like(idx, seqlen)
+    next_start[:, :-1] = torch.where(starts[:, 1:], idx[:, 1:], seqlen)
+    doc_end = next_start.flip(-1).cummin(-1).values.flip(-1)
+    return doc_start, doc_end
+
+
+def _starts_from_cu_seqlens(
+    cu_seq_lens: torch.Tensor, batch: int, seqlen: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document starts and real-token flags ``[B, S]`` from cumulative lengths over the flattened
+    ``B * S`` tokens (tokens past the last boundary are padding)."""
+    cu = cu_seq_lens.to(device=device, dtype=torch.int64).flatten()
+    total = batch * seqlen
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) > total or bool((cu.diff() < 0).any()):
+        raise ValueError(
+            f"cu_seq_lens_q must rise from 0 to at most batch * seqlen = {total}, got "
+            f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}"
+        )
+    starts = torch.zeros(total, dtype=torch.bool, device=device)
+    starts[cu[:-1].clamp(max=total - 1)] = True
+    starts = starts.view(batch, seqlen).clone()
+    starts[:, 0] = True  # a row never continues the previous one
+    valid = (torch.arange(total, device=device) < cu[-1]).view(batch, seqlen)
+    return starts, valid
+
+
+def _from_dense_4d(
+    attention_mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, device: torch.device
+) -> FlashMask:
+    """A 4-D dense mask handed over by transformers as a FlashMask (O(Sq * Sk))."""
+    if attention_mask.dtype == torch.bool:
+        visible = attention_mask
+    elif attention_mask.is_floating_point():
+        visible = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        if bool((attention_mask[visible] != 0).any()):
+            raise ValueError(
+                "the flashmask backend takes 4-D additive masks of 0 (attend) and a large "
+                "negative value (masked) only; this one carries attention biases"
+            )
+    else:
+        raise TypeError(f"a 4-D attention_mask must be bool or float, got {attention_mask.dtype}")
+    visible = visible[..., -seqlen_q:, -seqlen_k:].to(device)
+    if visible.shape[0] == 1 and batch > 1:
+        visible = visible.expand(batch, -1, -1, -1)
+    if visible.shape[0] != batch or visible.shape[-2:] != (seqlen_q, seqlen_k):
+        raise ValueError(
+            f"a 4-D attention_mask must be [batch={batch}, heads, {seqlen_q}, {seqlen_k}], got "
+            f"shape {tuple(attention_mask.shape)}"
+        )
+    return FlashMask.from_dense(visible)
+
+
+def _dtypes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, module: torch.nn.Module
+) -> tuple[torch.dtype, torch.dtype]:
+    """``(compute dtype, output dtype)`` for ``q, k, v``.
+
+    * Under autocast, the autocast dtype for both, as SDPA does (autocast can hand over mixed
+      dtypes: Llama's RoPE turns bf16 q/k into float32 while v stays bf16).
+    * Otherwise the common dtype of the three for the output; the computation runs in it too,
+      except float32 on CUDA, which the Triton kernels do not take: like transformers'
+      FlashAttention path (``get_target_dtype``) it runs in the dtype of the module's first
+      half-precision ``nn.Linear`` weight (PEFT keeps base weights in bf16 while upcast layer
+      norms emit float32), and stays float32 (the exact, slow reference) without one.
+    """
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return dtype, dtype
+    output = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if device_type == "cuda" and output == torch.float32:
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in _HALF:
+                return layer.weight.dtype, output
+    return output, output
+
+
+register()

@@ -1,0 +1,394 @@
+"""The "flashmask" transformers backend against transformers' own eager and SDPA attention.
+
+Every comparison runs the flashmask backend in float32 and checks it against the float64 eager
+(or SDPA) model under the suite's tolerance rule, with a plain float32 run of the reference
+backend as the low-precision yardstick.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashmask  # noqa: E402
+from flashmask import masks  # noqa: E402
+from flashmask.integrations import data  # noqa: E402
+from flashmask.integrations import transformers as fm_transformers  # noqa: E402
+from tests.integrations.tiny import (  # noqa: E402
+    additive,
+    assert_results_close,
+    run,
+    tiny_model,
+    token_losses,
+    variant,
+)
+
+F32, F64 = torch.float32, torch.float64
+
+
+def _packed_inputs(doc_lens: list[list[int]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tokens in rows of packed documents: input_ids, position_ids and HF labels."""
+    g = torch.Generator().manual_seed(seed)
+    seqlen = sum(doc_lens[0])
+    input_ids = torch.randint(1, 256, (len(doc_lens), seqlen), generator=g)
+    position_ids = torch.cat(
+        [torch.cat([torch.arange(n) for n in lens]).unsqueeze(0) for lens in doc_lens]
+    )
+    labels = input_ids.masked_fill(position_ids == 0, -100)
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def _compare(model, inputs_fm: dict, ref_attn: str, inputs_ref: dict, *, real=None, ctx=""):
+    """flashmask float32 vs ``ref_attn`` float64 (truth) and float32 (yardstick); ``real``
+    ``[B, S]`` bool selects the logits compared (padded rows differ by design)."""
+    results = [
+        run(variant(model, attn, dtype), inputs)
+        for attn, dtype, inputs in (
+            ("flashmask", F32, inputs_fm),
+            (ref_attn, F64, inputs_ref),
+            (ref_attn, F32, inputs_ref),
+        )
+    ]
+    if real is not None:
+        for result in results:
+            result["logits"] = result["logits"][real]
+    assert_results_close(*results, context=ctx)
+
+
+# ---------------------------------------------------------------------- registration
+def test_import_registers_the_backend():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert AttentionInterface._global_mapping["flashmask"] is (
+        fm_transformers.flashmask_attention_forward
+    )
+    assert ALL_MASK_ATTENTION_FUNCTIONS["flashmask"] is fm_transformers.flashmask_mask_interface
+    config = transformers.LlamaConfig(**{"hidden_size": 32, "num_hidden_layers": 1})
+    config.num_attention_heads, config.num_key_value_heads = 2, 1
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flashmask")
+    assert model.config._attn_implementation == "flashmask"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("flashmask")
+    assert model.config._attn_implementation == "flashmask"
+
+
+def test_import_flashmask_does_not_import_transformers():
+    code = (
+        "import sys, flashmask, flashmask.integrations, flashmask.integrations.data\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------- packed sequences
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_position_ids_match_sdpa_packing(kind):
+    """TRL padding-free batches (position ids only): same as transformers' own packing path."""
+    model = tiny_model(kind)
+    inputs = _packed_inputs([[7, 12, 5, 8], [20, 12]], seed=1)
+    _compare(model, inputs, "sdpa", inputs, ctx=kind)
+
+
+def test_packed_position_ids_match_eager_with_dense_mask():
+    """The flashmask backend in float64 and float32 against eager with the dense additive mask."""
+    model = tiny_model("llama")
+    doc_lens = [[9, 3, 11, 9], [1, 31]]
+    inputs = _packed_inputs(doc_lens, seed=2)
+    dense = masks.causal_document(doc_lens).to_dense()
+    hi = run(variant(model, "eager", F64), {**inputs, "attention_mask": additive(dense, F64)})
+    lo = run(variant(model, "eager", F32), {**inputs, "attention_mask": additive(dense, F32)})
+    for dtype in (F64, F32):
+        actual = run(variant(model, "flashmask", dtype), inputs)
+        assert_results_close(actual, hi, lo, context=str(dtype))
+
+
+def test_packed_sft_equals_training_each_document_separately():
+    """Packed loss terms and gradients == those of a separate forward pass per sample."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for n in (13, 5, 21, 8, 17, 2, 11):
+        ids = torch.randint(1, 256, (n,), generator=g).tolist()
+        labels = [-100] * (n // 3) + ids[n // 3 :]  # a "prompt" without loss
+        samples.append({"input_ids": ids, "labels": labels})
+    batch = data.pack_sft(samples, max_tokens=32)
+    assert batch["input_ids"].shape[0] >= 2
+    targets = sum(sum(t != -100 for t in s["labels"][1:]) for s in samples)
+
+    def separate(attn: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        m = variant(model, attn, dtype)
+        m.zero_grad(set_to_none=True)
+        losses = []
+        for s in samples:
+            logits = m(input_ids=torch.tensor([s["input_ids"]]), use_cache=False).logits
+            losses.append(token_losses(logits, torch.tensor([s["labels"]])))
+            (losses[-1].sum() / targets).backward()  # the packed mean, one sample at a time
+        result = {"token_losses": torch.cat(losses).detach()}
+        for name, p in m.named_parameters():
+            result[f"grad:{name}"] = p.grad.detach().clone()
+        return result
+
+    # Packed loss terms in sample order: each term belongs to the sample of its target token.
+    labels = batch["labels"][:, 1:].flatten()
+    owner = batch["sample_index"][:, 1:].flatten()[labels != -100]
+    order = torch.sort(owner, stable=True).indices
+    hi, lo = separate("eager", F64), separate("eager", F32)
+    for dtype in (F64, F32):
+        packed = run(variant(model, "flashmask", dtype), data.model_inputs(batch))
+        del packed["logits"]
+        packed["token_losses"] = packed["token_losses"][order]
+        assert_results_close(packed, hi, lo, context=str(dtype))
+
+
+def test_cu_seq_lens_from_hf_flattening_collator():
+    """transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True) batches."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    features = [{"input_ids": torch.randint(1, 256, (n,), generator=g).tolist()} for n in (6, 9)]
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collate(features)
+    flat = {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "cu_seq_lens_q": batch["cu_seq_lens_q"],
+        "cu_seq_lens_k": batch["cu_seq_lens_k"],
+        "max_length_q": batch["max_length_q"],
+        "max_length_k": batch["max_length_k"],
+    }
+    dense = masks.causal_document([6, 9]).to_dense()
+    reference = {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "attention_mask": dense,
+    }
+    _compare(model, flat, "sdpa", reference)
+
+
+# ---------------------------------------------------------------------- explicit masks
+@pytest.mark.parametrize("how", ["flashmask", "startend_row_indices"])
+def test_explicit_share_question_mask(how):
+    model = tiny_model("llama")
+    docs = [[[4, 6, 5], [3, 2, 2]], [[10, 4, 3], [2, 3, 1]]]  # 22 and 23 tokens
+    mask = masks.share_question(docs)
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(1, 256, (2, 23), generator=g)
+    real = torch.ones(2, 23, dtype=torch.bool)
+    real[0, 22] = False
+    labels = input_ids.masked_fill(~real, -100)
+    kwarg = mask if how == "flashmask" else mask.startend_row_indices
+    dense = data.dense_attention_mask(mask)
+    _compare(
+        model,
+        {"input_ids": input_ids, "labels": labels, how: kwarg},
+        "sdpa",
+        {"input_ids": input_ids, "labels": labels, "attention_mask": dense},
+        real=real,
+        ctx=how,
+    )
+
+
+def test_explicit_mask_with_padding_tail_and_broadcast_batch():
+    model = tiny_model("llama")
+    mask = masks.causal_document([5, 7], seqlen=16)  # 4 padding tokens, batch 1
+    g = torch.Generator().manual_seed(6)
+    input_ids = torch.randint(1, 256, (3, 16), generator=g)
+    real = torch.ones(3, 16, dtype=torch.bool)
+    real[:, 12:] = False
+    labels = input_ids.masked_fill(~real, -100)
+    labels[:, [0, 5]] = -100
+    dense = data.dense_attention_mask(mask)
+    _compare(
+        model,
+        {"input_ids": input_ids, "labels": labels, "flashmask": mask},
+        "sdpa",
+        {"input_ids": input_ids, "labels": labels, "attention_mask": dense},
+        real=real,
+    )
+
+
+def test_dense_4d_mask_is_converted():
+    """A 4-D mask transformers hands through unchanged is read with FlashMask.from_dense."""
+    model = tiny_model("llama")
+    mask = masks.causal_document([[3, 9, 4], [8, 8]])
+    g = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(1, 256, (2, 16), generator=g)
+    via_flashmask = run(variant(model, "flashmask"), {"input_ids": input_ids, "flashmask": mask})
+    for mask_4d in (mask.to_dense(), additive(mask.to_dense(), F64)):
+        via_dense = run(
+            variant(model, "flashmask"), {"input_ids": input_ids, "attention_mask": mask_4d}
+        )
+        for key, value in via_flashmask.items():
+            torch.testing.assert_close(via_dense[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_explicit_mask_errors():
+    model = variant(tiny_model("llama"), "flashmask")
+    input_ids = torch.randint(1, 256, (1, 8))
+    mask = masks.causal(8)
+    with pytest.raises(ValueError, match="either flashmask or startend_row_indices"):
+        model(input_ids, flashmask=mask, startend_row_indices=mask.startend_row_indices)
+    with pytest.raises(ValueError, match="covers 6 keys"):
+        model(input_ids, flashmask=masks.causal(6))
+    with pytest.raises(TypeError, match="flashmask must be a FlashMask"):
+        model(input_ids, flashmask="causal")
+
+
+# ---------------------------------------------------------------------- padding
+@pytest.mark.parametrize("side", ["left", "right", "both", "holes"])
+def test_padding_mask_matches_sdpa(side):
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(8)
+    input_ids = torch.randint(1, 256, (3, 12), generator=g)
+    attention_mask = torch.ones(3, 12, dtype=torch.long)
+    if side in ("left", "both"):
+        attention_mask[0, :4] = 0
+        attention_mask[2, :1] = 0
+    if side in ("right", "both"):
+        attention_mask[1, 7:] = 0
+    if side == "holes":
+        attention_mask[0, [3, 4, 9]] = 0
+        attention_mask[1, 5] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    real = attention_mask.bool()
+
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    # Padded rows differ by design: compare (and differentiate) the logits of real rows only.
+    _compare(model, inputs, "sdpa", inputs, real=real, ctx=side)
+
+
+def test_resolve_mask_padding_forms():
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0]], dtype=torch.bool)
+    mask = fm_transformers.resolve_mask(3, 5, 5, device=torch.device("cpu"), attention_mask=valid)
+    dense = mask.to_dense()[:, 0]
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    contiguous = causal & valid[:, None, :] & valid[:, :, None]
+    assert torch.equal(dense[:2], contiguous[:2])  # padded rows see nothing
+    assert torch.equal(dense[2], causal & valid[2][None, :])  # holes: only keys hidden
+
+
+# ---------------------------------------------------------------------- sliding window
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("mistral", {"sliding_window": 5}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_window_with_packing_matches_sdpa(kind, extra):
+    model = tiny_model(kind, **extra)
+    inputs = _packed_inputs([[3, 12, 9, 8], [20, 12]], seed=9)
+    _compare(model, inputs, "sdpa", inputs, ctx=kind)
+
+
+def test_sliding_window_with_padding_matches_sdpa():
+    model = tiny_model("mistral", sliding_window=3)
+    g = torch.Generator().manual_seed(10)
+    input_ids = torch.randint(1, 256, (2, 12), generator=g)
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    attention_mask[1, 9:] = 0
+    real = attention_mask.bool()
+    labels = input_ids.masked_fill(~real, -100)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    _compare(model, inputs, "sdpa", inputs, real=real)
+
+
+def test_sliding_window_and_explicit_mask_intersect():
+    mask = masks.share_question([[3, 4, 4]])
+    window = fm_transformers.resolve_mask(
+        1, 11, 11, device=torch.device("cpu"), explicit=mask, sliding_window=3
+    )
+    expected = mask.to_dense() & masks.sliding_window(11, 2).to_dense()
+    assert torch.equal(window.to_dense(), expected)
+
+
+# ---------------------------------------------------------------------- errors, generation
+def test_training_with_attention_dropout_is_an_error():
+    model = variant(tiny_model("llama", attention_dropout=0.1), "flashmask")
+    input_ids = torch.randint(1, 256, (1, 8))
+    model(input_ids)  # eval: dropout is off
+    model.train()
+    with pytest.raises(ValueError, match="attention_dropout"):
+        model(input_ids)
+
+
+def test_unsupported_arguments_are_errors():
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        fm_transformers.flashmask_attention_forward(module, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="s_aux"):
+        fm_transformers.flashmask_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="sliding_window"):
+        fm_transformers.flashmask_attention_forward(module, q, q, q, None, sliding_window=0)
+
+
+def test_gqa_scaling_and_layout_against_sdpa_directly():
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 6, 10, 16, generator=g, dtype=F64)
+    k, v = (torch.randn(2, 3, 10, 16, generator=g, dtype=F64) for _ in range(2))
+    out, weights = fm_transformers.flashmask_attention_forward(module, q, k, v, None, scaling=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    assert weights is None
+    assert out.shape == (2, 10, 6, 16)
+    torch.testing.assert_close(out, expected)
+
+
+def test_greedy_generation_with_left_padding_matches_sdpa():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(12)
+    input_ids = torch.randint(1, 256, (2, 7), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    outputs = []
+    for attn in ("flashmask", "sdpa"):
+        m = variant(model, attn)
+        m.generation_config.pad_token_id = 0
+        outputs.append(
+            m.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        )
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_cpu_inputs_keep_their_dtype_and_mixed_dtypes_are_promoted():
+    module = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    q = torch.zeros(1, 2, 2, 4)
+    assert fm_transformers._dtypes(q, q, q, module) == (F32, F32)
+    assert fm_transformers._dtypes(q, q, q.bfloat16(), module) == (F32, F32)
+
+
+def test_autocast_runs_in_the_autocast_dtype_like_sdpa():
+    """Under autocast Llama hands over float32 q/k (after RoPE) and a bf16 v."""
+    model = tiny_model("llama")
+    input_ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(13))
+    logits = {}
+    for attn in ("flashmask", "sdpa"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits[attn] = variant(model, attn, F32)(input_ids, use_cache=False).logits.float()
+    reference = variant(model, "eager", F64)(input_ids, use_cache=False).logits
+    error = (logits["flashmask"] - reference).abs().max()
+    assert error <= 2 * (logits["sdpa"] - reference).abs().max()
+
+
+@pytest.mark.gpu
+def test_float32_cuda_inputs_run_in_the_weight_dtype():
+    module = torch.nn.Module()
+    module.q_proj = torch.nn.Linear(16, 16).to("cuda", torch.bfloat16)
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 64, 16, device="cuda") for _ in range(3))
+    out, _ = fm_transformers.flashmask_attention_forward(module, q, k, v, None)
+    assert out.dtype == torch.float32
+    expected = flashmask.flashmask_attention(
+        *(t.transpose(1, 2).bfloat16() for t in (q, k, v)), causal=True
+    )
+    torch.testing.assert_close(out, expected.float())
