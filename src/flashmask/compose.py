@@ -26,7 +26,9 @@ def _broadcast_size(name: str, a: int, b: int) -> int:
 def _merge(starts: torch.Tensor, ends: torch.Tensor, seqlen_q: int):
     """Merge K intervals per column (last axis) into at most K disjoint ones, ascending.
 
-    Returns ``(merged_starts, merged_ends, count)``; unused slots hold ``(Sq, Sq)``.
+    Returns ``(merged_starts, merged_ends, count)``; unused slots hold ``(Sq, Sq)``. Sorting by
+    start, an interval opens a new run when it starts after every earlier interval has ended (a
+    running maximum); runs are then reduced with two scatters, a fixed ~15 ops for any K.
     """
     empty = starts >= ends
     starts = torch.where(empty, seqlen_q, starts)
@@ -34,26 +36,21 @@ def _merge(starts: torch.Tensor, ends: torch.Tensor, seqlen_q: int):
     order = starts.argsort(dim=-1)
     starts, ends = starts.gather(-1, order), ends.gather(-1, order)
     k = starts.shape[-1]
-    out_s = torch.full_like(starts, seqlen_q)
-    out_e = torch.full_like(ends, seqlen_q)
-    count = torch.zeros_like(starts[..., 0])
-    last_end = torch.full_like(count, -1)
-    for i in range(k):
-        s, e = starts[..., i], ends[..., i]
-        present = s < seqlen_q
-        joins = present & (count > 0) & (s <= last_end)
-        opens = present & ~joins
-        for slot in range(k):
-            grow = joins & (count - 1 == slot)
-            out_e[..., slot] = torch.where(
-                grow, torch.maximum(out_e[..., slot], e), out_e[..., slot]
-            )
-            new = opens & (count == slot)
-            out_s[..., slot] = torch.where(new, s, out_s[..., slot])
-            out_e[..., slot] = torch.where(new, e, out_e[..., slot])
-        last_end = torch.where(joins, torch.maximum(last_end, e), torch.where(opens, e, last_end))
-        count = count + opens.to(count.dtype)
-    return out_s, out_e, count
+    present = starts < seqlen_q
+    reach = torch.where(present, ends, -1).cummax(-1).values
+    before = torch.nn.functional.pad(reach[..., :-1], (1, 0), value=-1)
+    opens = present & (starts > before)  # touching intervals ([a, b) then [b, c)) merge
+    run = opens.to(torch.int64).cumsum(-1) - 1
+    slot = torch.where(present, run, k)  # absent intervals go to a discarded extra slot
+    shape = (*starts.shape[:-1], k + 1)
+    out_s = torch.full(shape, seqlen_q, dtype=starts.dtype, device=starts.device)
+    out_e = torch.full(shape, seqlen_q, dtype=ends.dtype, device=ends.device)
+    out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
+    out_e = out_e.scatter_reduce(
+        -1, slot, torch.where(present, ends, -1), "amax", include_self=False
+    )
+    count = opens.sum(-1)
+    return out_s[..., :k], out_e[..., :k], count
 
 
 def _first_bad(bad: torch.Tensor) -> str:
