@@ -181,6 +181,30 @@ class Meter:
         return result
 
 
+def train_packed_sft(
+    model: torch.nn.Module,
+    parameters: Iterable[torch.nn.Parameter],
+    samples: list[dict],
+    args: argparse.Namespace,
+    tag: str,
+) -> dict[str, float]:
+    """The packed-SFT loop shared by the SFT examples: pack each step's samples with
+    :func:`flashmask.integrations.data.pack_sft`, one AdamW step over ``parameters``."""
+    from flashmask.integrations import data
+
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr)
+    meter = Meter(args.device)
+    steps = batches(samples, args.samples_per_step, args.steps, args.seed)
+    for step_samples in progress(steps, args.steps, tag):
+        batch = data.pack_sft(step_samples, args.max_tokens, pad_token_id=PAD_ID)
+        loss = model(**model_inputs(batch, args)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        meter.step(int((batch["sample_index"] >= 0).sum()), loss=loss.item())
+    return meter.summary(f"{tag} [{args.config}, {args.attn}, {args.device}]")
+
+
 def peak_memory(device: str) -> tuple[int, str]:
     """Peak bytes: CUDA's allocator peak, or the process's peak resident set on CPU."""
     if device.startswith("cuda"):

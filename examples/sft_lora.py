@@ -13,10 +13,7 @@ from __future__ import annotations
 import sys
 
 import common
-import torch
 from sft_packed import tokenize
-
-from flashmask.integrations import data
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -42,17 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in model.parameters())
     print(f"trainable parameters: {sum(p.numel() for p in trainable):,} of {total:,}")
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr)
-    meter = common.Meter(args.device)
-    steps = common.batches(samples, args.samples_per_step, args.steps, args.seed)
-    for step_samples in common.progress(steps, args.steps, "lora"):
-        batch = data.pack_sft(step_samples, args.max_tokens, pad_token_id=common.PAD_ID)
-        loss = model(**common.model_inputs(batch, args)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        meter.step(int((batch["sample_index"] >= 0).sum()), loss=loss.item())
-    return meter.summary(f"sft_lora [{args.config}, {args.attn}, {args.device}]")
+    return common.train_packed_sft(model, trainable, samples, args, "sft_lora")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ from __future__ import annotations
 import sys
 
 import common
-import torch
-
-from flashmask.integrations import data
 
 
 def tokenize(record: dict) -> dict[str, list[int]]:
@@ -30,17 +27,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     samples = [tokenize(r) for r in common.load_jsonl("sft.jsonl")]
     model = common.build_model(args)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    meter = common.Meter(args.device)
-    steps = common.batches(samples, args.samples_per_step, args.steps, args.seed)
-    for step_samples in common.progress(steps, args.steps, "sft"):
-        batch = data.pack_sft(step_samples, args.max_tokens, pad_token_id=common.PAD_ID)
-        loss = model(**common.model_inputs(batch, args)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        meter.step(int((batch["sample_index"] >= 0).sum()), loss=loss.item())
-    return meter.summary(f"sft_packed [{args.config}, {args.attn}, {args.device}]")
+    return common.train_packed_sft(model, model.parameters(), samples, args, "sft_packed")
 
 
 if __name__ == "__main__":
