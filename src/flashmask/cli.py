@@ -56,18 +56,18 @@ def _parser() -> argparse.ArgumentParser:
         "and optionally write a PNG of the dense mask with its tile classes.",
     )
     show.add_argument("name", metavar="NAME", help="mask type: " + ", ".join(_mask_names()))
-    show.add_argument("--seqlen", type=_positive_int, default=64, help="key length Sk (64)")
+    show.add_argument("--seqlen", type=positive_int_arg, default=64, help="key length Sk (64)")
     show.add_argument(
-        "--seqlen-q", type=_positive_int, default=None, help="query length Sq (default: Sk)"
+        "--seqlen-q", type=positive_int_arg, default=None, help="query length Sq (default: Sk)"
     )
     show.add_argument("--batch", type=_non_negative_int, default=0, help="batch index to draw (0)")
     show.add_argument("--head", type=_non_negative_int, default=0, help="head index to draw (0)")
     show.add_argument(
-        "--block", type=_positive_int, default=16, help="tile size for the tile classes (16)"
+        "--block", type=positive_int_arg, default=16, help="tile size for the tile classes (16)"
     )
     show.add_argument(
         "--max-size",
-        type=_positive_int,
+        type=positive_int_arg,
         default=64,
         help="largest Sq/Sk drawn element by element; larger masks are drawn per tile (64)",
     )
@@ -87,13 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seqlen",
-        type=_positive_int,
+        type=positive_int_arg,
         default=None,
         help="packed sequence length (default: 8192 on CUDA, 1024 on CPU; attention only: "
         "4096 on CUDA, 2048 on CPU)",
     )
-    demo.add_argument("--steps", type=_positive_int, default=4, help="training steps (4)")
-    demo.add_argument("--rows", type=_positive_int, default=2, help="packed rows per step (2)")
+    demo.add_argument("--steps", type=positive_int_arg, default=4, help="training steps (4)")
+    demo.add_argument("--rows", type=positive_int_arg, default=2, help="packed rows per step (2)")
     demo.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N]"
     )
@@ -103,12 +103,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compare the attention op alone (no transformers needed)",
     )
-    demo.add_argument("--heads", type=_positive_int, default=8, help="attention only: heads (8)")
+    demo.add_argument("--heads", type=positive_int_arg, default=8, help="attention only: heads (8)")
     demo.add_argument(
-        "--head-dim", type=_positive_int, default=64, help="attention only: head dimension (64)"
+        "--head-dim", type=positive_int_arg, default=64, help="attention only: head dimension (64)"
     )
     demo.add_argument(
-        "--repeats", type=_positive_int, default=3, help="attention only: timed runs (3)"
+        "--repeats", type=positive_int_arg, default=3, help="attention only: timed runs (3)"
     )
     demo.set_defaults(run=_demo)
 
@@ -125,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
+def positive_int_arg(text: str) -> int:
+    """argparse type for a positive integer (also used by the cp-plan report's parser)."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")

@@ -15,7 +15,7 @@ import torch
 from flashmask.distributed import balance
 from flashmask.distributed.localize import chunk_columns, local_mask, normal_form
 from flashmask.distributed.workload import pair_counts, tile_counts
-from flashmask.mask import FlashMask, as_flashmask
+from flashmask.mask import FlashMask, _check_positive_int, as_flashmask
 
 __all__ = ["MODES", "WORKLOADS", "ContextParallelPlan", "make_plan"]
 
@@ -186,14 +186,6 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
 def make_plan(
     mask: FlashMask | torch.Tensor,
     world_size: int,
@@ -233,15 +225,15 @@ def make_plan(
         mask = as_flashmask(mask, causal)
     else:
         raise TypeError(f"mask must be a FlashMask or a torch.Tensor, got {type(mask).__name__}")
-    world_size = _positive_int("world_size", world_size)
-    chunk_size = _positive_int("chunk_size", chunk_size)
+    world_size = _check_positive_int("world_size", world_size)
+    chunk_size = _check_positive_int("chunk_size", chunk_size)
     if balancer not in balance.BALANCERS:
         raise ValueError(
             f"balancer must be one of {', '.join(balance.BALANCERS)}; got {balancer!r}"
         )
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {workload!r}")
-    tile_size = _positive_int("tile_size", tile_size)
+    tile_size = _check_positive_int("tile_size", tile_size)
     if workload == "tiles" and chunk_size % tile_size:
         raise ValueError(
             f"chunk_size ({chunk_size}) must be a multiple of tile_size ({tile_size}) when "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmask import masks
+from flashmask.cli import positive_int_arg
 from flashmask.distributed.balance import BALANCERS
 from flashmask.distributed.plan import WORKLOADS, ContextParallelPlan, make_plan
 
@@ -232,34 +233,27 @@ def _parser() -> argparse.ArgumentParser:
         "and bytes moved per execution mode and balancer (planner numbers, not measurements).",
     )
     parser.add_argument("name", metavar="NAME", help="mask type (flashmask.masks.example)")
-    parser.add_argument("--seqlen", type=_positive_int, default=131072, help="tokens (131072)")
+    parser.add_argument("--seqlen", type=positive_int_arg, default=131072, help="tokens (131072)")
     parser.add_argument(
         "--world-sizes", type=_int_list, default=[2, 4, 8, 16, 32, 64], help="(2,4,8,16,32,64)"
     )
-    parser.add_argument("--chunk-size", type=_positive_int, default=512, help="tokens (512)")
+    parser.add_argument("--chunk-size", type=positive_int_arg, default=512, help="tokens (512)")
     parser.add_argument(
         "--balancers", type=_name_list, default=list(BALANCERS), help=",".join(BALANCERS)
     )
-    parser.add_argument("--batch", type=_positive_int, default=1, help="batch size (1)")
-    parser.add_argument("--kv-heads", type=_positive_int, default=8, help="key/value heads (8)")
-    parser.add_argument("--head-dim", type=_positive_int, default=128, help="head dim (128)")
+    parser.add_argument("--batch", type=positive_int_arg, default=1, help="batch size (1)")
+    parser.add_argument("--kv-heads", type=positive_int_arg, default=8, help="key/value heads (8)")
+    parser.add_argument("--head-dim", type=positive_int_arg, default=128, help="head dim (128)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     parser.add_argument("--workload", choices=WORKLOADS, default="pairs")
     parser.add_argument("--tolerance", type=float, default=0.05, help="document balancer (0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random mask draws (0)")
     parser.add_argument(
-        "--detail", type=_positive_int, default=8, help="world size of the per-rank table (8)"
+        "--detail", type=positive_int_arg, default=8, help="world size of the per-rank table (8)"
     )
     parser.add_argument("--png", metavar="PATH", default=None, help="also write a PNG plot")
     parser.add_argument("--output", metavar="PATH", default=None, help="also write the Markdown")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _int_list(text: str) -> list[int]:

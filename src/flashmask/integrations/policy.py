@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flashmask import masks
 from flashmask.mask import FlashMask
 
 __all__ = [
@@ -105,21 +106,19 @@ def layer_mask(
     spec: MaskSpec, seqlen_q: int, seqlen_k: int, device: torch.device | str | None = None
 ) -> FlashMask:
     """The mask of ``spec`` for ``Sq`` queries standing at the last ``Sq`` of ``Sk`` positions."""
+    if spec.kind == "causal":
+        return masks.causal(seqlen_k, seqlen_q=seqlen_q, device=device)
+    if spec.kind == "full":
+        return masks.full(seqlen_k, seqlen_q=seqlen_q, device=device)
+    if spec.kind == "sliding_window":
+        return masks.sliding_window(
+            seqlen_k, spec.window, sink_tokens=spec.sink_tokens, seqlen_q=seqlen_q, device=device
+        )
+    # prefix_lm: prefix keys are seen by every query; later keys causally (rows before them).
     cols = torch.arange(seqlen_k, device=device, dtype=torch.int64)
     offset = seqlen_k - seqlen_q  # query i stands at key position i + offset
-    full_rows = torch.full_like(cols, seqlen_q)
-    if spec.kind == "causal":
-        return FlashMask(full_rows.to(torch.int32).view(1, 1, -1, 1), True)
-    if spec.kind == "full":
-        bounds = torch.stack([full_rows, torch.zeros_like(cols)], -1)
-        return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False)
-    if spec.kind == "sliding_window":
-        lts = (cols + spec.window + 1 - offset).clamp(0, seqlen_q)
-        lts = torch.where(cols < spec.sink_tokens, seqlen_q, lts)
-        return FlashMask(lts.to(torch.int32).view(1, 1, -1, 1), True)
-    # prefix_lm: prefix keys are seen by every query; later keys causally (rows before them).
     ute = torch.where(cols < spec.prefix_len, 0, (cols - offset).clamp(0, seqlen_q))
-    bounds = torch.stack([full_rows, ute], -1)
+    bounds = torch.stack([torch.full_like(cols, seqlen_q), ute], -1)
     return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False)
 
 
