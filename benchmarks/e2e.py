@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 import flashmask
 import flashmask.integrations.transformers  # registers attn_implementation="flashmask"
 from flashmask.integrations import data
+from flashmask.integrations.transformers import enable_activation_checkpointing
 
 BACKENDS = ("flashmask", "sdpa", "flex_attention")
 MODEL_1B = {
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         _log("dpo", row)
         save()
 
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    enable_activation_checkpointing(model)
     for backend in args.backends:
         row = {"backend": backend} | _longest(
             model, optimizer, backend, args, device, generator, deadline

@@ -15,6 +15,8 @@ import sys
 import common
 from sft_packed import tokenize
 
+from flashmask.integrations.transformers import enable_activation_checkpointing
+
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     import peft
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     model = peft.get_peft_model(model, config)
     if args.checkpointing:
-        model.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model.get_base_model())
         model.enable_input_require_grads()
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]

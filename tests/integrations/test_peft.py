@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft", reason="peft is not installed")
 
 from flashmask.integrations import data  # noqa: E402
+from flashmask.integrations.transformers import enable_activation_checkpointing  # noqa: E402
 from tests.integrations.tiny import assert_results_close, run, tiny_model, variant  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
@@ -26,7 +27,7 @@ def _lora(model, attn: str, dtype: torch.dtype, checkpointing: bool):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
     if checkpointing:
-        lora.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(lora.get_base_model())
         lora.enable_input_require_grads()
     lora.train()
     return lora

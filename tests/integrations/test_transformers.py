@@ -392,3 +392,18 @@ def test_float32_cuda_inputs_run_in_the_weight_dtype():
         *(t.transpose(1, 2).bfloat16() for t in (q, k, v)), causal=True
     )
     torch.testing.assert_close(out, expected.float())
+
+
+def test_enable_activation_checkpointing_works_on_any_transformers_5_model():
+    model = tiny_model()
+    fm_transformers.enable_activation_checkpointing(model)
+    # 5.2x renamed the flag too; read whichever this version has (the old name warns there).
+    name = "is_activation_checkpointing"
+    if not hasattr(type(model), name):
+        name = "is_gradient_checkpointing"
+    assert getattr(model, name)
+
+
+def test_enable_activation_checkpointing_rejects_non_models():
+    with pytest.raises(TypeError, match="model"):
+        fm_transformers.enable_activation_checkpointing(torch.nn.Linear(2, 2))

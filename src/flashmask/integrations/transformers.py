@@ -77,6 +77,7 @@ except ImportError:  # pragma: no cover - depends on the installed version
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "enable_activation_checkpointing",
     "flashmask_attention_forward",
     "flashmask_mask_interface",
     "register",
@@ -103,6 +104,24 @@ def register(name: str = ATTN_IMPLEMENTATION) -> None:
         # Without a registered mask function transformers drops every mask (even causal) for
         # an unknown backend; ours just hands the 2-D padding mask through.
         AttentionMaskInterface.register(name, flashmask_mask_interface)
+
+
+def enable_activation_checkpointing(model: Any, use_reentrant: bool = False) -> None:
+    """Turn on activation (gradient) checkpointing of a transformers model, any 5.x version.
+
+    transformers renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
+    in 5.2x (the old name stays as a deprecated alias there); this calls whichever the installed
+    version has, with non-reentrant checkpointing by default (needed for PEFT and compile).
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise TypeError(
+            f"model ({type(model).__name__}) has no activation_checkpointing_enable or "
+            "gradient_checkpointing_enable method; pass a transformers PreTrainedModel"
+        )
+    enable({"use_reentrant": use_reentrant})
 
 
 def _skip_flash_attention_preload() -> None:
