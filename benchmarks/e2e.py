@@ -68,6 +68,8 @@ MODEL_TINY = {
     "vocab_size": 256,
 }
 LOSS_CHUNK = 8192
+NO_ATTENTION = "no_attention"
+PARTS = ("sft", "dpo", "longest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(0)
     save()
 
-    for seqlen in args.seqlens:
+    for seqlen in args.seqlens if "sft" in args.parts else []:
         batch = _sft_batch(seqlen, generator, args.vocab)
-        for backend in args.backends:
+        # "no_attention" (attention replaced by the identity) is the bound that the rest of the
+        # model sets: no attention backend can train faster than it.
+        for backend in [*args.backends, NO_ATTENTION]:
             row = {"backend": backend, "seqlen": seqlen}
             row |= _measure(
                 lambda b=backend, x=batch: _sft_step(model, optimizer, b, x, device),
@@ -108,23 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             _log("sft", row)
             save()
 
-    batch = _dpo_batch(args.dpo_seqlen, generator, args.vocab)
-    for backend in args.backends:
-        row = {"backend": backend, "seqlen": args.dpo_seqlen}
-        row |= _measure(
-            lambda b=backend: _dpo_step(model, optimizer, b, batch, device),
-            args,
-            device,
-            deadline,
-            tokens=int((batch["input_ids"] != 0).sum()),
-        )
-        row["pairs"] = int(batch["pair_row"].numel())
-        report["dpo"].append(row)
-        _log("dpo", row)
-        save()
-
-    enable_activation_checkpointing(model)
-    for backend in args.backends:
+    if "dpo" in args.parts:
+        _run_dpo(model, optimizer, args, device, generator, deadline, report, save)
+    if "longest" in args.parts:
+        enable_activation_checkpointing(model)
+    for backend in args.backends if "longest" in args.parts else []:
         row = {"backend": backend} | _longest(
             model, optimizer, backend, args, device, generator, deadline
         )
@@ -137,12 +129,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_dpo(model, optimizer, args, device, generator, deadline, report, save) -> None:
+    """Shared-prompt DPO with every backend, the usual separate layout with SDPA, and the check
+    that both layouts give the same log-probs and loss."""
+    pairs = _dpo_pairs(args.dpo_seqlen, generator, args.vocab)
+    batch = data.pack_preference(pairs, args.dpo_seqlen, pad_to_max_tokens=True)
+    separate = _separate_batch(pairs)
+    report["dpo_equality"] = _dpo_equality(model, batch, separate, device)
+    _log("dpo_equality", report["dpo_equality"])
+    for backend in args.backends:
+        row = {"backend": backend, "layout": "shared prompt", "seqlen": args.dpo_seqlen}
+        row |= _measure(
+            lambda b=backend: _dpo_step(model, optimizer, b, batch, device),
+            args,
+            device,
+            deadline,
+            tokens=int((batch["input_ids"] != 0).sum()),
+            pairs=len(pairs),
+        )
+        report["dpo"].append(row)
+        _log("dpo", row)
+        save()
+    row = {"backend": "sdpa", "layout": "separate sequences", "seqlen": separate["seqlen"]}
+    row |= _measure(
+        lambda: _dpo_separate_step(model, optimizer, separate, device),
+        args,
+        device,
+        deadline,
+        tokens=int(separate["attention_mask"].sum()),
+        pairs=len(pairs),
+    )
+    report["dpo"].append(row)
+    _log("dpo", row)
+    save()
+
+
 # ---------------------------------------------------------------------- setup
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, small sizes")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/e2e"))
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    p.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (all)"
+    )
     p.add_argument("--seqlens", nargs="+", type=int, default=None, help="SFT row lengths")
     p.add_argument("--dpo-seqlen", type=int, default=None, help="DPO row length (8192)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (2)")
@@ -230,8 +260,9 @@ def _sft_batch(seqlen: int, generator: torch.Generator, vocab: int) -> dict[str,
     return data.pack_sft(samples, seqlen, pad_to_max_tokens=True)
 
 
-def _dpo_batch(seqlen: int, generator: torch.Generator, vocab: int) -> dict[str, torch.Tensor]:
-    """One row of shared-prompt pairs: prompts of S/32 to S/4 tokens, responses S/64 to S/8."""
+def _dpo_pairs(seqlen: int, generator: torch.Generator, vocab: int) -> list[dict]:
+    """Random preference pairs filling one row of ``seqlen`` tokens: prompts of S/32 to S/4
+    tokens, responses of S/64 to S/8."""
     pairs, total = [], 0
     while True:
         p = int(torch.randint(max(1, seqlen // 32), max(2, seqlen // 4), (1,), generator=generator))
@@ -240,7 +271,7 @@ def _dpo_batch(seqlen: int, generator: torch.Generator, vocab: int) -> dict[str,
             for _ in range(2)
         )
         if total + p + c + r > seqlen:
-            break
+            return pairs
         pairs.append(
             {
                 key: torch.randint(1, vocab, (n,), generator=generator)
@@ -248,12 +279,55 @@ def _dpo_batch(seqlen: int, generator: torch.Generator, vocab: int) -> dict[str,
             }
         )
         total += p + c + r
-    return data.pack_preference(pairs, seqlen, pad_to_max_tokens=True)
+
+
+def _separate_batch(pairs: list[dict]) -> dict:
+    """The usual DPO layout: ``prompt ‖ chosen`` and ``prompt ‖ rejected`` as separate rows
+    (chosen rows first), right-padded to the longest, with a 2-D padding mask and, per row, the
+    response's first position and length."""
+    rows = [torch.cat([p["prompt"], p[key]]) for key in ("chosen", "rejected") for p in pairs]
+    starts = [len(p["prompt"]) for _ in range(2) for p in pairs]
+    seqlen = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), seqlen, dtype=torch.int64)
+    attention_mask = torch.zeros(len(rows), seqlen, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+        attention_mask[i, : len(row)] = 1
+    lengths = [len(r) - s for r, s in zip(rows, starts, strict=True)]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "starts": starts,
+        "lengths": lengths,
+        "seqlen": seqlen,
+    }
+
+
+def _separate_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-probabilities of :func:`_separate_batch` rows: ``(chosen, rejected)``."""
+    ids = batch["input_ids"].to(logits.device)
+    sums = []
+    for i, (start, length) in enumerate(zip(batch["starts"], batch["lengths"], strict=True)):
+        logp = logits[i, start - 1 : start + length - 1].float().log_softmax(-1)
+        sums.append(logp.gather(-1, ids[i, start : start + length, None]).sum())
+    sums = torch.stack(sums)
+    half = len(sums) // 2
+    return sums[:half], sums[half:]
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention removed: the output is the query itself (``[B, S, H, D]``), costing nothing."""
+    return query.transpose(1, 2), None
+
+
+transformers.AttentionInterface.register(NO_ATTENTION, _no_attention)
 
 
 def _inputs(batch: dict, backend: str, device: torch.device) -> dict:
     """Model inputs for ``backend``: the FlashMask tensor, a dense bool mask or a BlockMask."""
     inputs = {k: batch[k].to(device) for k in ("input_ids", "position_ids")}
+    if backend == NO_ATTENTION:
+        return inputs
     sri = batch["startend_row_indices"].to(device)
     if backend == "flashmask":
         inputs["startend_row_indices"] = sri
@@ -316,6 +390,7 @@ def _sft_step(model, optimizer, backend: str, batch: dict, device: torch.device)
 
 
 def _dpo_step(model, optimizer, backend: str, batch: dict, device: torch.device) -> None:
+    """One shared-prompt DPO step: no-grad reference forward, policy forward and backward."""
     _set_backend(model, backend)
     inputs = _inputs(batch, backend, device)
     index = {k: v.to(device) for k, v in batch.items()}
@@ -327,6 +402,47 @@ def _dpo_step(model, optimizer, backend: str, batch: dict, device: torch.device)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _dpo_separate_step(model, optimizer, batch: dict, device: torch.device) -> None:
+    """The same DPO step on the usual layout (separate padded rows, SDPA, 2-D padding mask)."""
+    _set_backend(model, "sdpa")
+    inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        ref = _separate_logps(model(**inputs, use_cache=False).logits, batch)
+    policy = _separate_logps(model(**inputs, use_cache=False).logits, batch)
+    loss = data.dpo_loss(*policy, *ref, beta=0.1)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _dpo_equality(model, shared: dict, separate: dict, device: torch.device) -> dict:
+    """Response log-probs and a DPO loss from the shared-prompt rows (flashmask) and from the
+    separate rows (SDPA), same weights. The loss uses zero reference log-probs (the reference
+    pass would see the same weights) so that it depends on the policy's log-probs alone."""
+    with torch.no_grad():
+        _set_backend(model, "flashmask")
+        index = {k: v.to(device) for k, v in shared.items()}
+        logits = model(**_inputs(shared, "flashmask", device), use_cache=False).logits
+        packed = data.response_logps(logits, index)
+        del logits
+        _set_backend(model, "sdpa")
+        inputs = {k: separate[k].to(device) for k in ("input_ids", "attention_mask")}
+        usual = _separate_logps(model(**inputs, use_cache=False).logits, separate)
+    a, b = torch.cat(packed).double(), torch.cat(usual).double()
+    zero = torch.zeros_like(packed[0])
+    loss_packed = float(data.dpo_loss(*packed, zero, zero, beta=0.1))
+    loss_usual = float(data.dpo_loss(*usual, zero, zero, beta=0.1))
+    return {
+        "pairs": len(separate["starts"]) // 2,
+        "response_tokens": int(sum(separate["lengths"])),
+        "max_abs_logp_diff": float((a - b).abs().max()),
+        "mean_abs_logp": round(float(b.abs().mean()), 2),
+        "max_rel_logp_diff": float((a - b).abs().max() / b.abs().max()),
+        "loss_shared_flashmask": loss_packed,
+        "loss_separate_sdpa": loss_usual,
+    }
 
 
 # ---------------------------------------------------------------------- measuring
@@ -346,6 +462,7 @@ def _measure(
     deadline: float,
     *,
     tokens: int,
+    pairs: int | None = None,
     warmup: int | None = None,
     steps: int | None = None,
 ) -> dict:
@@ -381,6 +498,9 @@ def _measure(
         "step_ms": round(seconds * 1e3, 2),
         "tokens_per_s": round(tokens / seconds, 1),
     }
+    if pairs is not None:
+        result["pairs"] = pairs
+        result["pairs_per_s"] = round(pairs / seconds, 2)
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
@@ -430,19 +550,49 @@ def _markdown(report: dict) -> str:
         f"{meta['warmup_steps']} warm-up steps; peak memory over all of them.",
         "",
     ]
-    for title, key in (("Packed SFT", "sft"), ("Shared-prompt DPO", "dpo")):
+    lines += [
+        "## Packed SFT",
+        "",
+        f"`{NO_ATTENTION}` replaces attention by the identity: the speed the rest of the model "
+        "allows.",
+        "",
+        "| seqlen | backend | tokens/s | step ms | peak GiB | status |",
+        "|---:|---|---:|---:|---:|---|",
+    ]
+    for row in report["sft"]:
+        lines.append(
+            f"| {row['seqlen']} | {row['backend']} | {row.get('tokens_per_s', '')} | "
+            f"{row.get('step_ms', '')} | {row.get('peak_gib', '')} | {row['status']} |"
+        )
+    lines += [
+        "",
+        "## DPO",
+        "",
+        "One step = no-grad reference forward + policy forward and backward + AdamW. The shared "
+        "layout packs `prompt ‖ chosen ‖ rejected` into one row (share-question mask); the "
+        "separate layout is the usual one (prompt+chosen and prompt+rejected as padded rows).",
+        "",
+        "| layout | backend | row length | pairs/s | tokens/s | step ms | peak GiB | status |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in report["dpo"]:
+        lines.append(
+            f"| {row.get('layout', '')} | {row['backend']} | {row['seqlen']} | "
+            f"{row.get('pairs_per_s', '')} | {row.get('tokens_per_s', '')} | "
+            f"{row.get('step_ms', '')} | {row.get('peak_gib', '')} | {row['status']} |"
+        )
+    equality = report.get("dpo_equality")
+    if equality:
         lines += [
-            f"## {title}",
             "",
-            "| seqlen | backend | tokens/s | step ms | peak GiB | status |",
+            f"Same weights, {equality['pairs']} pairs ({equality['response_tokens']} response "
+            f"tokens): response log-probs differ by at most {equality['max_abs_logp_diff']:.3g} "
+            f"(mean |log p| {equality['mean_abs_logp']}; relative "
+            f"{equality['max_rel_logp_diff']:.2e}); DPO loss (zero reference) "
+            f"{equality['loss_shared_flashmask']:.6f} shared/flashmask vs "
+            f"{equality['loss_separate_sdpa']:.6f} separate/SDPA.",
         ]
-        lines.append("|---:|---|---:|---:|---:|---|")
-        for row in report[key]:
-            lines.append(
-                f"| {row['seqlen']} | {row['backend']} | {row.get('tokens_per_s', '')} | "
-                f"{row.get('step_ms', '')} | {row.get('peak_gib', '')} | {row['status']} |"
-            )
-        lines.append("")
+    lines.append("")
     lines += ["## Longest trainable packed sequence (gradient checkpointing)", ""]
     lines += ["| backend | longest seqlen | tried |", "|---|---:|---|"]
     for row in report["longest"]:

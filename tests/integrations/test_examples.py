@@ -69,6 +69,17 @@ def test_e2e_benchmark_smoke_mode_writes_its_report(tmp_path, monkeypatch):
     ]
     assert e2e.main(argv) == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
-    assert [row["status"] for row in report["sft"] + report["dpo"]] == ["ok"] * 4
+    sft = [(row["backend"], row["status"]) for row in report["sft"]]
+    assert sft == [("flashmask", "ok"), ("sdpa", "ok"), ("no_attention", "ok")]
+    dpo = [(row["layout"], row["backend"], row["status"]) for row in report["dpo"]]
+    assert dpo == [
+        ("shared prompt", "flashmask", "ok"),
+        ("shared prompt", "sdpa", "ok"),
+        ("separate sequences", "sdpa", "ok"),
+    ]
+    # float32 on CPU: both layouts give the same log-probs and loss.
+    equality = report["dpo_equality"]
+    assert equality["max_rel_logp_diff"] < 1e-5
+    assert abs(equality["loss_shared_flashmask"] - equality["loss_separate_sdpa"]) < 1e-5
     assert [row["longest_seqlen"] for row in report["longest"]] == [128, 128]
     assert "| 64 | flashmask |" in (tmp_path / "e2e.md").read_text()
