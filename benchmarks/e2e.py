@@ -594,9 +594,13 @@ def _markdown(report: dict) -> str:
         ]
     lines.append("")
     lines += ["## Longest trainable packed sequence (gradient checkpointing)", ""]
-    lines += ["| backend | longest seqlen | tried |", "|---|---:|---|"]
+    lines += ["| backend | longest seqlen | tried (step s, peak GiB) |", "|---|---:|---|"]
     for row in report["longest"]:
-        tried = ", ".join(f"{t['seqlen']}: {t['status']}" for t in row["tried"])
+        tried = ", ".join(
+            f"{t['seqlen']}: {t['status']}"
+            + (f" ({t['step_ms'] / 1e3:.1f} s, {t['peak_gib']} GiB)" if "peak_gib" in t else "")
+            for t in row["tried"]
+        )
         lines.append(f"| {row['backend']} | {row['longest_seqlen']} | {tried} |")
     return "\n".join(lines) + "\n"
 
