@@ -1,8 +1,12 @@
-"""Time the FlashMask kernels under several tile configurations (one GPU call, many variants).
+"""Sweep the tile shapes of the three FlashMask kernels on one GPU, next to FlexAttention.
 
-Prints forward, backward (deterministic and atomic dQ) and mask-preparation milliseconds and
-mask-aware TFLOP/s per (mask, config), so a tile choice is a measured decision.
-Usage: ``PYTHONPATH=src python benchmarks/tune.py --seqlen 8192 --head-dim 128``
+The forward, the dK/dV pass and the dQ pass are tuned independently (the backward is timed with
+one pass's candidate and the other pass at the default), every candidate is checked against the
+default's result, each measurement is repeated in interleaved rounds (the H200's clock drifts by
+~10% between back-to-back runs of the same kernel), and FlexAttention's forward and backward on
+the same inputs are timed in the same run as the yardstick.
+
+Usage: ``PYTHONPATH=src python benchmarks/tune.py --seqlen 8192 --head-dims 128``
 """
 
 from __future__ import annotations
@@ -10,117 +14,191 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
+import statistics
+from dataclasses import asdict, replace
 
 import torch
 import triton
 
-from flashmask import kernels, masks
-from flashmask.bench import visible_pairs
+from flashmask import bench, kernels, masks
 from flashmask.kernels import TileConfig
 
+# (BLOCK_M, BLOCK_N, warps, stages) candidates per pass and head dim.
+FWD = {
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    128: [
+        (64, 64, 4, 3),
+        (64, 64, 4, 2),
+        (128, 64, 8, 3),
+        (128, 64, 4, 3),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (64, 128, 4, 3),
+    ],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+}
+DKDV = {
+    64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (128, 128, 8, 2)],
+    128: [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 128, 8, 2),
+        (64, 128, 8, 3),
+        (32, 128, 4, 3),
+        (32, 64, 4, 3),
+        (128, 64, 8, 2),
+    ],
+    256: [(64, 64, 8, 1), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 1)],
+}
+DQ = {
+    64: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)],
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3)],
+    256: [(64, 64, 8, 1), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+}
 
-def configs(head_dim: int) -> dict[str, TileConfig]:
-    base = kernels.tile_config(head_dim)
-    out = {"default": base}
-    if head_dim <= 128:
-        out["fwd64x64s4"] = replace(base, fwd_stages=4)
-        out["fwd128x64w8"] = replace(base, fwd_m=128, fwd_warps=8)
-        out["bwd64x64s3"] = replace(base, bwd_stages=3)
-        out["bwd64x64w8"] = replace(base, bwd_warps=8)
-        out["bwd64x128w8"] = replace(base, bwd_n=128, bwd_warps=8)
-        out["dq64x64s3"] = replace(base, dq_stages=3)
-        out["dq128x64w8"] = replace(base, dq_m=128, dq_warps=8)
-        out["dq64x128w8"] = replace(base, dq_n=128, dq_warps=8)
+
+def _with(base: TileConfig, kind: str, shape: tuple[int, int, int, int]) -> TileConfig:
+    m, n, w, s = shape
+    if kind == "fwd":
+        return replace(base, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=s)
+    if kind == "dkdv":
+        return replace(base, bwd_m=m, bwd_n=n, bwd_warps=w, bwd_stages=s)
+    return replace(base, dq_m=m, dq_n=n, dq_warps=w, dq_stages=s)
+
+
+def _inputs(name: str, s: int, b: int, h: int, d: int, dev: torch.device):
+    gen = torch.Generator().manual_seed(0)
+    if name in ("full", "causal"):
+        mask, causal = None, name == "causal"
     else:
-        out["fwd64x32"] = replace(base, fwd_m=64, fwd_n=32, fwd_warps=4, fwd_stages=2)
-        out["fwd128x64"] = replace(base, fwd_m=128, fwd_n=64, fwd_warps=8, fwd_stages=2)
-        out["bwd32x64"] = replace(base, bwd_m=32, bwd_n=64, bwd_warps=4, bwd_stages=1)
-        out["bwd64x64w4s2"] = replace(base, bwd_warps=4, bwd_stages=2)
-    return out
+        heads = h if name == "random_eviction" else 1
+        mask = masks.example(name, s, batch_size=b, num_heads=heads, generator=gen).to(dev)
+        causal = mask.causal
+    pairs = bench.visible_pairs(mask.to("cpu") if mask is not None else None, causal, s, s)
+    flop = 4.0 * d * int(pairs.sum()) * (h // pairs.shape[1]) * (b // pairs.shape[0])
+    q, k, v, do = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    return mask, causal, flop, q, k, v, do
+
+
+def _flex_ms(mask, causal, q, k, v, do, rep_ms: int) -> tuple[float, float]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    b, s, h, _ = q.shape
+    block_mask = bench._flex_block_mask(mask, causal, b, h, s, q.device)()
+    flex = torch.compile(flex_attention)
+    qf, kf, vf = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dof = do.transpose(1, 2).contiguous()
+    fwd = bench._bench(lambda: flex(qf, kf, vf, block_mask=block_mask), rep_ms)
+    total = bench._bench(lambda: flex(qf, kf, vf, block_mask=block_mask).backward(dof), rep_ms)
+    return fwd, total - fwd
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlen", type=int, default=8192)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dims", default="128")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rep-ms", type=int, default=60)
     parser.add_argument(
-        "--masks", default="full,causal,causal_document,sliding_window,share_question"
+        "--masks", default="full,causal,prefix_lm_causal,qk_sparse,causal_document,share_question"
     )
+    parser.add_argument("--device", default="cuda", help="cpu: a TRITON_INTERPRET=1 smoke run")
     args = parser.parse_args()
-    s, d = args.seqlen, args.head_dim
-    b, h = max(1, args.tokens // s), max(1, args.hidden // d)
-    dev = torch.device("cuda")
-    q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
-    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
-    scale = d**-0.5
-    rows = []
-    for name in args.masks.split(","):
-        if name in ("full", "causal"):
-            sri, causal, m = None, name == "causal", None
-        else:
-            m = masks.example(
-                name, s, batch_size=b, num_heads=h if name == "random_eviction" else 1
-            )
-            sri, causal = m.startend_row_indices.to(dev), m.causal
-        pairs = (
-            int(visible_pairs(m, causal, s, s).sum())
-            * (h // (m.num_heads if m else 1))
-            * (b if m is None else 1)
-        )
-        flop = 4.0 * d * pairs
-        for cname, cfg in configs(d).items():
-            try:
-                row = time_config(q, k, v, do, sri, causal, scale, cfg, b, s, flop)
-            except Exception as exc:  # a config that does not fit (shared memory) is reported
-                print(f"{name:18s} {cname:14s} failed: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            row.update(mask=name, config=cname)
-            rows.append(row)
-            print(
-                f"{name:18s} {cname:14s} fwd {row['fwd_ms']:7.3f} ms "
-                f"({row['fwd_tflops']:4.0f} TF/s)"
-                f"  bwd det {row['bwd_det_ms']:7.3f} atomic {row['bwd_atomic_ms']:7.3f}"
-                f"  total det {row['total_det_tflops']:4.0f} "
-                f"atomic {row['total_atomic_tflops']:4.0f}"
-                f" TF/s  prep {row['prep_ms']:.3f} ms",
-                flush=True,
-            )
+    dev = torch.device(args.device)
     out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, f"tune_S{s}_D{d}.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    results = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        s = args.seqlen
+        b, h = max(1, args.tokens // s), max(1, args.hidden // d)
+        base = kernels.tile_config(d)
+        for name in args.masks.split(","):
+            mask, causal, flop, q, k, v, do = _inputs(name, s, b, h, d, dev)
+            sri = None if mask is None else mask.startend_row_indices
+            scale = d**-0.5
+            ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale, config=base)
+            ref_grads = kernels.backward(
+                do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True, config=base
+            )
+            flex_fwd, flex_bwd = (
+                _flex_ms(mask, causal, q, k, v, do, args.rep_ms)
+                if dev.type == "cuda"
+                else (float("nan"), float("nan"))
+            )
+            row = {"mask": name, "head_dim": d, "seqlen": s, "flop_fwd": flop}
+            row["flex"] = {"fwd_ms": flex_fwd, "bwd_ms": flex_bwd}
+            times: dict[str, dict] = {}
+            cands = [(kind, c) for kind, table in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
+                     for c in table[d]]  # fmt: skip
+            for _ in range(args.rounds):
+                for kind, shape in cands:
+                    key = f"{kind} {shape}"
+                    cfg = _with(base, kind, shape)
+                    try:
+                        if kind == "fwd":
+                            out, _ = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
+                            err = float((out.float() - ref_out.float()).abs().max())
+                            ms = triton.testing.do_bench(
+                                lambda c=cfg: kernels.forward(
+                                    q, k, v, sri, causal, scale, config=c
+                                ),
+                                rep=args.rep_ms,
+                                return_mode="median",
+                            )
+                        else:
+                            grads = kernels.backward(
+                                do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True,
+                                config=cfg,
+                            )  # fmt: skip
+                            err = max(
+                                float((g.float() - r.float()).abs().max())
+                                for g, r in zip(grads, ref_grads, strict=True)
+                            )
+                            ms = triton.testing.do_bench(
+                                lambda c=cfg: kernels.backward(
+                                    do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True,
+                                    config=c,
+                                ),
+                                rep=args.rep_ms,
+                                return_mode="median",
+                            )  # fmt: skip
+                    except Exception as exc:  # shared memory overflow etc.: report, go on
+                        times[key] = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+                        continue
+                    entry = times.setdefault(key, {"ms": [], "max_abs_diff": 0.0})
+                    entry["ms"].append(ms)
+                    entry["max_abs_diff"] = max(entry["max_abs_diff"], err)
+            for entry in times.values():
+                if "ms" in entry:
+                    entry["median_ms"] = statistics.median(entry["ms"])
+            row["candidates"] = times
+            results.append(row)
+            _print(row)
+            torch.cuda.empty_cache()
+        name = f"tune_S{args.seqlen}_D{args.head_dims.replace(',', '-')}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump({"base": asdict(base), "rows": results}, f, indent=1)
 
 
-def time_config(q, k, v, do, sri, causal, scale, cfg, b, s, flop) -> dict:
-    """Forward, both backward paths and the (Triton) mask preparation of one tile config."""
-    out, lse = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
-    fwd = triton.testing.do_bench(
-        lambda: kernels.forward(q, k, v, sri, causal, scale, config=cfg), return_mode="median"
+def _print(row: dict) -> None:
+    flex = row["flex"]
+    print(
+        f"== {row['mask']} D={row['head_dim']} S={row['seqlen']}: flex fwd {flex['fwd_ms']:.3f} "
+        f"bwd {flex['bwd_ms']:.3f} ms",
+        flush=True,
     )
-    bwd = {}
-    for det in (True, False):
-        c = replace(cfg, atomic_dq=not det)
-        bwd[det] = triton.testing.do_bench(
-            lambda: kernels.backward(
-                do, None, q, k, v, out, lse, sri, causal, scale, det, config=c
-            ),
-            return_mode="median",
+    for key, entry in row["candidates"].items():
+        if "error" in entry:
+            print(f"   {key:24s} {entry['error']}", flush=True)
+            continue
+        ms = entry["median_ms"]
+        ref = flex["fwd_ms"] if key.startswith("fwd") else flex["bwd_ms"]
+        print(
+            f"   {key:24s} {ms:8.3f} ms  (flex/this {ref / ms:5.2f})  "
+            f"rounds {[round(x, 3) for x in entry['ms']]}  diff {entry['max_abs_diff']:.2e}",
+            flush=True,
         )
-    shapes = [(cfg.fwd_m, cfg.fwd_n, True), (cfg.bwd_m, cfg.bwd_n, False)]
-    prep_ms = triton.testing.do_bench(
-        lambda: kernels.prepare(sri, causal, s, s, b, q.device, shapes), return_mode="median"
-    )
-    return dict(
-        fwd_ms=fwd,
-        bwd_det_ms=bwd[True],
-        bwd_atomic_ms=bwd[False],
-        prep_ms=prep_ms,
-        fwd_tflops=flop / fwd / 1e9,
-        total_det_tflops=3.5 * flop / (fwd + bwd[True]) / 1e9,
-        total_atomic_tflops=3.5 * flop / (fwd + bwd[False]) / 1e9,
-    )
 
 
 if __name__ == "__main__":

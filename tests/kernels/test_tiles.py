@@ -206,13 +206,20 @@ def test_tile_classes_are_exact_without_an_interval_mask(causal, block_m, block_
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
-def test_dense_mode_marks_every_tile_partial(form):
-    """``skip_tiles=False`` (the bit-exactness baseline) visits every tile with the element mask."""
+def test_dense_mode_skips_no_tile_and_keeps_full_tiles_in_place(form):
+    """``skip_tiles=False`` (the bit-exactness baseline) skips nothing: skipped tiles become
+    partial, full tiles stay full (the kernels then mask them too), so the visiting order of
+    every tile that holds a visible pair is the same in both modes."""
     gen = torch.Generator().manual_seed(_seed("dense", form.name))
     sri = _random_indices(form, 2, 2, 100, 37, gen)
-    classes = _classes(sri, form.causal, 100, 37, 16, 16, skip_tiles=False)
-    assert classes.shape == (2, 2, 7, 3)
-    assert bool((classes == PARTIAL).all())
+    sri[0, 0] = _empty_column(form, 100)  # full tiles
+    sri[1, 1, :16] = _full_column(form, 100)  # skipped tiles
+    skipping = _classes(sri, form.causal, 100, 37, 16, 16)
+    dense = _classes(sri, form.causal, 100, 37, 16, 16, skip_tiles=False)
+    assert dense.shape == (2, 2, 7, 3)
+    assert bool((skipping == SKIP).any()) and bool((skipping == FULL).any())
+    assert not bool((dense == SKIP).any())
+    assert torch.equal(dense == FULL, skipping == FULL)
 
 
 def test_column_bounds_without_a_mask_are_empty_intervals():
@@ -242,24 +249,28 @@ def _decode(entries: torch.Tensor, count: int) -> list[tuple[int, int]]:
     return [(e, PARTIAL) if e >= 0 else (-e - 1, FULL) for e in entries[:count].tolist()]
 
 
-def test_compact_lists_the_kept_tiles_ascending_with_their_encoding():
-    """Entries: ``i`` for a partial tile, ``-i - 1`` for a full one, skipped tiles left out,
-    ascending; ``counts`` is the number of kept tiles (0 for an all-skipped row)."""
+def test_compact_lists_partial_then_full_tiles_ascending_with_their_encoding():
+    """Entries: ``i`` for a partial tile, ``-i - 1`` for a full one, skipped tiles left out; the
+    partial tiles first, then the full ones, each group ascending. ``counts`` is the number of
+    kept tiles (0 for an all-skipped row), ``num_partial`` the number of partial ones."""
     gen = torch.Generator().manual_seed(_seed("compact"))
     classes = torch.randint(0, 3, (2, 3, 5, 9), generator=gen, dtype=torch.int8)
     classes[0, 0, 0] = SKIP  # an empty list
     classes[0, 0, 1] = FULL  # every tile kept
     classes[0, 0, 2] = PARTIAL
     lists = tiles.compact(classes)
-    assert lists.entries.dtype == torch.int32 and lists.counts.dtype == torch.int32
+    for t in lists:
+        assert t.dtype == torch.int32 and t.is_contiguous()
     assert lists.entries.shape == (2, 3, 5, 9) and lists.counts.shape == (2, 3, 5)
-    assert lists.entries.is_contiguous() and lists.counts.is_contiguous()
+    assert lists.num_partial.shape == (2, 3, 5)
     for b, h, m in itertools.product(range(2), range(3), range(5)):
         row = classes[b, h, m].tolist()
-        expected = [(i, c) for i, c in enumerate(row) if c != SKIP]
+        partial = [(i, c) for i, c in enumerate(row) if c == PARTIAL]
+        full = [(i, c) for i, c in enumerate(row) if c == FULL]
         count = int(lists.counts[b, h, m])
-        assert count == len(expected), (b, h, m)
-        assert _decode(lists.entries[b, h, m], count) == expected, (b, h, m)
+        assert count == len(partial) + len(full), (b, h, m)
+        assert int(lists.num_partial[b, h, m]) == len(partial), (b, h, m)
+        assert _decode(lists.entries[b, h, m], count) == partial + full, (b, h, m)
     assert int(lists.counts[0, 0, 0]) == 0
     assert lists.entries[0, 0, 1].tolist() == [-i - 1 for i in range(9)]
     assert lists.entries[0, 0, 2].tolist() == list(range(9))
@@ -307,6 +318,7 @@ PREPARE_SHAPES = [(37, 100, 16, 16), (100, 37, 64, 32), (129, 129, 128, 64), (50
 
 def _assert_lists_equal(actual: tiles.TileLists, expected: tiles.TileLists, what: str) -> None:
     assert torch.equal(actual.counts.cpu(), expected.counts), f"counts of {what}"
+    assert torch.equal(actual.num_partial.cpu(), expected.num_partial), f"num_partial of {what}"
     inner = expected.entries.shape[-1]
     used = torch.arange(inner).view(1, 1, 1, -1) < expected.counts.unsqueeze(-1)
     # Entries past a row's count are scratch: compare only the listed ones.

@@ -120,8 +120,9 @@ def prepare(
         outer, inner = (tm, tn) if row_major else (tn, tm)
         entries = torch.empty(batch, hm, outer, inner, dtype=torch.int32, device=device)
         counts = torch.empty(batch, hm, outer, dtype=torch.int32, device=device)
+        num_partial = torch.empty_like(counts)
         tile_list_kernel[(outer, hm, batch)](
-            summaries[bn], entries, counts, seqlen_q, seqlen_k, tm, tn,
+            summaries[bn], entries, counts, num_partial, seqlen_q, seqlen_k, tm, tn,
             CAUSAL=causal,
             ROW_MAJOR=row_major,
             SKIP_TILES=skip_tiles,
@@ -129,7 +130,7 @@ def prepare(
             BLOCK_N=bn,
             CHUNK=min(256, max(16, 1 << (inner - 1).bit_length())),
         )  # fmt: skip
-        lists.append(tiles.TileLists(entries, counts))
+        lists.append(tiles.TileLists(entries, counts, num_partial))
     return bounds, lists
 
 
@@ -179,12 +180,13 @@ def forward(
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     flashmask_fwd_kernel[(tm, hq, b)](
-        q, k, v, out, lse, bounds, lists.entries, lists.counts,
+        q, k, v, out, lse, bounds, lists.entries, lists.counts, lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
         HAS_MASK=startend_row_indices is not None,
         HAS_UPPER=not causal,
+        MASK_FULL_TILES=not skip_tiles,
         BLOCK_M=cfg.fwd_m,
         BLOCK_N=cfg.fwd_n,
         BLOCK_D=_block_d(d),
@@ -243,7 +245,12 @@ def backward(
     )  # fmt: skip
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    flags = dict(CAUSAL=causal, HAS_MASK=startend_row_indices is not None, HAS_UPPER=not causal)
+    flags = dict(
+        CAUSAL=causal,
+        HAS_MASK=startend_row_indices is not None,
+        HAS_UPPER=not causal,
+        MASK_FULL_TILES=not skip_tiles,
+    )
     block_d = _block_d(d)
     qk_scale = softmax_scale * LOG2E_VALUE
 
@@ -254,7 +261,8 @@ def backward(
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     dq_target = dq_accum if dq_accum is not None else dk  # unused pointer when deterministic
     flashmask_bwd_dkdv_kernel[(tn, hk, b)](
-        q, k, v, dout, lse, delta, dk, dv, dq_target, bounds, kv_lists.entries, kv_lists.counts,
+        q, k, v, dout, lse, delta, dk, dv, dq_target, bounds,
+        kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hk, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
@@ -272,7 +280,7 @@ def backward(
     q_lists = lists[1]
     tm, tn = q_lists.entries.shape[-2:]
     flashmask_bwd_dq_kernel[(tm, hq, b)](
-        q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts,
+        q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts, q_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,

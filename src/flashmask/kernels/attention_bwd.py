@@ -2,7 +2,8 @@
 
 * ``flashmask_bwd_dkdv_kernel``: key-tile stationary. One program owns ``BLOCK_N`` key columns of
   one (batch, kv head), loops over the query heads that share it (GQA reduced in registers, no
-  atomics) and over the listed query tiles, and accumulates dK and dV. With ``ACCUMULATE_DQ`` it
+  atomics) and over the listed query tiles (partial ones, then unmasked ones in a second loop
+  free of mask code), and accumulates dK and dV. With ``ACCUMULATE_DQ`` it
   also adds every tile's dQ contribution into an fp32 buffer with atomics (fast, not
   bit-reproducible).
 * ``flashmask_bwd_dq_kernel``: query-tile stationary, walks the forward lists and writes dQ with
@@ -28,8 +29,48 @@ def _load_lse_log2(Lse, offs, row_ok):
 
 
 @triton.jit
+def _dkdv_tile(
+    k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr, dq_base,
+    offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+    seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr,
+):  # fmt: skip
+    """Add query tile ``m_tile``'s contribution to this key tile's ``(dk, dv)``."""
+    offs_m = m_tile * offs_m0.shape[0] + offs_m0
+    row_ok = offs_m < seqlen_q
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0)
+    lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
+    # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
+    sT = tl.dot(k, tl.trans(q)) * qk_scale
+    pT = tl.math.exp2(sT - lse[None, :])
+    if APPLY_MASK:
+        hidden = element_mask(
+            bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
+        )
+        pT = tl.where(hidden, 0.0, pT)
+    do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0)
+    dv += tl.dot(pT.to(do.dtype), do)
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q)
+    if ACCUMULATE_DQ:
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
+        tl.atomic_add(
+            dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq, mask=qd_mask,
+            sem="relaxed",
+        )  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
 def flashmask_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -42,6 +83,7 @@ def flashmask_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
+    MASK_FULL_TILES: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,46 +123,29 @@ def flashmask_bwd_dkdv_kernel(
         bounds_ptr = Bounds + mask_head * 4 * seqlen_k
         list_row = mask_head * num_n_tiles + n_tile
         count = tl.load(ListCounts + list_row)
+        num_partial = tl.load(ListPartial + list_row)
         entries = ListEntries + list_row * num_m_tiles
         q_base = Q + b64 * stride_qb + h * stride_qh
         do_base = DO + b64 * stride_dob + h * stride_doh
+        dq_base = DQAccum + b64 * stride_dqb + h * stride_dqh
         row_base = (b64 * num_heads_q + h) * seqlen_q
-        for it in tl.range(0, count, num_stages=NUM_STAGES):
-            entry = tl.load(entries + it)
-            m_tile = tl.where(entry >= 0, entry, -entry - 1)
-            offs_m = m_tile * BLOCK_M + offs_m0
-            row_ok = offs_m < seqlen_q
-            qd_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(
-                q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0
-            )
-            lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
-            # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
-            sT = tl.dot(k, tl.trans(q)) * qk_scale
-            pT = tl.math.exp2(sT - lse[None, :])
-            if entry >= 0:
-                hidden = element_mask(
-                    bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
-                    HAS_UPPER,
-                )  # fmt: skip
-                pT = tl.where(hidden, 0.0, pT)
-            do = tl.load(
-                do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0
-            )
-            dv += tl.dot(pT.to(do.dtype), do)
-            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-            dpT = tl.dot(v, tl.trans(do))
-            dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(q.dtype), q)
-            if ACCUMULATE_DQ:
-                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
-                tl.atomic_add(
-                    DQAccum + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs
-                    + offs_d[None, :],
-                    dq,
-                    mask=qd_mask,
-                    sem="relaxed",
-                )  # fmt: skip
+        # Partial query tiles (element mask), then unmasked ones (no mask code in the loop).
+        for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
+            m_tile = tl.load(entries + it)
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
+                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ,
+            )  # fmt: skip
+        for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
+            m_tile = -tl.load(entries + it) - 1
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
+                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ,
+            )  # fmt: skip
 
     dk = dk * softmax_scale
     tl.store(
@@ -136,8 +161,36 @@ def flashmask_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_tile(
+    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d, d_ok,
+    stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+):  # fmt: skip
+    """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
+    offs_n = n_tile * offs_n0.shape[0] + offs_n0
+    col_ok = offs_n < seqlen_k
+    kv_mask = col_ok[None, :] & d_ok[:, None]
+    kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
+    vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0)
+    s = tl.dot(q, kT) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if APPLY_MASK:
+        hidden = element_mask(
+            bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
+        )
+        p = tl.where(hidden, 0.0, p)
+    dp = tl.dot(do, vT)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    return dq
+
+
+@triton.jit
 def flashmask_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts,
+    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -148,6 +201,7 @@ def flashmask_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
+    MASK_FULL_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -186,32 +240,26 @@ def flashmask_bwd_dq_kernel(
     bounds_ptr = Bounds + mask_head * 4 * seqlen_k
     list_row = mask_head * num_m_tiles + m_tile
     count = tl.load(ListCounts + list_row)
+    num_partial = tl.load(ListPartial + list_row)
     entries = ListEntries + list_row * num_n_tiles
     rows = offs_m[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    for it in tl.range(0, count, num_stages=NUM_STAGES):
-        entry = tl.load(entries + it)
-        n_tile = tl.where(entry >= 0, entry, -entry - 1)
-        offs_n = n_tile * BLOCK_N + offs_n0
-        col_ok = offs_n < seqlen_k
-        kv_mask = col_ok[None, :] & d_ok[:, None]
-        kT = tl.load(
-            k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0
-        )
-        vT = tl.load(
-            v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0
-        )
-        s = tl.dot(q, kT) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
-        if entry >= 0:
-            hidden = element_mask(
-                bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
-            )
-            p = tl.where(hidden, 0.0, p)
-        dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+    # Partial key tiles (element mask), then unmasked ones (no mask code in the loop).
+    for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
+        n_tile = tl.load(entries + it)
+        dq = _dq_tile(
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
+            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, True,
+        )  # fmt: skip
+    for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
+        n_tile = -tl.load(entries + it) - 1
+        dq = _dq_tile(
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
+            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+        )  # fmt: skip
 
     dq = dq * softmax_scale
     tl.store(

@@ -8,7 +8,8 @@ oracle) so that preparing a mask costs O(N) + O(tiles) work in a handful of laun
   8 min/max values of each bound over the tile's valid columns, ``[B, Hm, 8, Tn]``.
 * ``tile_list_kernel`` (one program per (batch, mask head, outer tile)): classifies the tiles of
   one row (``ROW_MAJOR``: a query tile's key tiles) or one column (a key tile's query tiles) of the
-  tile grid and compacts the survivors into an ascending list, as :func:`.tiles.compact` does.
+  tile grid and compacts the survivors into a list (partial tiles, then full ones), as
+  :func:`.tiles.compact` does.
 """
 
 from __future__ import annotations
@@ -79,8 +80,49 @@ def summarize_kernel(
 
 
 @triton.jit
+def _classify(
+    summary, m, n, num_n_tiles, seqlen_q, seqlen_k,
+    CAUSAL: tl.constexpr,
+    SKIP_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``(skip, partial)`` flags of tiles ``(m, n)`` (vectors); a tile is full when neither.
+
+    Without ``SKIP_TILES`` (the dense mode) no tile is skipped: fully masked ones count as
+    partial."""
+    n_load = tl.minimum(n, num_n_tiles - 1)
+    lts_max = tl.load(summary + n_load)
+    lts_min = tl.load(summary + num_n_tiles + n_load)
+    lte_max = tl.load(summary + 2 * num_n_tiles + n_load)
+    lte_min = tl.load(summary + 3 * num_n_tiles + n_load)
+    uts_max = tl.load(summary + 4 * num_n_tiles + n_load)
+    uts_min = tl.load(summary + 5 * num_n_tiles + n_load)
+    ute_max = tl.load(summary + 6 * num_n_tiles + n_load)
+    ute_min = tl.load(summary + 7 * num_n_tiles + n_load)
+    m_s = m * BLOCK_M
+    m_e = tl.minimum(m_s + BLOCK_M, seqlen_q)
+    n_s = n * BLOCK_N
+    n_e = tl.minimum(n_s + BLOCK_N, seqlen_k)
+    skip = ((m_s >= lts_max) & (m_e <= lte_min)) | ((m_s >= uts_max) & (m_e <= ute_min))
+    partial = ((m_s < lte_max) & (m_e > lts_min)) | ((m_s < ute_max) & (m_e > uts_min))
+    if CAUSAL:
+        offset = seqlen_k - seqlen_q
+        skip = skip | (n_s > m_e - 1 + offset)
+        partial = partial | (n_e - 1 > m_s + offset)
+    # A key tile that runs past Sk always needs the element mask.
+    partial = partial | (n_e - n_s < BLOCK_N)
+    if SKIP_TILES:
+        partial = partial & ~skip
+    else:
+        partial = partial | skip
+        skip = skip & False
+    return skip, partial
+
+
+@triton.jit
 def tile_list_kernel(
-    Summary, Entries, Counts,
+    Summary, Entries, Counts, NumPartial,
     seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
     CAUSAL: tl.constexpr,
     ROW_MAJOR: tl.constexpr,
@@ -100,42 +142,30 @@ def tile_list_kernel(
     summary = Summary + bh * 8 * num_n_tiles
     entries = Entries + (bh * num_outer + outer) * num_inner
     count = 0
-    for start in range(0, num_inner, CHUNK):
-        inner = start + tl.arange(0, CHUNK)
-        in_range = inner < num_inner
-        if ROW_MAJOR:
-            m = outer
-            n = inner
-        else:
-            m = inner
-            n = outer
-        n_load = tl.minimum(n, num_n_tiles - 1)
-        lts_max = tl.load(summary + n_load)
-        lts_min = tl.load(summary + num_n_tiles + n_load)
-        lte_max = tl.load(summary + 2 * num_n_tiles + n_load)
-        lte_min = tl.load(summary + 3 * num_n_tiles + n_load)
-        uts_max = tl.load(summary + 4 * num_n_tiles + n_load)
-        uts_min = tl.load(summary + 5 * num_n_tiles + n_load)
-        ute_max = tl.load(summary + 6 * num_n_tiles + n_load)
-        ute_min = tl.load(summary + 7 * num_n_tiles + n_load)
-        m_s = m * BLOCK_M
-        m_e = tl.minimum(m_s + BLOCK_M, seqlen_q)
-        n_s = n * BLOCK_N
-        n_e = tl.minimum(n_s + BLOCK_N, seqlen_k)
-        skip = ((m_s >= lts_max) & (m_e <= lte_min)) | ((m_s >= uts_max) & (m_e <= ute_min))
-        partial = ((m_s < lte_max) & (m_e > lts_min)) | ((m_s < ute_max) & (m_e > uts_min))
-        if CAUSAL:
-            offset = seqlen_k - seqlen_q
-            skip = skip | (n_s > m_e - 1 + offset)
-            partial = partial | (n_e - 1 > m_s + offset)
-        # A key tile that runs past Sk always needs the element mask.
-        partial = partial | (n_e - n_s < BLOCK_N)
-        if not SKIP_TILES:
-            skip = skip & False
-            partial = partial | True
-        keep = (~skip) & in_range
-        encoded = tl.where(partial, inner, -inner - 1)
-        position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(entries + position, encoded, mask=keep)
-        count += tl.sum(keep.to(tl.int32), 0)
+    # Two passes over the row: partial tiles first, then full ones (as :func:`.tiles.compact`).
+    for full_pass in tl.static_range(2):
+        for start in range(0, num_inner, CHUNK):
+            inner = start + tl.arange(0, CHUNK)
+            in_range = inner < num_inner
+            if ROW_MAJOR:
+                skip, partial = _classify(
+                    summary, outer, inner, num_n_tiles, seqlen_q, seqlen_k,
+                    CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            else:
+                skip, partial = _classify(
+                    summary, inner, outer, num_n_tiles, seqlen_q, seqlen_k,
+                    CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            if full_pass == 0:
+                keep = partial & in_range
+                encoded = inner
+            else:
+                keep = ~(skip | partial) & in_range
+                encoded = -inner - 1
+            position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(entries + position, encoded, mask=keep)
+            count += tl.sum(keep.to(tl.int32), 0)
+        if full_pass == 0:
+            tl.store(NumPartial + bh * num_outer + outer, count)
     tl.store(Counts + bh * num_outer + outer, count)

@@ -7,10 +7,16 @@ intervals empty). Tiles are then classified (skip / partial / full) and compacte
 * forward and dQ: for every query tile, the ascending list of key tiles to visit;
 * dK/dV: for every key tile, the ascending list of query tiles to visit.
 
-A list entry ``e >= 0`` is a partial tile ``e`` (apply the element mask); ``e < 0`` is the
-unmasked tile ``-e - 1``. Skipped tiles are not listed. Keeping one ascending list (rather than a
-list of partial tiles and another of full ones) makes the accumulation order independent of the
-classification, so skipping a tile never changes a bit of the result.
+Each row lists its partial tiles first, then its unmasked ones, each group ascending; skipped
+tiles are not listed. A partial entry is the tile index ``e >= 0`` (apply the element mask), an
+unmasked one is encoded ``-e - 1`` (no mask work), and ``num_partial`` says where the groups meet,
+so the kernels walk two loops, the second one free of any mask code.
+
+The dense mode (``skip_tiles=False``, for the proof that skipping is exact) lists fully masked
+tiles among the partial ones and makes the kernels mask the unmasked group too: every tile is then
+visited and masked, in the same order for every tile that holds a visible pair. A fully masked
+tile adds exact zeros (forward: ``alpha = 1``, ``p = 0``; backward: ``P = dS = 0``), so both modes
+must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from flashmask.mask import (
 
 
 class TileLists(NamedTuple):
-    """Compacted tile lists: ``entries`` int32 ``[B, Hm, T_outer, T_inner]``, ``counts`` int32
-    ``[B, Hm, T_outer]`` (only the first ``counts`` entries of a row are meaningful)."""
+    """Compacted tile lists: ``entries`` int32 ``[B, Hm, T_outer, T_inner]``; ``counts`` int32
+    ``[B, Hm, T_outer]`` (only the first ``counts`` entries of a row are meaningful), of which the
+    first ``num_partial`` (int32 ``[B, Hm, T_outer]``) are partial tiles."""
 
     entries: torch.Tensor
     counts: torch.Tensor
+    num_partial: torch.Tensor
 
 
 def column_bounds(
@@ -65,7 +73,8 @@ def tile_classes(
 
     Differs from :meth:`FlashMask.classify_tiles` in one way: a key tile that runs past ``Sk``
     is never ``FULL`` (its out-of-range columns need the element mask). With
-    ``skip_tiles=False`` every tile is ``PARTIAL`` (the dense mode used to prove skipping exact).
+    ``skip_tiles=False`` no tile is ``SKIP`` (skipped tiles become ``PARTIAL``; the dense mode used
+    to prove skipping exact, in which the kernels mask ``FULL`` tiles as well).
     """
     seqlen_k = bounds.shape[-1]
     classes = classify_tiles(
@@ -77,7 +86,7 @@ def tile_classes(
         block_n,
     )
     if not skip_tiles:
-        return torch.full_like(classes, TileClass.PARTIAL)
+        classes = torch.where(classes == TileClass.SKIP, TileClass.PARTIAL, classes)
     if seqlen_k % block_n:
         last = classes[..., -1]
         classes[..., -1] = torch.where(last == TileClass.FULL, TileClass.PARTIAL, last)
@@ -85,15 +94,19 @@ def tile_classes(
 
 
 def compact(classes: torch.Tensor) -> TileLists:
-    """Ascending lists of the non-skipped inner tiles of every outer tile (last axis = inner)."""
+    """Lists of the non-skipped inner tiles of every outer tile (last axis = inner): partial
+    tiles ascending, then full tiles ascending (encoded ``-i - 1``)."""
     inner = classes.shape[-1]
     idx = torch.arange(inner, device=classes.device, dtype=torch.int32)
-    keep = classes != TileClass.SKIP
-    encoded = torch.where(classes == TileClass.FULL, -idx - 1, idx)
-    # Skipped tiles sort after every kept one; kept ones stay ascending.
-    order = torch.where(keep, idx, idx + inner).argsort(dim=-1)
-    entries = encoded.gather(-1, order).to(torch.int32).contiguous()
-    return TileLists(entries, keep.sum(-1, dtype=torch.int32).contiguous())
+    partial = classes == TileClass.PARTIAL
+    full = classes == TileClass.FULL
+    encoded = torch.where(full, -idx - 1, idx)
+    # Sort key: partial tiles, then full ones, then skipped ones, each group ascending.
+    key = torch.where(partial, idx, torch.where(full, idx + inner, idx + 2 * inner))
+    entries = encoded.gather(-1, key.argsort(dim=-1)).to(torch.int32).contiguous()
+    num_partial = partial.sum(-1, dtype=torch.int32).contiguous()
+    counts = (num_partial + full.sum(-1, dtype=torch.int32)).contiguous()
+    return TileLists(entries, counts, num_partial)
 
 
 def forward_lists(classes: torch.Tensor) -> TileLists:
