@@ -61,7 +61,7 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
     # deterministic=False exercises the fp32-atomic dQ path.
-    cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
+    cfg = replace(kernels.tile_config(d, sri is not None), atomic_dq=not deterministic)
     dq, dk, dv = kernels.backward(
         do, None, q, k, v, out, lse, sri, causal, scale, deterministic, config=cfg
     )

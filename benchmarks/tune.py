@@ -112,10 +112,10 @@ def main() -> None:
     for d in (int(x) for x in args.head_dims.split(",")):
         s = args.seqlen
         b, h = max(1, args.tokens // s), max(1, args.hidden // d)
-        base = kernels.tile_config(d)
         for name in args.masks.split(","):
             mask, causal, flop, q, k, v, do = _inputs(name, s, b, h, d, dev)
             sri = None if mask is None else mask.startend_row_indices
+            base = kernels.tile_config(d, sri is not None)
             scale = d**-0.5
             ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale, config=base)
             ref_grads = kernels.backward(
@@ -127,6 +127,7 @@ def main() -> None:
                 else (float("nan"), float("nan"))
             )
             row = {"mask": name, "head_dim": d, "seqlen": s, "flop_fwd": flop}
+            row["base"] = asdict(base)
             row["flex"] = {"fwd_ms": flex_fwd, "bwd_ms": flex_bwd}
             times: dict[str, dict] = {}
             cands = [(kind, c) for kind, table in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
@@ -178,7 +179,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         name = f"tune_S{args.seqlen}_D{args.head_dims.replace(',', '-')}.json"
         with open(os.path.join(out_dir, name), "w") as f:
-            json.dump({"base": asdict(base), "rows": results}, f, indent=1)
+            json.dump(results, f, indent=1)
 
 
 def _print(row: dict) -> None:

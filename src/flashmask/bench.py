@@ -208,10 +208,14 @@ def run_case(
     if "flashmask" in impls:
         from flashmask.kernels import prepare, tile_config
 
-        cfg = tile_config(head_dim)
         sri = mask.startend_row_indices if mask is not None else None
-        # What one forward + backward (atomic dQ, the default) prepares.
-        shapes = [(cfg.fwd_m, cfg.fwd_n, True), (cfg.bwd_m, cfg.bwd_n, False)]
+        cfg = tile_config(head_dim, sri is not None)
+        # What one forward + backward prepares (forward, dK/dV and dQ lists).
+        shapes = [
+            (cfg.fwd_m, cfg.fwd_n, True),
+            (cfg.bwd_m, cfg.bwd_n, False),
+            (cfg.dq_m, cfg.dq_n, True),
+        ]
 
         def prep():
             prepare(sri, causal, seqlen, seqlen, batch, device, shapes)

@@ -48,15 +48,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_config(head_dim: int) -> TileConfig:
-    """The tile configuration for a head dimension (small tiles under the interpreter)."""
+def tile_config(head_dim: int, has_mask: bool = True) -> TileConfig:
+    """The tile configuration for a head dimension (small tiles under the interpreter).
+
+    ``has_mask`` is whether ``startend_row_indices`` is given: without it (full or causal
+    attention) nearly every tile is unmasked and larger forward tiles win; with it, 64x64 tiles
+    waste less work on partial tiles. Measured on the H200, bf16, 8K tokens per sequence
+    (``benchmarks/results/tune_S8192_*.json``, ``benchmarks/NOTES.md``).
+    """
     if _interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
-    # Measured on the H200 (benchmarks/NOTES.md, tune_S8192_D128_run1.json): 64x64 forward tiles
-    # waste less on partial tiles of sparse masks; 64x64/4-warp backward tiles were fastest.
+    if head_dim <= 64:
+        fwd = (64, 64, 4, 3) if has_mask else (128, 64, 8, 3)
+        return TileConfig(*fwd, 32, 128, 4, 3, 64, 64, 4, 2)
     if head_dim <= 128:
-        return TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
-    return TileConfig(64, 64, 4, 2, 64, 64, 8, 1, 64, 64, 8, 1)
+        fwd = (64, 64, 4, 3) if has_mask else (128, 128, 8, 2)
+        return TileConfig(*fwd, 64, 64, 4, 2, 64, 64, 4, 2)
+    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -170,7 +178,7 @@ def forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d)
+    cfg = config or tile_config(d, startend_row_indices is not None)
     bounds, (lists,) = prepare(
         startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
         skip_tiles,
@@ -228,7 +236,7 @@ def backward(
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d)
+    cfg = config or tile_config(d, startend_row_indices is not None)
     use_atomics = cfg.atomic_dq and not deterministic
     shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
     if not use_atomics:

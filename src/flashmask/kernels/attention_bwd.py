@@ -46,8 +46,8 @@ def _dkdv_tile(
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0)
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
-    sT = tl.dot(k, tl.trans(q)) * qk_scale
-    pT = tl.math.exp2(sT - lse[None, :])
+    # fma as in the forward, so skipping and dense modes run the same arithmetic.
+    pT = tl.math.exp2(tl.fma(tl.dot(k, tl.trans(q)), qk_scale, -lse[None, :]))
     if APPLY_MASK:
         hidden = element_mask(
             bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
@@ -175,8 +175,7 @@ def _dq_tile(
     kv_mask = col_ok[None, :] & d_ok[:, None]
     kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
     vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0)
-    s = tl.dot(q, kT) * qk_scale
-    p = tl.math.exp2(s - lse[:, None])
+    p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
             bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER

@@ -62,7 +62,8 @@ def _attend_tile(
         mask=col_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    s = tl.dot(q, kT) * qk_scale
+    qk = tl.dot(q, kT)
+    s = qk * qk_scale
     if APPLY_MASK:
         hidden = element_mask(
             bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
@@ -75,7 +76,12 @@ def _attend_tile(
     else:
         m_shift = m_new  # an unmasked tile gives every row a finite score
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s - m_shift[:, None])
+    # An explicit fma, masked afterwards: left to itself the compiler contracts
+    # ``qk * scale - m`` into an fma on unmasked tiles but not across the mask's select, and the
+    # dense mode (every tile masked) would then differ from the skipping mode in the last bit.
+    p = tl.math.exp2(tl.fma(qk, qk_scale, -m_shift[:, None]))
+    if APPLY_MASK:
+        p = tl.where(hidden, 0.0, p)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
