@@ -115,7 +115,7 @@ def main() -> None:
         for name in args.masks.split(","):
             mask, causal, flop, q, k, v, do = _inputs(name, s, b, h, d, dev)
             sri = None if mask is None else mask.startend_row_indices
-            base = kernels.tile_config(d, sri is not None)
+            base = kernels.tile_config(d)
             scale = d**-0.5
             ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale, config=base)
             ref_grads = kernels.backward(

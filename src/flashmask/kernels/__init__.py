@@ -48,22 +48,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_config(head_dim: int, has_mask: bool = True) -> TileConfig:
+def tile_config(head_dim: int) -> TileConfig:
     """The tile configuration for a head dimension (small tiles under the interpreter).
 
-    ``has_mask`` is whether ``startend_row_indices`` is given: without it (full or causal
-    attention) nearly every tile is unmasked and larger forward tiles win; with it, 64x64 tiles
-    waste less work on partial tiles. Measured on the H200, bf16, 8K tokens per sequence
-    (``benchmarks/results/tune_S8192_*.json``, ``benchmarks/NOTES.md``).
+    Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
+    ``benchmarks/NOTES.md``).
     """
     if _interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
     if head_dim <= 64:
-        fwd = (64, 64, 4, 3) if has_mask else (128, 64, 8, 3)
-        return TileConfig(*fwd, 32, 128, 4, 3, 64, 64, 4, 2)
+        return TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
     if head_dim <= 128:
-        fwd = (64, 64, 4, 3) if has_mask else (128, 128, 8, 2)
-        return TileConfig(*fwd, 64, 64, 4, 2, 64, 64, 4, 2)
+        return TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
 
@@ -178,7 +174,7 @@ def forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d, startend_row_indices is not None)
+    cfg = config or tile_config(d)
     bounds, (lists,) = prepare(
         startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
         skip_tiles,
@@ -188,7 +184,7 @@ def forward(
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     flashmask_fwd_kernel[(tm, hq, b)](
-        q, k, v, out, lse, bounds, lists.entries, lists.counts, lists.num_partial,
+        q, k, v, out, lse, bounds, lists.entries, lists.counts,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
@@ -236,7 +232,7 @@ def backward(
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d, startend_row_indices is not None)
+    cfg = config or tile_config(d)
     use_atomics = cfg.atomic_dq and not deterministic
     shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
     if not use_atomics:
@@ -278,7 +274,9 @@ def backward(
         BLOCK_M=cfg.bwd_m,
         BLOCK_N=cfg.bwd_n,
         BLOCK_D=block_d,
-        NUM_STAGES=cfg.bwd_stages,
+        # The atomic-dQ matmul needs shared memory that a second pipeline stage leaves no room
+        # for at D > 128 (measured: 263 KB needed, 227 KB on the H200).
+        NUM_STAGES=1 if use_atomics and d > 128 else cfg.bwd_stages,
         num_warps=cfg.bwd_warps,
     )  # fmt: skip
     if dq_accum is not None:
