@@ -110,8 +110,10 @@ def _classify(
         offset = seqlen_k - seqlen_q
         skip = skip | (n_s > m_e - 1 + offset)
         partial = partial | (n_e - 1 > m_s + offset)
-    # A key tile that runs past Sk always needs the element mask.
-    partial = partial | (n_e - n_s < BLOCK_N)
+    # A key tile that runs past Sk always needs the element mask. (``tl.where``, not ``|``: in a
+    # column-major list this flag is a scalar, which Triton 3.9's interpreter keeps as int32 and
+    # would turn the whole mask into int32.)
+    partial = tl.where(n_e - n_s < BLOCK_N, True, partial)
     if SKIP_TILES:
         partial = partial & ~skip
     else:
