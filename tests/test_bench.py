@@ -1,0 +1,59 @@
+"""``flashmask.bench``'s CPU-side parts: the visible-pair count behind every mask-aware TFLOP/s
+figure, and the Markdown table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashmask import masks
+from flashmask.bench import Row, _markdown, visible_pairs
+from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
+
+
+def _dense_count(mask, seqlen_q: int) -> torch.Tensor:
+    """Visible pairs per (batch, mask head) from the dense mask: ``[B, Hm]``."""
+    return mask.to_dense(seqlen_q).sum((-1, -2)).to(torch.int64)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+@settings(max_examples=random_cases(60), deadline=None)
+@given(data=st.data())
+def test_visible_pairs_counts_the_dense_mask(form, data):
+    """Inclusion-exclusion over the causal prefix and both intervals equals counting the dense
+    mask, for every form, Sq != Sk, empty/reversed/out-of-range intervals."""
+    drawn = data.draw(flashmasks(form))
+    expected = _dense_count(drawn.mask, drawn.seqlen_q)
+    got = visible_pairs(drawn.mask, drawn.mask.causal, drawn.seqlen_q, drawn.mask.seqlen_k)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", masks.MASK_TYPES)
+def test_visible_pairs_of_the_benchmark_masks(name):
+    mask = masks.example(name, 256, batch_size=2, num_heads=2 if name == "random_eviction" else 1)
+    assert torch.equal(visible_pairs(mask, mask.causal, 256, 256), _dense_count(mask, 256))
+
+
+@pytest.mark.parametrize(("causal", "expected"), [(False, 35), (True, 15)])
+def test_visible_pairs_without_a_mask(causal, expected):
+    """Full attention: Sq * Sk = 7 * 5 pairs. Causal with Sq=7 > Sk=5 is bottom-right aligned:
+    key j is seen by rows j + 2 .. 6, i.e. 5 + 4 + 3 + 2 + 1 pairs."""
+    assert int(visible_pairs(None, causal, 7, 5)) == expected
+
+
+def test_markdown_reports_speedup_and_the_preparation_share():
+    common = dict(mask="causal", seqlen=8192, batch=4, heads=16, head_dim=128, sparsity=0.5)
+    rows = [
+        Row(impl="flashmask", fwd_ms=2.0, total_ms=8.0, mask_prep_ms=0.08, **common),
+        Row(impl="flex", fwd_ms=2.5, total_ms=10.0, mask_prep_ms=2.0, **common),
+        Row(impl="sdpa", fwd_ms=1.0, total_ms=5.0, **common),
+    ]
+    lines = _markdown(rows).splitlines()
+    assert "prep % of fwd+bwd" in lines[0]
+    assert len({line.count("|") for line in lines}) == 1  # every row has every column
+    flashmask, flex, sdpa = lines[2:]
+    assert flashmask.endswith("| 1.0 | — | 1.25x |")  # 0.08 ms of an 8 ms call, 10 / 8 faster
+    assert flex.endswith("| 20.0 | — | 1.00x |")
+    assert sdpa.endswith("| — | — | 2.00x |")
