@@ -3,8 +3,7 @@
 One program computes ``BLOCK_M`` query rows of one (batch, query head). It walks the list of key
 tiles that are not fully masked for its query tile (see :mod:`.tiles`); fully masked tiles are
 never loaded. Partial tiles apply the element mask built from the four column bounds; unmasked
-tiles skip all mask work. Scores live in log2 units
-(``exp2`` with the scale folded in).
+tiles skip all mask work. Scores live in log2 units (``exp2`` with the scale folded in).
 """
 
 from __future__ import annotations
