@@ -12,9 +12,9 @@ Unlike the forward, the backward splits its loop by tile class: measured on the 
 10-20% faster on non-causal and document masks at 32K and equal elsewhere (the forward's split
 was slower; ``benchmarks/NOTES.md``, change 4).
 
-Both recompute ``P = exp2(S - lse)`` (one explicit fma, as in the forward) with the forward's lse (natural log, converted to log2; a
-fully masked row's ``-inf`` becomes ``+inf`` so its P is 0) and use
-``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``.
+Both recompute ``P = exp2(S - lse)`` (one explicit fma, as in the forward) with the forward's
+lse (natural log, converted to log2; a fully masked row's ``-inf`` becomes ``+inf`` so its P is
+0) and use ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O) - dlse``.
 """
 
 from __future__ import annotations
