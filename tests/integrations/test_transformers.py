@@ -407,3 +407,39 @@ def test_enable_activation_checkpointing_works_on_any_transformers_5_model():
 def test_enable_activation_checkpointing_rejects_non_models():
     with pytest.raises(TypeError, match="model"):
         fm_transformers.enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_packed_position_ids_are_resolved_once_per_forward(monkeypatch):
+    """Every layer gets the same ``position_ids`` object: the document bounds (and the host sync
+    that derives them) are computed once per forward, not once per layer."""
+    calls = []
+    original = fm_transformers._document_bounds
+
+    def counting(starts):
+        calls.append(starts.shape)
+        return original(starts)
+
+    monkeypatch.setattr(fm_transformers, "_document_bounds", counting)
+    model = variant(tiny_model(num_hidden_layers=3), "flashmask")
+    inputs = _packed_inputs([[5, 7, 4]])
+    with torch.no_grad():
+        model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
+        assert len(calls) == 1
+        # A new position tensor (the next batch) is resolved again.
+        model(
+            input_ids=inputs["input_ids"],
+            position_ids=inputs["position_ids"].clone(),
+            use_cache=False,
+        )
+    assert len(calls) == 2
+
+
+def test_the_per_forward_memo_sees_in_place_edits():
+    """Editing ``position_ids`` in place between calls changes the mask (``_version`` key)."""
+    cpu = torch.device("cpu")
+    positions = torch.cat([torch.arange(4), torch.arange(4)]).unsqueeze(0)
+    first = fm_transformers.resolve_mask(1, 8, 8, device=cpu, position_ids=positions)
+    positions[0, 4:] += 4  # one document now
+    second = fm_transformers.resolve_mask(1, 8, 8, device=cpu, position_ids=positions)
+    assert first is not None and not bool(first.to_dense()[0, 0, 5, :4].any())
+    assert second is None  # plain causal: the maskless fast path

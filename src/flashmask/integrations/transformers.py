@@ -53,6 +53,9 @@ image tokens) get only the masks above, as with FlashAttention. Because the name
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -301,9 +304,13 @@ def resolve_mask(
     ute = torch.zeros_like(lts)
     shaped = False  # whether anything narrows plain causal / full attention
     if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
-        starts, valid = _starts_from_cu_seqlens(cu_seq_lens_q, batch, seqlen_k, device)
-        ute, lts = _document_bounds(starts)
-        lts = torch.where(valid, lts, 0)
+
+        def from_cu_seqlens() -> tuple[torch.Tensor, torch.Tensor]:
+            starts, valid = _starts_from_cu_seqlens(cu_seq_lens_q, batch, seqlen_k, device)
+            doc_start, doc_end = _document_bounds(starts)
+            return doc_start, torch.where(valid, doc_end, 0)
+
+        ute, lts = _LAYER_MEMO.get(cu_seq_lens_q, (batch, seqlen_k, device), from_cu_seqlens)
         shaped = True
     elif attention_mask is not None:
         valid = attention_mask[:, -seqlen_k:].to(device=device, dtype=torch.bool)
@@ -325,19 +332,23 @@ def resolve_mask(
         lts = torch.where(valid, lts, 0)
         shaped = True
     elif position_ids is not None and position_ids.dim() == 2 and seqlen_q == seqlen_k:
-        pos = position_ids.to(device)
-        if pos.shape[0] == 1 and batch > 1:
-            pos = pos.expand(batch, -1)
-        if pos.shape != (batch, seqlen_q):
+        if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seqlen_q:
             raise ValueError(
                 f"position_ids must be [batch={batch} or 1, seqlen={seqlen_q}], got shape "
                 f"{tuple(position_ids.shape)}"
             )
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-        # One host sync per layer keeps unpacked batches on the maskless causal fast path.
-        if bool(starts[:, 1:].any()):
-            ute, lts = _document_bounds(starts)
+
+        def from_positions() -> tuple[torch.Tensor, torch.Tensor] | None:
+            pos = position_ids.to(device).expand(batch, -1)
+            starts = torch.ones_like(pos, dtype=torch.bool)
+            starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+            # One host sync (per forward, thanks to the memo) keeps unpacked batches on the
+            # maskless causal fast path.
+            return _document_bounds(starts) if bool(starts[:, 1:].any()) else None
+
+        documents = _LAYER_MEMO.get(position_ids, (batch, seqlen_q, device), from_positions)
+        if documents is not None:
+            ute, lts = documents
             shaped = True
 
     if sliding_window is not None:
@@ -352,6 +363,35 @@ def resolve_mask(
 
 
 # ---------------------------------------------------------------------- helpers
+class _PerForwardMemo:
+    """The last value derived from one tensor, reused while that tensor is alive and unchanged.
+
+    transformers hands every layer of a forward the same ``position_ids`` / ``cu_seq_lens_q``
+    object, so the document bounds (whose derivation needs a host sync) are computed once per
+    forward instead of once per layer. The key is the tensor's identity, through a weak
+    reference (a freed tensor whose memory is reused can never match), its ``_version``
+    (in-place edits invalidate) and the call's shape and device. One entry per thread; nothing
+    is memoised while ``torch.compile`` traces.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, tensor: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+        if torch.compiler.is_compiling():
+            return compute()
+        entry = getattr(self._local, "entry", None)
+        full_key = (tensor._version, key)
+        if entry is not None and entry[0]() is tensor and entry[1] == full_key:
+            return entry[2]
+        value = compute()
+        self._local.entry = (weakref.ref(tensor), full_key, value)
+        return value
+
+
+_LAYER_MEMO = _PerForwardMemo()
+
+
 def _explicit_mask(
     explicit: FlashMask | torch.Tensor, batch: int, seqlen_k: int, device: torch.device
 ) -> FlashMask:
