@@ -157,3 +157,18 @@ def test_sequence_length_changes_recompile_once_then_run_dynamic():
         assert q.grad.shape == q.shape
         frames.append(counter.frame_count)
     assert frames == [1, 2, 2]
+
+
+def test_torch_export_keeps_the_custom_op_and_runs_like_eager():
+    """testing-anchors §6.F.25: ``torch.export`` of a module calling ``flashmask_attention``
+    traces through the fake kernel into one ``flashmask::attention_forward`` node, and the
+    exported program computes what eager does for new inputs and new mask values."""
+    module = MaskedAttention()
+    q, k, v = qkv(40)
+    exported = torch.export.export(module, (q, k, v, indices(41, bounds=1)))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert any("flashmask.attention_forward" in t for t in targets), sorted(targets)
+    q2, k2, v2 = qkv(42)
+    sri = indices(43, bounds=1)
+    for got, want in zip(exported.module()(q2, k2, v2, sri), module(q2, k2, v2, sri), strict=True):
+        assert torch.equal(got, want)

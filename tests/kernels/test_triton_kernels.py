@@ -684,3 +684,83 @@ def test_out_of_range_indices_behave_as_clamped(form):
     for name, u, w in zip(("out", "lse", "dq", "dk", "dv"), a, c, strict=True):
         assert torch.equal(u, w), f"{name} ({form})"
     check_against_reference(c, clamped, case.causal, case.id + "-clamped")
+
+
+# ------------------------------------------------------------------------- poisoned memory
+def _inside_nan_buffer(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, S, H, D]`` as a view into a NaN-filled buffer with 5 more rows, one more head and
+    8 more features: every element a kernel may read outside the view is NaN."""
+    b, s, h, d = t.shape
+    buf = torch.full((b, s + 5, h + 1, d + 8), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[:, :s, :h, :d]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("causal-C1", 37, 29, 4, 2, 2, 24, batch=2),
+        Case("noncausal-C4", 29, 37, 2, 1, 1, 40, batch=2),
+        Case("nomask-causal", 33, 33, 2, 2, 1, 16, batch=1),
+    ],
+    ids=lambda c: c.id,
+)
+def test_poisoned_memory_never_leaks_into_results(case, monkeypatch):
+    """testing-anchors §6.D.15 (FlexAttention's poisoned test): q, k, v, dout inside NaN-filled
+    buffers, indices inside a buffer whose tail beyond Sk holds int32 extremes, and every buffer
+    the launchers allocate pre-filled with NaN (floats) or garbage (ints). A load without its
+    bounds mask, or an output element the kernels never write, would surface here; the results
+    must equal the clean run bit for bit."""
+    x = make_inputs(case, torch.float16)
+    clean = run_kernels(x, case.causal)
+
+    poisoned = replace(
+        x,
+        q=_inside_nan_buffer(x.q),
+        k=_inside_nan_buffer(x.k),
+        v=_inside_nan_buffer(x.v),
+        dout=_inside_nan_buffer(x.dout),
+    )
+    if x.sri is not None:
+        b, hm, sk, c = x.sri.shape
+        buf = torch.full((b, hm, sk + 9, c), torch.iinfo(torch.int32).min, dtype=torch.int32)
+        buf[..., sk:, ::2] = torch.iinfo(torch.int32).max
+        buf = buf.to(x.sri.device)
+        buf[:, :, :sk] = x.sri
+        poisoned = replace(poisoned, sri=buf[:, :, :sk])
+
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7777)
+
+    monkeypatch.setattr(kernels.torch, "empty", garbage_empty)
+    result = run_kernels(poisoned, case.causal)
+    monkeypatch.undo()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), result, clean, strict=True):
+        assert not a.isnan().any(), f"{name} has NaN ({case.id})"
+        assert torch.equal(a, b), f"{name} differs from the clean run ({case.id})"
+
+
+def test_batch_items_are_computed_independently():
+    """testing-anchors §6.E.22: a batch computed together equals each item computed alone, bit
+    for bit (no state crosses the batch axis of the grid)."""
+    case = Case("causal-C2", 64, 64, 4, 2, 2, 32, batch=3, mask="structured")
+    x = make_inputs(case, torch.float16)
+    together = run_kernels(x, case.causal)
+    for i in range(case.batch):
+        alone = run_kernels(
+            replace(
+                x,
+                q=x.q[i : i + 1],
+                k=x.k[i : i + 1],
+                v=x.v[i : i + 1],
+                dout=x.dout[i : i + 1],
+                sri=x.sri[i : i + 1],
+            ),
+            case.causal,
+        )
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), together, alone, strict=True):
+            assert torch.equal(a[i : i + 1], b), f"{name} of batch item {i}"
