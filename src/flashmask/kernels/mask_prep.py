@@ -145,20 +145,22 @@ def tile_list_kernel(
     entries = Entries + (bh * num_outer + outer) * num_inner
     count = 0
     # Two passes over the row: partial tiles first, then full ones (as :func:`.tiles.compact`).
+    # The second pass classifies the row again rather than storing the first pass's flags: it is
+    # O(tiles) scalar work, and the full tiles' positions depend on the partial count.
     for full_pass in tl.static_range(2):
         for start in range(0, num_inner, CHUNK):
             inner = start + tl.arange(0, CHUNK)
             in_range = inner < num_inner
             if ROW_MAJOR:
-                skip, partial = _classify(
-                    summary, outer, inner, num_n_tiles, seqlen_q, seqlen_k,
-                    CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
+                m = outer
+                n = inner
             else:
-                skip, partial = _classify(
-                    summary, inner, outer, num_n_tiles, seqlen_q, seqlen_k,
-                    CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
+                m = inner
+                n = outer
+            skip, partial = _classify(
+                summary, m, n, num_n_tiles, seqlen_q, seqlen_k,
+                CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
             if full_pass == 0:
                 keep = partial & in_range
                 encoded = inner
