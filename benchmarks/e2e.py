@@ -389,32 +389,41 @@ def _sft_step(model, optimizer, backend: str, batch: dict, device: torch.device)
     optimizer.zero_grad(set_to_none=True)
 
 
-def _dpo_step(model, optimizer, backend: str, batch: dict, device: torch.device) -> None:
-    """One shared-prompt DPO step: no-grad reference forward, policy forward and backward."""
-    _set_backend(model, backend)
-    inputs = _inputs(batch, backend, device)
-    index = {k: v.to(device) for k, v in batch.items()}
+def _dpo_update(model, optimizer, logps: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One DPO step from ``logps()`` (one forward, ``(chosen, rejected)`` log-probs): a no-grad
+    reference pass, the policy pass and its backward, an AdamW step."""
     # The reference pass reuses the policy's weights: its cost, not its value, is measured.
     with torch.no_grad():
-        ref = data.response_logps(model(**inputs, use_cache=False).logits, index)
-    policy = data.response_logps(model(**inputs, use_cache=False).logits, index)
-    loss = data.dpo_loss(*policy, *ref, beta=0.1)
+        ref = logps()
+    loss = data.dpo_loss(*logps(), *ref, beta=0.1)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _dpo_step(model, optimizer, backend: str, batch: dict, device: torch.device) -> None:
+    """One shared-prompt DPO step with ``backend``."""
+    _set_backend(model, backend)
+    inputs = _inputs(batch, backend, device)
+    index = {k: v.to(device) for k, v in batch.items()}
+    _dpo_update(
+        model,
+        optimizer,
+        lambda: data.response_logps(model(**inputs, use_cache=False).logits, index),
+    )
+
+
+def _separate_inputs(batch: dict, device: torch.device) -> dict:
+    return {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
 
 
 def _dpo_separate_step(model, optimizer, batch: dict, device: torch.device) -> None:
     """The same DPO step on the usual layout (separate padded rows, SDPA, 2-D padding mask)."""
     _set_backend(model, "sdpa")
-    inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
-    with torch.no_grad():
-        ref = _separate_logps(model(**inputs, use_cache=False).logits, batch)
-    policy = _separate_logps(model(**inputs, use_cache=False).logits, batch)
-    loss = data.dpo_loss(*policy, *ref, beta=0.1)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    inputs = _separate_inputs(batch, device)
+    _dpo_update(
+        model, optimizer, lambda: _separate_logps(model(**inputs, use_cache=False).logits, batch)
+    )
 
 
 def _dpo_equality(model, shared: dict, separate: dict, device: torch.device) -> dict:
@@ -428,7 +437,7 @@ def _dpo_equality(model, shared: dict, separate: dict, device: torch.device) -> 
         packed = data.response_logps(logits, index)
         del logits
         _set_backend(model, "sdpa")
-        inputs = {k: separate[k].to(device) for k in ("input_ids", "attention_mask")}
+        inputs = _separate_inputs(separate, device)
         usual = _separate_logps(model(**inputs, use_cache=False).logits, separate)
     a, b = torch.cat(packed).double(), torch.cat(usual).double()
     zero = torch.zeros_like(packed[0])
