@@ -115,20 +115,34 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     return res
 
 
-def bit_exact_case(name, q, k, v, sri, causal):
-    scale = q.shape[-1] ** -0.5
+def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
+    """Skipping == dense mode and repeat == repeat, bitwise; with ``launch_check`` also the
+    default config == two backward launches with every load masked (more compiles, so only on
+    some cases)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     o1, l1 = kernels.forward(q, k, v, sri, causal, scale)
     o2, l2 = kernels.forward(q, k, v, sri, causal, scale, skip_tiles=False)
     do = torch.randn_like(o1)
     g1 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True)
     g2 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True, skip_tiles=False)
     g3 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True)
+    launch_equal = True
+    if launch_check:
+        base = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
+        plain = replace(base, fused_backward=False, even_fast_path=False)
+        o4, l4 = kernels.forward(q, k, v, sri, causal, scale, config=plain)
+        g4 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True, config=plain)
+        launch_equal = bool(
+            torch.equal(o1, o4) and torch.equal(l1, l4) and all(map(torch.equal, g1, g4))
+        )
     return {
         "case": name,
+        "scale": scale,
         "skip_equals_dense": bool(
             torch.equal(o1, o2) and torch.equal(l1, l2) and all(map(torch.equal, g1, g2))
         ),
         "deterministic_repeat": all(map(torch.equal, g1, g3)),
+        "launch_and_loads_equal": launch_equal if launch_check else None,
     }
 
 
@@ -189,7 +203,11 @@ def main() -> int:
                 generator=gen,
             )
             sri, causal = m.startend_row_indices.to(dev), m.causal
-        exact.append(bit_exact_case(name, q, k, v, sri, causal))
+        launch_check = name in ("full", "causal", "document", "prefix_lm_causal")
+        exact.append(bit_exact_case(name, q, k, v, sri, causal, launch_check=launch_check))
+        if name in ("causal", "document", "prefix_lm_causal"):
+            # A negative scale takes the forward's scale-before-max path.
+            exact.append(bit_exact_case(f"{name}/scale=-0.05", q, k, v, sri, causal, -0.05))
     shapes = [
         (1, 1),
         (113, 203),
@@ -210,7 +228,9 @@ def main() -> int:
                     results.append(check_case(name, q, k, v, sri, causal, deterministic=hk == 4))
         sri = random_indices(2, 1, 1024, 1024, causal, c, gen).to(dev)
         q, k, v = inputs(2, 1024, 1024, 8, 2, 128, torch.bfloat16)
-        exact.append(bit_exact_case(f"random/causal={causal}/C={c}", q, k, v, sri, causal))
+        exact.append(
+            bit_exact_case(f"random/causal={causal}/C={c}", q, k, v, sri, causal, launch_check=True)
+        )
 
     # More (batch x head) programs than one grid axis may hold (65535): the grid keeps heads and
     # batch on separate axes, so this must run and be right.
@@ -219,7 +239,8 @@ def main() -> int:
     results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
 
     failed = [r for r in results if not r["pass"]]
-    not_exact = [e for e in exact if not (e["skip_equals_dense"] and e["deterministic_repeat"])]
+    checks = ("skip_equals_dense", "deterministic_repeat", "launch_and_loads_equal")
+    not_exact = [e for e in exact if not all(e[c] is not False for c in checks)]
     worst = {
         t: max((r[t]["ratio"] for r in results if isinstance(r.get(t), dict)), default=0.0)
         for t in ("out", "dq", "dk", "dv")

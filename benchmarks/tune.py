@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from dataclasses import asdict, replace
 
 import torch
@@ -55,6 +56,35 @@ DQ = {
     128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3)],
     256: [(64, 64, 8, 1), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
 }
+
+
+def _time_ms(fn, rep: int, return_mode: str = "median") -> float:
+    """``triton.testing.do_bench`` on a GPU; one wall-clock run under the CPU interpreter."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, rep=rep, return_mode=return_mode)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
+    """``--set launch``: forward tile shapes around the default, and the backward's launch layout
+    (one grid or two), load masking and FlexAttention's tile shapes, each as a whole config."""
+    fwd = [
+        (f"fwd {m}x{n}/{w}w/{st}s", _with(base, "fwd", (m, n, w, st)))
+        for m, n, w, st in ((64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3))
+    ]
+    fwd.append(("fwd masked loads", replace(base, even_fast_path=False)))
+    flex_tiles = _with(_with(base, "dkdv", (64, 128, 8, 3)), "dq", (128, 64, 8, 3))
+    bwd = [
+        ("bwd default", base),
+        ("bwd own launches", replace(base, fused_backward=False)),
+        ("bwd masked loads", replace(base, even_fast_path=False)),
+        ("bwd own launches+masked", replace(base, fused_backward=False, even_fast_path=False)),
+        ("bwd flex tiles", flex_tiles),
+        ("bwd flex tiles 2 stages", replace(flex_tiles, bwd_stages=2, dq_stages=2)),
+    ]
+    return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", label, cfg) for label, cfg in bwd]
 
 
 def _with(base: TileConfig, kind: str, shape: tuple[int, int, int, int]) -> TileConfig:
@@ -105,6 +135,12 @@ def main() -> None:
         "--masks", default="full,causal,prefix_lm_causal,qk_sparse,causal_document,share_question"
     )
     parser.add_argument("--device", default="cuda", help="cpu: a TRITON_INTERPRET=1 smoke run")
+    parser.add_argument(
+        "--set",
+        default="tiles",
+        choices=("tiles", "launch"),
+        help="tiles: per-pass tile shapes; launch: whole-config variants (_launch_set)",
+    )
     args = parser.parse_args()
     dev = torch.device(args.device)
     out_dir = os.environ.get("OUT", ".")
@@ -115,7 +151,7 @@ def main() -> None:
         for name in args.masks.split(","):
             mask, causal, flop, q, k, v, do = _inputs(name, s, b, h, d, dev)
             sri = None if mask is None else mask.startend_row_indices
-            base = kernels.tile_config(d)
+            base = kernels.tile_config(d, has_mask=sri is not None)
             scale = d**-0.5
             ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale, config=base)
             ref_grads = kernels.backward(
@@ -130,17 +166,19 @@ def main() -> None:
             row["base"] = asdict(base)
             row["flex"] = {"fwd_ms": flex_fwd, "bwd_ms": flex_bwd}
             times: dict[str, dict] = {}
-            cands = [(kind, c) for kind, table in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
-                     for c in table[d]]  # fmt: skip
+            if args.set == "tiles":
+                cands = [(kind, f"{kind} {c}", _with(base, kind, c))
+                         for kind, table in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
+                         for c in table[d]]  # fmt: skip
+            else:
+                cands = _launch_set(base)
             for _ in range(args.rounds):
-                for kind, shape in cands:
-                    key = f"{kind} {shape}"
-                    cfg = _with(base, kind, shape)
+                for kind, key, cfg in cands:
                     try:
                         if kind == "fwd":
                             out, _ = kernels.forward(q, k, v, sri, causal, scale, config=cfg)
                             err = float((out.float() - ref_out.float()).abs().max())
-                            ms = triton.testing.do_bench(
+                            ms = _time_ms(
                                 lambda c=cfg: kernels.forward(
                                     q, k, v, sri, causal, scale, config=c
                                 ),
@@ -156,7 +194,7 @@ def main() -> None:
                                 float((g.float() - r.float()).abs().max())
                                 for g, r in zip(grads, ref_grads, strict=True)
                             )
-                            ms = triton.testing.do_bench(
+                            ms = _time_ms(
                                 lambda c=cfg: kernels.backward(
                                     do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True,
                                     config=c,
@@ -177,7 +215,8 @@ def main() -> None:
             results.append(row)
             _print(row)
             torch.cuda.empty_cache()
-        name = f"tune_S{args.seqlen}_D{args.head_dims.replace(',', '-')}.json"
+        suffix = "" if args.set == "tiles" else f"_{args.set}"
+        name = f"tune_S{args.seqlen}_D{args.head_dims.replace(',', '-')}{suffix}.json"
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(results, f, indent=1)
 

@@ -258,15 +258,21 @@ def make_inputs(case: Case, dtype: torch.dtype, *, seed: int | None = None) -> I
     return Inputs(q, k, v, dout, sri, d**-0.5, seed)
 
 
-# The two ways the backward computes dQ: a separate query-stationary pass (the default, and the
-# only one with deterministic=True) or fp32 atomics in the dK/dV pass (opt-in, not reproducible).
-DQ_PATHS = ["dq-pass", "atomic-dq"]
+# The ways the backward computes dQ: a query-stationary pass launched in one grid with the dK/dV
+# pass (the default, deterministic), the same pass as a launch of its own, or fp32 atomics in the
+# dK/dV pass (opt-in, not reproducible).
+DQ_PATHS = ["dq-pass", "dq-pass-own-launch", "atomic-dq"]
 
 
 def dq_path(path: str, head_dim: int) -> dict:
     """``run_kernels`` arguments selecting a dQ path."""
     if path == "dq-pass":
         return {"deterministic": True}
+    if path == "dq-pass-own-launch":
+        return {
+            "deterministic": True,
+            "config": replace(kernels.tile_config(head_dim), fused_backward=False),
+        }
     return {
         "deterministic": False,
         "config": replace(kernels.tile_config(head_dim), atomic_dq=True),
@@ -409,7 +415,8 @@ def _assert_cancellation_residue(grad: torch.Tensor, x: Inputs, name: str, conte
 
 
 # ------------------------------------------------------------------------ kernel vs reference
-SHAPES = [(1, 1), (17, 17), (37, 50), (50, 37), (33, 65)]
+# Ragged shapes, plus one that divides the 16x16 test tiles (the unmasked-load fast path).
+SHAPES = [(1, 1), (17, 17), (37, 50), (50, 37), (33, 65), (48, 64)]
 # (Hq, Hk, Hm): MHA with a shared and a per-head mask, MQA, GQA with a per-kv-head mask.
 HEADS = [(2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 2, 2)]
 HEAD_DIMS = [16, 40, 64]  # 40 runs with a padded BLOCK_D of 64
@@ -609,6 +616,49 @@ def test_skipping_tiles_is_bit_exact(case):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), skipping, dense, strict=True):
         assert torch.equal(a, b), f"{name} differs between skip_tiles=True and False ({case.id})"
     check_against_reference(skipping, x, case.causal, case.id)
+
+
+LAUNCH_CASES = [
+    Case("causal-C2", 48, 64, 4, 2, 2, 64, batch=2),  # divides the tiles: unmasked loads
+    Case("noncausal-C4", 37, 50, 4, 1, 1, 40, mask="random"),  # ragged, padded head dim
+    Case("nomask-causal", 64, 48, 2, 2, 1, 16),
+]
+
+
+@pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
+def test_launch_layout_and_load_masking_change_no_bit(case):
+    """The backward's one-grid launch and the unmasked loads of evenly divided tiles are pure
+    scheduling/addressing choices: two launches, or every load masked, give the same bits."""
+    x = make_inputs(case, torch.float16)
+    base = kernels.tile_config(case.head_dim)
+    default = run_kernels(x, case.causal, config=base)
+    variants = {
+        "own launches": replace(base, fused_backward=False),
+        "masked loads": replace(base, even_fast_path=False),
+    }
+    for label, config in variants.items():
+        other = run_kernels(x, case.causal, config=config)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), default, other, strict=True):
+            assert torch.equal(a, b), f"{name} differs with {label} ({case.id})"
+    check_against_reference(default, x, case.causal, case.id)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero-scale", "negative-scale"])
+@pytest.mark.parametrize(
+    "case",
+    [Case("causal-C2", 50, 50, 2, 2, 2, 64, mask="structured"), Case("nomask-full", 33, 48)],
+    ids=lambda c: c.id,
+)
+def test_zero_and_negative_softmax_scale(case, scale):
+    """``softmax_scale <= 0`` (the scores scaled before the row max, since a non-positive factor
+    does not preserve the max): matches the reference, and skipping stays bit-exact."""
+    x = make_inputs(case, torch.float16)
+    x.scale = scale
+    skipping = run_kernels(x, case.causal, skip_tiles=True)
+    dense = run_kernels(x, case.causal, skip_tiles=False)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), skipping, dense, strict=True):
+        assert torch.equal(a, b), f"{name} differs between skip_tiles=True and False ({case.id})"
+    check_against_reference(skipping, x, case.causal, f"{case.id}-scale{scale}")
 
 
 # --------------------------------------------------------------------------- inputs and layout

@@ -11,7 +11,7 @@ which is how CI tests them; the public API only routes CUDA tensors here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,24 +42,35 @@ class TileConfig:
     # Non-deterministic backward: add dQ with fp32 atomics in the dK/dV pass instead of a
     # separate dQ pass. Off by default: the separate pass measured faster on the H200.
     atomic_dq: bool = False
+    # Launch the dK/dV and dQ passes as one grid (when their warp counts agree), so neither
+    # pass's last wave leaves the GPU half idle. False: two launches (kept for measurement).
+    fused_backward: bool = True
+    # Drop the bounds masks of Q/K/V/dO loads and stores along the dimensions that divide the
+    # tile evenly. False: every access masked (kept for measurement).
+    even_fast_path: bool = True
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_config(head_dim: int) -> TileConfig:
+def tile_config(head_dim: int, *, has_mask: bool = True) -> TileConfig:
     """The tile configuration for a head dimension (small tiles under the interpreter).
 
+    ``has_mask=False`` (no ``startend_row_indices``: full or causal attention) picks larger
+    forward tiles: with nothing to skip but the causal triangle, bigger tiles only add matmul
+    efficiency, while with an interval mask they would skip less.
     Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
     ``benchmarks/NOTES.md``).
     """
     if _interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
     if head_dim <= 64:
-        return TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
+        cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
+        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8)
     if head_dim <= 128:
-        return TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
+        cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
+        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
 
@@ -174,13 +185,15 @@ def forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d)
+    cfg = config or tile_config(d, has_mask=startend_row_indices is not None)
     bounds, (lists,) = prepare(
         startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
         skip_tiles,
     )  # fmt: skip
     hm = bounds.shape[1]
     tm, tn = lists.entries.shape[-2:]
+    block_d = _block_d(d)
+    even = cfg.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     flashmask_fwd_kernel[(tm, hq, b)](
@@ -191,9 +204,13 @@ def forward(
         HAS_MASK=startend_row_indices is not None,
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
+        POSITIVE_SCALE=softmax_scale > 0,
+        EVEN_M=even and sq % cfg.fwd_m == 0,
+        EVEN_N=even and sk % cfg.fwd_n == 0,
+        EVEN_D=even and d == block_d,
         BLOCK_M=cfg.fwd_m,
         BLOCK_N=cfg.fwd_n,
-        BLOCK_D=_block_d(d),
+        BLOCK_D=block_d,
         NUM_STAGES=cfg.fwd_stages,
         num_warps=cfg.fwd_warps,
     )  # fmt: skip
@@ -226,13 +243,14 @@ def backward(
         flashmask_bwd_delta_kernel,
         flashmask_bwd_dkdv_kernel,
         flashmask_bwd_dq_kernel,
+        flashmask_bwd_fused_kernel,
     )
     from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d)
+    cfg = config or tile_config(d, has_mask=startend_row_indices is not None)
     use_atomics = cfg.atomic_dq and not deterministic
     shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
     if not use_atomics:
@@ -257,20 +275,55 @@ def backward(
     )
     block_d = _block_d(d)
     qk_scale = softmax_scale * LOG2E_VALUE
+    even = cfg.even_fast_path
+    even_d = even and d == block_d
 
     kv_lists = lists[0]
-    tn, tm = kv_lists.entries.shape[-2:]
+    kv_tn, kv_tm = kv_lists.entries.shape[-2:]
+    kv_even_m = even and sq % cfg.bwd_m == 0
+    kv_even_n = even and sk % cfg.bwd_n == 0
     dq_accum = None
     if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
+    if not use_atomics and cfg.fused_backward and cfg.bwd_warps == cfg.dq_warps:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q_lists = lists[1]
+        q_tm, q_tn = q_lists.entries.shape[-2:]
+        flashmask_bwd_fused_kernel[(kv_tn + q_tm * (hq // hk), hk, b)](
+            q, k, v, dout, lse, delta, dq, dk, dv, bounds,
+            kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
+            q_lists.entries, q_lists.counts, q_lists.num_partial,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *_s3(dk), *_s3(dv),
+            sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, q_tm, q_tn, d, qk_scale,
+            softmax_scale,
+            **flags,
+            KV_EVEN_M=kv_even_m,
+            KV_EVEN_N=kv_even_n,
+            Q_EVEN_M=even and sq % cfg.dq_m == 0,
+            Q_EVEN_N=even and sk % cfg.dq_n == 0,
+            EVEN_D=even_d,
+            KV_BLOCK_M=cfg.bwd_m,
+            KV_BLOCK_N=cfg.bwd_n,
+            KV_STAGES=cfg.bwd_stages,
+            Q_BLOCK_M=cfg.dq_m,
+            Q_BLOCK_N=cfg.dq_n,
+            Q_STAGES=cfg.dq_stages,
+            BLOCK_D=block_d,
+            num_warps=cfg.bwd_warps,
+        )  # fmt: skip
+        return dq, dk, dv
+
     dq_target = dq_accum if dq_accum is not None else dk  # unused pointer when deterministic
-    flashmask_bwd_dkdv_kernel[(tn, hk, b)](
+    flashmask_bwd_dkdv_kernel[(kv_tn, hk, b)](
         q, k, v, dout, lse, delta, dk, dv, dq_target, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
-        sq, sk, hq, hk, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
+        sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, d, qk_scale, softmax_scale,
         **flags,
         ACCUMULATE_DQ=use_atomics,
+        EVEN_M=kv_even_m,
+        EVEN_N=kv_even_n,
+        EVEN_D=even_d,
         BLOCK_M=cfg.bwd_m,
         BLOCK_N=cfg.bwd_n,
         BLOCK_D=block_d,
@@ -290,6 +343,9 @@ def backward(
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
+        EVEN_M=even and sq % cfg.dq_m == 0,
+        EVEN_N=even and sk % cfg.dq_n == 0,
+        EVEN_D=even_d,
         BLOCK_M=cfg.dq_m,
         BLOCK_N=cfg.dq_n,
         BLOCK_D=block_d,

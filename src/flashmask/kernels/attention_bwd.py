@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmask.kernels.attention_fwd import LOG2E, element_mask
+from flashmask.kernels.attention_fwd import LOG2E, element_mask, load_tile, store_tile
 
 
 @triton.jit
@@ -41,12 +41,16 @@ def _dkdv_tile(
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):  # fmt: skip
     """Add query tile ``m_tile``'s contribution to this key tile's ``(dk, dv)``."""
     offs_m = m_tile * offs_m0.shape[0] + offs_m0
     row_ok = offs_m < seqlen_q
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0)
+    q = load_tile(
+        q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
     # fma as in the forward, so skipping and dense modes run the same arithmetic.
@@ -56,7 +60,10 @@ def _dkdv_tile(
             bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
         )
         pT = tl.where(hidden, 0.0, pT)
-    do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = load_tile(
+        do_base + offs_m[:, None] * stride_dos + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     dv += tl.dot(pT.to(do.dtype), do)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     dpT = tl.dot(v, tl.trans(do))
@@ -65,14 +72,15 @@ def _dkdv_tile(
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
         tl.atomic_add(
-            dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq, mask=qd_mask,
-            sem="relaxed",
+            dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq,
+            mask=row_ok[:, None] & d_ok[None, :], sem="relaxed",
         )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
-def flashmask_bwd_dkdv_kernel(
+def _dkdv_program(
+    n_tile, h_kv, b,
     Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -81,40 +89,36 @@ def flashmask_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_k, heads_per_kv, heads_per_mask_head,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    n_tile = tl.program_id(0)
-    # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
-    h_kv = tl.program_id(1)
-    b = tl.program_id(2)
+    """dK and dV of key tile ``n_tile`` of (batch ``b``, kv head ``h_kv``)."""
     b64 = b.to(tl.int64)
-
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_m0 = tl.arange(0, BLOCK_M)
-    col_ok = offs_n < seqlen_k
+    col_ok = offs_n[:, None] < seqlen_k
     d_ok = offs_d < head_dim
-    kv_mask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(
+    k = load_tile(
         K + b64 * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
+        col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
+    v = load_tile(
         V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+        col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     cols = offs_n[:, None]
@@ -139,7 +143,7 @@ def flashmask_bwd_dkdv_kernel(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
                 dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
                 seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, EVEN_M, EVEN_D,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
@@ -147,20 +151,18 @@ def flashmask_bwd_dkdv_kernel(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
                 dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
                 seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ,
+                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_D,
             )  # fmt: skip
 
     dk = dk * softmax_scale
-    tl.store(
+    store_tile(
         DK + b64 * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=kv_mask,
-    )
-    tl.store(
+        dk.to(DK.dtype.element_ty), col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
+    store_tile(
         DV + b64 * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kv_mask,
-    )
+        dv.to(DV.dtype.element_ty), col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -171,13 +173,20 @@ def _dq_tile(
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
     offs_n = n_tile * offs_n0.shape[0] + offs_n0
-    col_ok = offs_n < seqlen_k
-    kv_mask = col_ok[None, :] & d_ok[:, None]
-    kT = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
-    vT = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask, other=0.0)
+    col_ok = offs_n[None, :] < seqlen_k
+    kT = load_tile(
+        k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
+    vT = load_tile(
+        v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
     p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
@@ -191,7 +200,8 @@ def _dq_tile(
 
 
 @triton.jit
-def flashmask_bwd_dq_kernel(
+def _dq_program(
+    m_tile, h, b,
     Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -204,14 +214,15 @@ def flashmask_bwd_dq_kernel(
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    m_tile = num_m_tiles - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    """dQ of query tile ``m_tile`` of (batch ``b``, query head ``h``)."""
     bh = b * num_heads_q + h
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head
@@ -222,17 +233,14 @@ def flashmask_bwd_dq_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(
+    q = load_tile(
         Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )
-    do = tl.load(
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
+    do = load_tile(
         DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     row_base = bh.to(tl.int64) * seqlen_q
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
@@ -253,22 +261,169 @@ def flashmask_bwd_dq_kernel(
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
             d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True,
+            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
             d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D,
         )  # fmt: skip
 
     dq = dq * softmax_scale
-    tl.store(
+    store_tile(
         DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=qd_mask,
-    )
+        dq.to(DQ.dtype.element_ty), row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def flashmask_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    MASK_FULL_TILES: tl.constexpr,
+    ACCUMULATE_DQ: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """dK/dV pass alone; grid ``(key tiles, kv heads, batch)``."""
+    # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+        stride_dqb, stride_dqs, stride_dqh,
+        seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+        num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_N, EVEN_D,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def flashmask_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    MASK_FULL_TILES: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """dQ pass alone; grid ``(query tiles, query heads, batch)``, heaviest tiles first."""
+    _dq_program(
+        num_m_tiles - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dqb, stride_dqs, stride_dqh,
+        seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+        num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def flashmask_bwd_fused_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, DK, DV, Bounds,
+    KvEntries, KvCounts, KvPartial, QEntries, QCounts, QPartial,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    kv_num_m_tiles, kv_num_n_tiles, q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale,
+    softmax_scale,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    MASK_FULL_TILES: tl.constexpr,
+    KV_EVEN_M: tl.constexpr,
+    KV_EVEN_N: tl.constexpr,
+    Q_EVEN_M: tl.constexpr,
+    Q_EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    KV_BLOCK_M: tl.constexpr,
+    KV_BLOCK_N: tl.constexpr,
+    KV_STAGES: tl.constexpr,
+    Q_BLOCK_M: tl.constexpr,
+    Q_BLOCK_N: tl.constexpr,
+    Q_STAGES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Both backward passes in one launch; grid ``(key tiles + G * query tiles, kv heads, batch)``.
+
+    The first ``kv_num_n_tiles`` programs of each (kv head, batch) compute dK/dV of one key tile;
+    the rest compute dQ of one query tile of one of the ``G = heads_per_kv`` query heads, heaviest
+    tiles first. One grid lets the dQ programs fill the dK/dV pass's last wave (and vice versa)
+    instead of each pass draining the GPU at its end.
+    """
+    pid = tl.program_id(0)
+    h_kv = tl.program_id(1)
+    b = tl.program_id(2)
+    if pid < kv_num_n_tiles:
+        _dkdv_program(
+            pid, h_kv, b,
+            Q, K, V, DO, Lse, Delta, DK, DV, DQ, Bounds, KvEntries, KvCounts, KvPartial,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+            stride_dqb, stride_dqs, stride_dqh,
+            seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+            num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, False, KV_EVEN_M, KV_EVEN_N, EVEN_D,
+            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
+        )  # fmt: skip
+    else:
+        r = pid - kv_num_n_tiles
+        m_tile = q_num_m_tiles - 1 - r // heads_per_kv
+        h = h_kv * heads_per_kv + r % heads_per_kv
+        _dq_program(
+            m_tile, h, b,
+            Q, K, V, DO, Lse, Delta, DQ, Bounds, QEntries, QCounts, QPartial,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+            stride_dqb, stride_dqs, stride_dqh,
+            seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+            q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
+            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
+        )  # fmt: skip
 
 
 @triton.jit

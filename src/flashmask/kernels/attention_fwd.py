@@ -45,6 +45,36 @@ def element_mask(
 
 
 @triton.jit
+def load_tile(ptrs, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """Load a 2-D tile, masking (with zeros) only the dimensions that may run past the tensor.
+
+    ``row_ok`` / ``col_ok`` broadcast against ``ptrs``; ``EVEN_*`` says a dimension never runs
+    past, so its mask is dropped (unmasked loads vectorise without per-element predicates).
+    """
+    if EVEN_ROWS and EVEN_COLS:
+        return tl.load(ptrs)
+    elif EVEN_ROWS:
+        return tl.load(ptrs, mask=col_ok, other=0.0)
+    elif EVEN_COLS:
+        return tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        return tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+
+
+@triton.jit
+def store_tile(ptrs, value, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """Store a 2-D tile; the masks as in :func:`load_tile`."""
+    if EVEN_ROWS and EVEN_COLS:
+        tl.store(ptrs, value)
+    elif EVEN_ROWS:
+        tl.store(ptrs, value, mask=col_ok)
+    elif EVEN_COLS:
+        tl.store(ptrs, value, mask=row_ok)
+    else:
+        tl.store(ptrs, value, mask=row_ok & col_ok)
+
+
+@triton.jit
 def flashmask_fwd_kernel(
     Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts,
     stride_qb, stride_qs, stride_qh,
@@ -57,6 +87,10 @@ def flashmask_fwd_kernel(
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -78,7 +112,7 @@ def flashmask_fwd_kernel(
     d_ok = offs_d < head_dim
 
     q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
     k_base = K + b64 * stride_kb + h_kv * stride_kh
     v_base = V + b64 * stride_vb + h_kv * stride_vh
     mask_head = b64 * num_mask_heads + h_mask
@@ -100,32 +134,52 @@ def flashmask_fwd_kernel(
         n_tile = tl.where(entry >= 0, entry, -entry - 1)
         offs_n = n_tile * BLOCK_N + offs_n0
         col_ok = offs_n < seqlen_k
-        kT = tl.load(
+        kT = load_tile(
             k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-            mask=col_ok[None, :] & d_ok[:, None],
-            other=0.0,
+            d_ok[:, None],
+            col_ok[None, :],
+            EVEN_D,
+            EVEN_N,
         )
         qk = tl.dot(q, kT)
-        s = qk * qk_scale
-        if (entry >= 0) | MASK_FULL_TILES:
-            hidden = element_mask(
-                bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
-            )
-            s = tl.where(hidden, float("-inf"), s)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The arithmetic below is the same on every tile whatever its class (only the masking
+        # differs), so the dense mode (every tile masked) matches skipping bit for bit. Left to
+        # itself the compiler contracts ``qk * scale - m`` into an fma on some paths only, hence
+        # the explicit fma / the fma with a zero addend that no pass can contract further.
+        if POSITIVE_SCALE:
+            # Scores stay unscaled: the row max scales exactly (rounding is monotone for a
+            # positive factor) and one fma per element gives the exponent.
+            if (entry >= 0) | MASK_FULL_TILES:
+                hidden = element_mask(
+                    bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
+                    HAS_UPPER,
+                )  # fmt: skip
+                qk = tl.where(hidden, float("-inf"), qk)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            # Zero or negative scale: scale first (hidden entries must stay -inf afterwards).
+            qk = tl.fma(qk, qk_scale, 0.0)
+            if (entry >= 0) | MASK_FULL_TILES:
+                hidden = element_mask(
+                    bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
+                    HAS_UPPER,
+                )  # fmt: skip
+                qk = tl.where(hidden, float("-inf"), qk)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
         # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_shift)
-        # An explicit fma, hidden entries zeroed afterwards: the same arithmetic on every tile
-        # whatever its class, so the dense mode (every tile masked) matches skipping bit for bit
-        # (left to itself the compiler contracts ``qk * scale - m`` on some paths only).
-        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_shift[:, None]))
-        p = tl.where(s == float("-inf"), 0.0, p)
+        if POSITIVE_SCALE:
+            p = tl.math.exp2(tl.fma(qk, qk_scale, -m_shift[:, None]))
+        else:
+            p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
+        v = load_tile(
             v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
+            col_ok[:, None],
+            d_ok[None, :],
+            EVEN_N,
+            EVEN_D,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -133,6 +187,6 @@ def flashmask_fwd_kernel(
     visible = l_i > 0
     acc = acc / tl.where(visible, l_i, 1.0)[:, None]
     o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
     lse = tl.where(visible, (m_i + tl.math.log2(tl.where(visible, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(Lse + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
