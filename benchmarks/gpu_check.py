@@ -149,10 +149,28 @@ def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--part",
+        default="all",
+        choices=("all", "masks", "shapes"),
+        help="masks: every builder's mask; shapes: random masks over ragged shapes (two parts "
+        "can run as two processes at once, their compiles in parallel; then --merge)",
+    )
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine the parts' files")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path) as f:
+                parts.append(json.load(f))
+        results = [r for p in parts for r in p["results"]]
+        exact = [e for p in parts for e in p["bit_exact"]]
+        seconds = max(p["summary"]["seconds"] for p in parts)
+        env = {key: parts[0]["summary"][key] for key in ENV_KEYS}
+        return report(args.out, results, exact, seconds, env)
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
     results, exact = [], []
     t0 = time.time()
@@ -164,7 +182,7 @@ def main() -> int:
             torch.randn(b, sk, hk, d, device=dev, dtype=dtype),
         )
 
-    names = [*masks.MASK_TYPES, "hash_sparse"]
+    names = [*masks.MASK_TYPES, "hash_sparse"] if args.part != "shapes" else []
     seqlen = 1024
     head_dims = [64, 128, 256] if args.quick else [32, 64, 96, 128, 192, 256]
     for name in names:
@@ -218,7 +236,7 @@ def main() -> int:
         (1024, 1023),
         (2048, 1999),
     ]
-    for causal, c in FORMS:
+    for causal, c in FORMS if args.part != "masks" else ():
         for sq, sk in shapes:
             for hq, hk, hm in ((4, 4, 4), (8, 1, 1)):
                 for d in (128,) if args.quick else (64, 128):
@@ -234,10 +252,20 @@ def main() -> int:
 
     # More (batch x head) programs than one grid axis may hold (65535): the grid keeps heads and
     # batch on separate axes, so this must run and be right.
-    q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
-    sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
-    results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
+    if args.part != "masks":
+        q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
+        sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
+        results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
+    return report(args.out, results, exact, time.time() - t0)
 
+
+ENV_KEYS = ("date", "gpu", "torch", "triton", "python")
+
+
+def report(
+    out: str, results: list[dict], exact: list[dict], seconds: float, env: dict | None = None
+) -> int:
+    """Write the JSON (summary, cases, bit-exactness checks), print failures; exit status."""
     failed = [r for r in results if not r["pass"]]
     checks = ("skip_equals_dense", "deterministic_repeat", "launch_and_loads_equal")
     not_exact = [e for e in exact if not all(e[c] is not False for c in checks)]
@@ -245,20 +273,23 @@ def main() -> int:
         t: max((r[t]["ratio"] for r in results if isinstance(r.get(t), dict)), default=0.0)
         for t in ("out", "dq", "dk", "dv")
     }
-    summary = {
+    env = env or {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "python": platform.python_version(),
+    }
+    summary = {
+        **env,
         "cases": len(results),
         "failed": len(failed),
         "worst_error_ratio_vs_lowp": worst,
         "bit_exact_cases": len(exact),
         "bit_exact_failed": len(not_exact),
-        "seconds": time.time() - t0,
+        "seconds": seconds,
     }
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump({"summary": summary, "results": results, "bit_exact": exact}, f, indent=1)
     print(json.dumps(summary, indent=1))
     for r in failed[:20]:

@@ -209,7 +209,7 @@ def run_case(
         from flashmask.kernels import prepare, tile_config
 
         sri = mask.startend_row_indices if mask is not None else None
-        cfg = tile_config(head_dim)
+        cfg = tile_config(head_dim, has_mask=sri is not None)
         # What one forward + backward prepares (forward, dK/dV and dQ lists).
         shapes = [
             (cfg.fwd_m, cfg.fwd_n, True),
