@@ -57,3 +57,18 @@ def test_markdown_reports_speedup_and_the_preparation_share():
     assert flashmask.endswith("| 1.0 | — | 1.25x |")  # 0.08 ms of an 8 ms call, 10 / 8 faster
     assert flex.endswith("| 20.0 | — | 1.00x |")
     assert sdpa.endswith("| — | — | 2.00x |")
+
+
+def test_markdown_marks_an_implementation_that_ran_out_of_memory():
+    """An OOM row (e.g. Flex's create_block_mask at 128K) keeps its place in the table, says
+    so, and leaves the others' speed-up column empty rather than dividing by nothing."""
+    common = dict(mask="causal", seqlen=131072, batch=1, heads=16, head_dim=128, sparsity=0.5)
+    rows = [
+        Row(impl="flashmask", fwd_ms=20.0, total_ms=80.0, mask_prep_ms=0.1, **common),
+        Row(impl="flex", note="OOM", **common),
+    ]
+    lines = _markdown(rows).splitlines()
+    assert len({line.count("|") for line in lines}) == 1
+    flashmask, flex = lines[2:]
+    assert "| flex (OOM) | — | — |" in flex
+    assert flashmask.endswith("| — |")

@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -205,7 +205,8 @@ def run_case(
         return Row(name, seqlen, batch, heads, head_dim, impl, sparsity)
 
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-    if "flashmask" in impls:
+
+    def run_flashmask() -> None:
         from flashmask.kernels import prepare, tile_config
 
         sri = mask.startend_row_indices if mask is not None else None
@@ -230,7 +231,7 @@ def run_case(
         row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
         rows.append(row)
 
-    if "flex" in impls:
+    def run_flex() -> None:
         flex = torch.compile(flex_attention)
         build = _flex_block_mask(mask, causal, batch, heads, seqlen, device)
         block_mask = build()
@@ -248,7 +249,7 @@ def run_case(
         row.mask_prep_ms = prep_ms
         rows.append(row)
 
-    if "sdpa" in impls:
+    def run_sdpa() -> None:
         import torch.nn.functional as F
 
         qs, ks, vs, dos = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
@@ -281,6 +282,18 @@ def run_case(
             row.mask_prep_ms = dense_prep
             rows.append(row)
             del dense
+
+    runners = {"flashmask": run_flashmask, "flex": run_flex, "sdpa": run_sdpa}
+    for impl, run in runners.items():
+        if impl not in impls:
+            continue
+        try:
+            run()
+        except torch.OutOfMemoryError:
+            # One implementation running out of memory (e.g. Flex's create_block_mask at 128K)
+            # must not cost the others' rows of the same case.
+            rows.append(replace(base(impl), note="OOM"))
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -301,7 +314,8 @@ def _markdown(rows: list[Row]) -> str:
         # FlashMask prepares inside every call; Flex's BlockMask is built once, outside the timing.
         share = 100 * r.mask_prep_ms / r.total_ms if r.mask_prep_ms and r.total_ms else None
         lines.append(
-            f"| {r.seqlen // 1024}K | {r.head_dim} | {r.mask} | {r.sparsity:.2f} | {r.impl} "
+            f"| {r.seqlen // 1024}K | {r.head_dim} | {r.mask} | {r.sparsity:.2f} "
+            f"| {r.impl}{f' ({r.note})' if r.note else ''} "
             f"| {f(r.fwd_ms)} | {f(r.total_ms)} | {f(r.fwd_tflops, '{:.0f}')} "
             f"| {f(r.total_tflops, '{:.0f}')} | {f(r.mask_prep_ms, '{:.3f}')} "
             f"| {f(share, '{:.1f}')} | {f(r.peak_gb)} "
