@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed.workers import exit_without_teardown
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_gpu.py"
 
 
@@ -33,8 +35,10 @@ def _worker(rank: int, world: int, path: str, out_dir: str) -> None:
         result = cp_gpu.run(cfg, torch.device("cpu"))
         if rank == 0:
             cp_gpu.write(result, out_dir)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_without_teardown()
 
 
 def test_cp_gpu_script_runs_on_gloo_and_checks_pass(tmp_path):
