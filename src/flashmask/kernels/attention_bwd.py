@@ -7,6 +7,11 @@
   tile's dQ contribution into an fp32 buffer with atomics (not bit-reproducible).
 * ``flashmask_bwd_dq_kernel``: query-tile stationary, walks the row-major lists in the same two
   loops and writes dQ with no atomics (the deterministic path).
+* ``flashmask_bwd_fused_kernel``: both passes in one grid (the default): the first programs of
+  each (kv head, batch) run the dK/dV program, the rest the dQ program, so neither pass's last
+  wave leaves the GPU idle. Bitwise equal to the two launches.
+
+Loads and stores drop their bounds masks along dimensions the tiles divide evenly (``EVEN_*``).
 
 Unlike the forward, the backward splits its loop by tile class: measured on the H200 it is
 10-20% faster on non-causal and document masks at 32K and equal elsewhere (the forward's split

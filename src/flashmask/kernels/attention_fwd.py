@@ -146,25 +146,20 @@ def flashmask_fwd_kernel(
         # differs), so the dense mode (every tile masked) matches skipping bit for bit. Left to
         # itself the compiler contracts ``qk * scale - m`` into an fma on some paths only, hence
         # the explicit fma / the fma with a zero addend that no pass can contract further.
+        if not POSITIVE_SCALE:
+            # Zero or negative scale: scale first, since such a factor does not preserve the row
+            # max (hidden entries must be -inf after scaling).
+            qk = tl.fma(qk, qk_scale, 0.0)
+        if (entry >= 0) | MASK_FULL_TILES:
+            hidden = element_mask(
+                bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
+            )
+            qk = tl.where(hidden, float("-inf"), qk)
         if POSITIVE_SCALE:
             # Scores stay unscaled: the row max scales exactly (rounding is monotone for a
-            # positive factor) and one fma per element gives the exponent.
-            if (entry >= 0) | MASK_FULL_TILES:
-                hidden = element_mask(
-                    bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
-                    HAS_UPPER,
-                )  # fmt: skip
-                qk = tl.where(hidden, float("-inf"), qk)
+            # positive factor) and one fma per element gives the exponent below.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
-            # Zero or negative scale: scale first (hidden entries must stay -inf afterwards).
-            qk = tl.fma(qk, qk_scale, 0.0)
-            if (entry >= 0) | MASK_FULL_TILES:
-                hidden = element_mask(
-                    bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK,
-                    HAS_UPPER,
-                )  # fmt: skip
-                qk = tl.where(hidden, float("-inf"), qk)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
         # Rows that have seen no visible key yet keep m = -inf; shift them by 0 so exp2 gives 0.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
