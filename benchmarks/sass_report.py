@@ -1,0 +1,241 @@
+"""Compile the FlashMask kernels for Hopper (sm_90) without a GPU and report what the SASS holds.
+
+For each kernel launch that a forward + backward makes (mask preparation, forward, backward), the
+script captures the launch arguments from the real launchers (``flashmask.kernels.forward`` /
+``backward``; nothing runs), compiles the kernel for ``sm_90`` with Triton's bundled ``ptxas``,
+and reads the cubin with the bundled ``cuobjdump``: registers per thread, local-memory (spill)
+bytes and instructions, shared memory, and instruction counts — ``HGMMA`` (Hopper warpgroup
+matrix multiply; the dot products must compile to it), ``HMMA`` (the older per-warp MMA, which
+should not appear), ``MUFU.EX2`` (exp2), global loads (``LDG``) and asynchronous copies
+(``LDGSTS``). Counts are static (instructions in the binary, not executed ones).
+
+Usage: ``PYTHONPATH=src python benchmarks/sass_report.py [--head-dims 64,128,256] [--out PATH]``
+(writes ``PATH.json`` and ``PATH.md``; a few minutes on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, never interpret
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+
+from flashmask import kernels
+from flashmask.kernels import attention_bwd, attention_fwd, mask_prep
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+OPCODES = ("HGMMA", "HMMA", "MUFU.EX2", "LDGSTS", "LDG", "STG", "LDL", "STL", "BAR.SYNC")
+KERNELS = {
+    attention_fwd: ["flashmask_fwd_kernel"],
+    attention_bwd: [
+        "flashmask_bwd_fused_kernel",
+        "flashmask_bwd_dkdv_kernel",
+        "flashmask_bwd_dq_kernel",
+        "flashmask_bwd_delta_kernel",
+    ],
+    mask_prep: ["summarize_kernel", "tile_list_kernel"],
+}
+
+
+class Capture:
+    """Replaces the kernels' ``run`` so that launching records ``(kernel, args, kwargs)``."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[object, tuple, dict]] = []
+        self._saved: list[tuple[object, object]] = []
+
+    def __enter__(self) -> Capture:
+        for module, names in KERNELS.items():
+            for name in names:
+                fn = getattr(module, name)
+                self._saved.append((fn, fn.__dict__.get("run")))
+
+                def run(*args, grid, warmup, _fn=fn, **kwargs):
+                    self.launches.append((_fn, args, kwargs))
+
+                fn.run = run
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fn, saved in self._saved:
+            if saved is None:
+                del fn.run
+            else:
+                fn.run = saved
+
+
+def _specialise(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
+    """The ASTSource and options Triton's launcher would build for these arguments (pointers
+    16-byte aligned, integers divisible by 16 marked so, integers equal to 1 folded)."""
+    names = [p.name for p in fn.params]
+    bound = dict(zip(names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        folded_one = isinstance(v, int) and not isinstance(v, bool) and v == 1
+        if p.is_constexpr or v is None or folded_one:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = POINTER_TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
+def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
+    """Compile one captured launch for sm_90 and summarise its cubin."""
+    backend = make_backend(TARGET)
+    src, opts = _specialise(fn, args, kwargs)
+    options = backend.parse_options(opts)
+    compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.check_output([cuobjdump, "-res-usage", f.name], text=True)
+        sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    return {
+        "kernel": fn.__name__,
+        "num_warps": options.num_warps,
+        "registers": int(fields.get("REG", -1)),
+        "local_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+        "shared_bytes": compiled.metadata.shared,
+        "constexprs": {
+            fn.params[k[0]].name: v
+            for k, v in src.constants.items()
+            if fn.params[k[0]].name.isupper()
+        },
+        **{op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in OPCODES},
+    }
+
+
+def launches(head_dim: int, form: str, variant: str) -> list[tuple[object, tuple, dict]]:
+    """The kernel launches of one forward + backward (bench shapes: 8K x 4, 2048 / D heads)."""
+    b, s = 4, 8192
+    h = 2048 // head_dim
+    q = torch.empty(b, s, h, head_dim, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, s, dtype=torch.float32)
+    causal = form in ("causal", "causal-C1")
+    sri = None
+    if form.endswith("C1"):
+        sri = torch.zeros(b, 1, s, 1, dtype=torch.int32)
+    elif form.endswith("C2"):
+        sri = torch.zeros(b, 1, s, 2, dtype=torch.int32)
+    cfg = kernels.tile_config(head_dim, has_mask=sri is not None)
+    cfg = {
+        "shipped": cfg,
+        "masked loads": replace(cfg, even_fast_path=False),
+        "two launches": replace(cfg, fused_backward=False),
+        "two launches, masked loads": replace(cfg, fused_backward=False, even_fast_path=False),
+        # Not shipped: does doubling the backward's warps take the dK/dV pass off its register
+        # cap (fewer accumulator registers per thread)?
+        "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
+    }[variant]
+    with Capture() as cap:
+        kernels.forward(q, q, q, sri, causal, head_dim**-0.5, config=cfg)
+        kernels.backward(q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, True, config=cfg)
+    return cap.launches
+
+
+def _tiles(row: dict) -> str:
+    """``64x64/2`` from a kernel's BLOCK_M/BLOCK_N/NUM_STAGES constexprs (both passes' shapes for
+    the fused backward); empty for kernels without a pipelined loop."""
+    c = row["constexprs"]
+    shapes = []
+    for prefix, stages in (("", "NUM_STAGES"), ("KV_", "KV_STAGES"), ("Q_", "Q_STAGES")):
+        if f"{prefix}BLOCK_M" in c and stages in c:
+            shapes.append(f"{c[prefix + 'BLOCK_M']}x{c[prefix + 'BLOCK_N']}/{c[stages]}")
+    return ", ".join(shapes)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = (
+        "| D | mask form | variant | kernel | tiles (M x N / stages) | warps | regs | spill bytes "
+        "| LDL/STL | smem KB | HGMMA | HMMA | MUFU.EX2 | LDGSTS | LDG |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['head_dim']} | {r['form']} | {r['variant']} | {r['kernel']} | {_tiles(r)} "
+            f"| {r['num_warps']} | {r['registers']} | {r['local_bytes']} | {r['LDL']}/{r['STL']} "
+            f"| {r['shared_bytes'] / 1024:.0f} | {r['HGMMA']} | {r['HMMA']} | {r['MUFU.EX2']} "
+            f"| {r['LDGSTS']} | {r['LDG']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--forms", default="full,causal,causal-C1,noncausal-C2")
+    parser.add_argument(
+        "--variants",
+        default="shipped;masked loads;two launches;two launches, masked loads;8-warp backward",
+        help="';'-separated",
+    )
+    parser.add_argument("--out", default="benchmarks/results/sass_report")
+    args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(";")]
+    rows, seen = [], set()
+    start = time.time()
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for form in args.forms.split(","):
+            for variant in variants:
+                for fn, fargs, fkwargs in launches(d, form, variant):
+                    info = inspect_launch(fn, fargs, fkwargs)
+                    key = (d, form, json.dumps(info, sort_keys=True))
+                    if key in seen:  # the same binary as an earlier variant's: listed once
+                        continue
+                    seen.add(key)
+                    rows.append({"head_dim": d, "form": form, "variant": variant, **info})
+                    print(
+                        f"{time.time() - start:6.0f} s  D={d} {form} {variant}: {info['kernel']} "
+                        f"regs {info['registers']} spill {info['local_bytes']} "
+                        f"HGMMA {info['HGMMA']}",
+                        flush=True,
+                    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"triton": triton.__version__, "target": "sm_90", "date": time.strftime("%F %T")}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(
+        f"# SASS report (Triton {meta['triton']}, sm_90, compiled offline, {meta['date']})\n\n"
+        f"`python benchmarks/sass_report.py --head-dims {args.head_dims}`\n\n" + markdown(rows)
+    )
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
