@@ -207,10 +207,12 @@ def run_case(
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def run_flashmask() -> None:
-        from flashmask.kernels import prepare, tile_config
+        from flashmask.kernels import device_shared_memory, prepare, tile_config
 
         sri = mask.startend_row_indices if mask is not None else None
-        cfg = tile_config(head_dim, has_mask=sri is not None)
+        cfg = tile_config(
+            head_dim, has_mask=sri is not None, shared_memory=device_shared_memory(device)
+        )
         # What one forward + backward prepares (forward, dK/dV and dQ lists).
         shapes = [
             (cfg.fwd_m, cfg.fwd_n, True),

@@ -10,14 +10,27 @@ which is how CI tests them; the public API only routes CUDA tensors here.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
 from flashmask.kernels import tiles
 
-__all__ = ["TileConfig", "backward", "forward", "prepare", "supports", "tile_config"]
+__all__ = [
+    "TileConfig",
+    "backward",
+    "compact_tile_config",
+    "device_shared_memory",
+    "forward",
+    "prepare",
+    "shrink_tile_config",
+    "supports",
+    "tile_config",
+]
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -54,17 +67,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_config(head_dim: int, *, has_mask: bool = True) -> TileConfig:
+# Shared memory per block from which the H200-tuned tiles fit (Hopper offers 227 KB; the largest
+# forward tile, 128x128 with 3 stages at D = 128, needs 224 KB).
+_HOPPER_SHARED_MEMORY = 200 * 1024
+
+
+def tile_config(
+    head_dim: int, *, has_mask: bool = True, shared_memory: int | None = None
+) -> TileConfig:
     """The tile configuration for a head dimension (small tiles under the interpreter).
 
     ``has_mask=False`` (no ``startend_row_indices``: full or causal attention) picks larger
     forward tiles: with nothing to skip but the causal triangle, bigger tiles only add matmul
     efficiency, while with an interval mask they would skip less.
     Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
-    ``benchmarks/NOTES.md``).
+    ``benchmarks/NOTES.md``). ``shared_memory`` (bytes per block the GPU allows) below Hopper's
+    selects :func:`compact_tile_config` instead.
     """
     if _interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
+    if shared_memory is not None and shared_memory < _HOPPER_SHARED_MEMORY:
+        return compact_tile_config(head_dim)
     if head_dim <= 64:
         cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
         return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8)
@@ -72,6 +95,88 @@ def tile_config(head_dim: int, *, has_mask: bool = True) -> TileConfig:
         cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
         return cfg if has_mask else replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
+
+
+def compact_tile_config(head_dim: int) -> TileConfig:
+    """Tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB; consumer
+    Ampere/Ada such as the RTX 3090/4090, A10, L4: 99 KB).
+
+    Compiled offline for sm_80 and sm_86 (``benchmarks/sass_report.py``'s machinery, bf16) they
+    need at most 72 KB (D <= 128) and 80 KB (D = 256) of shared memory, where the Hopper tiles
+    need up to 224 KB. Not timed on such GPUs (none was available); correctness does not depend
+    on the tile shapes (the CPU suite runs 16x16 tiles, the H200 check the Hopper ones).
+    """
+    if head_dim <= 128:
+        return TileConfig(64, 64, 4, 2, 64, 64, 4, 2, 64, 64, 4, 2)
+    return TileConfig(64, 32, 4, 2, 32, 32, 4, 1, 32, 32, 4, 1)
+
+
+def shrink_tile_config(cfg: TileConfig) -> TileConfig | None:
+    """The next smaller configuration after a launch ran out of shared memory: one pipeline stage
+    fewer in every kernel first, then (at one stage) every tile halved down to 16 and 4 warps;
+    ``None`` when nothing is left to shrink."""
+    if max(cfg.fwd_stages, cfg.bwd_stages, cfg.dq_stages) > 1:
+        return replace(
+            cfg,
+            fwd_stages=max(1, cfg.fwd_stages - 1),
+            bwd_stages=max(1, cfg.bwd_stages - 1),
+            dq_stages=max(1, cfg.dq_stages - 1),
+        )
+    sizes = ("fwd_m", "fwd_n", "bwd_m", "bwd_n", "dq_m", "dq_n")
+    if max(getattr(cfg, name) for name in sizes) <= 16:
+        return None
+    halved = {name: max(16, getattr(cfg, name) // 2) for name in sizes}
+    return replace(cfg, **halved, fwd_warps=4, bwd_warps=4, dq_warps=4)
+
+
+# Default configurations that had to shrink on a device, so later calls start from them.
+_FITTED: dict[tuple[int, int, bool], TileConfig] = {}
+_Result = TypeVar("_Result")
+
+
+@functools.cache
+def _shared_memory_of(index: int) -> int | None:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+def device_shared_memory(device: torch.device) -> int | None:
+    """Shared memory per block (bytes) a kernel may opt into on ``device``; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _shared_memory_of(_cuda_index(device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _with_fitting_config(
+    launch: Callable[[TileConfig], _Result],
+    device: torch.device,
+    head_dim: int,
+    has_mask: bool,
+    config: TileConfig | None,
+) -> _Result:
+    """Run ``launch(cfg)`` with ``config``, or by default with the device's tile configuration,
+    shrinking it (:func:`shrink_tile_config`) while a kernel needs more shared memory than the
+    GPU has. An explicit ``config`` is never changed: its error propagates."""
+    if config is not None:
+        return launch(config)
+    from triton.runtime.errors import OutOfResources
+
+    key = (_cuda_index(device) if device.type == "cuda" else -1, head_dim, has_mask)
+    cfg = _FITTED.get(key) or tile_config(
+        head_dim, has_mask=has_mask, shared_memory=device_shared_memory(device)
+    )
+    while True:
+        try:
+            return launch(cfg)
+        except OutOfResources:
+            smaller = shrink_tile_config(cfg)
+            if smaller is None:
+                raise
+            cfg = _FITTED[key] = smaller
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -179,13 +284,32 @@ def forward(
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
 
     ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
+    Without ``config`` the tiles are :func:`tile_config`'s for the device, made smaller if a
+    kernel needs more shared memory than the GPU has.
     """
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    has_mask = startend_row_indices is not None
+
+    def launch(cfg: TileConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, startend_row_indices, causal, softmax_scale, skip_tiles, cfg)
+
+    return _with_fitting_config(launch, q.device, q.shape[-1], has_mask, config)
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    skip_tiles: bool,
+    cfg: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from flashmask.kernels.attention_fwd import LOG2E_VALUE, flashmask_fwd_kernel
 
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d, has_mask=startend_row_indices is not None)
     bounds, (lists,) = prepare(
         startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
         skip_tiles,
@@ -237,8 +361,36 @@ def backward(
 
     dQ comes from a separate query-stationary pass (bit-reproducible). Only when
     ``deterministic=False`` and ``config.atomic_dq`` does the key-stationary pass add dQ with fp32
-    atomics instead (not bit-reproducible; slower on the H200, kept for measurement).
+    atomics instead (not bit-reproducible; slower on the H200, kept for measurement). The tiles
+    are chosen as in :func:`forward`.
     """
+    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
+    has_mask = startend_row_indices is not None
+
+    def launch(cfg: TileConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(
+            dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
+            deterministic, skip_tiles, cfg,
+        )  # fmt: skip
+
+    return _with_fitting_config(launch, q.device, q.shape[-1], has_mask, config)
+
+
+def _backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+    skip_tiles: bool,
+    cfg: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flashmask.kernels.attention_bwd import (
         flashmask_bwd_delta_kernel,
         flashmask_bwd_dkdv_kernel,
@@ -247,10 +399,8 @@ def backward(
     )
     from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
-    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config or tile_config(d, has_mask=startend_row_indices is not None)
     use_atomics = cfg.atomic_dq and not deterministic
     shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
     if not use_atomics:
