@@ -20,6 +20,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -141,7 +142,9 @@ def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
     }
 
 
-def launches(head_dim: int, form: str, variant: str) -> list[tuple[object, tuple, dict]]:
+def launches(
+    head_dim: int, form: str, variant: str, shared_memory: int | None = None
+) -> list[tuple[object, tuple, dict]]:
     """The kernel launches of one forward + backward (bench shapes: 8K x 4, 2048 / D heads)."""
     b, s = 4, 8192
     h = 2048 // head_dim
@@ -153,7 +156,7 @@ def launches(head_dim: int, form: str, variant: str) -> list[tuple[object, tuple
         sri = torch.zeros(b, 1, s, 1, dtype=torch.int32)
     elif form.endswith("C2"):
         sri = torch.zeros(b, 1, s, 2, dtype=torch.int32)
-    cfg = kernels.tile_config(head_dim, has_mask=sri is not None)
+    cfg = kernels.tile_config(head_dim, has_mask=sri is not None, shared_memory=shared_memory)
     cfg = {
         "shipped": cfg,
         "masked loads": replace(cfg, even_fast_path=False),
@@ -205,15 +208,25 @@ def main() -> None:
         default="shipped;masked loads;two launches;two launches, masked loads;8-warp backward",
         help="';'-separated",
     )
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 86, 90")
+    parser.add_argument(
+        "--shared-memory-kb",
+        type=int,
+        default=None,
+        help="the GPU's shared memory per block, for the launchers' tile choice (default: Hopper)",
+    )
     parser.add_argument("--out", default="benchmarks/results/sass_report")
     args = parser.parse_args()
+    global TARGET
+    TARGET = GPUTarget("cuda", args.arch, 32)
+    shared = None if args.shared_memory_kb is None else args.shared_memory_kb * 1024
     variants = [v.strip() for v in args.variants.split(";")]
     rows, seen = [], set()
     start = time.time()
     for d in (int(x) for x in args.head_dims.split(",")):
         for form in args.forms.split(","):
             for variant in variants:
-                for fn, fargs, fkwargs in launches(d, form, variant):
+                for fn, fargs, fkwargs in launches(d, form, variant, shared):
                     info = inspect_launch(fn, fargs, fkwargs)
                     key = (d, form, json.dumps(info, sort_keys=True))
                     if key in seen:  # the same binary as an earlier variant's: listed once
@@ -228,11 +241,17 @@ def main() -> None:
                     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"triton": triton.__version__, "target": "sm_90", "date": time.strftime("%F %T")}
+    meta = {
+        "triton": triton.__version__,
+        "target": f"sm_{args.arch}",
+        "shared_memory_kb": args.shared_memory_kb,
+        "date": time.strftime("%F %T"),
+    }
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(
-        f"# SASS report (Triton {meta['triton']}, sm_90, compiled offline, {meta['date']})\n\n"
-        f"`python benchmarks/sass_report.py --head-dims {args.head_dims}`\n\n" + markdown(rows)
+        f"# SASS report (Triton {meta['triton']}, {meta['target']}, compiled offline, "
+        f"{meta['date']})\n\n`python benchmarks/sass_report.py {' '.join(sys.argv[1:])}`\n\n"
+        + markdown(rows)
     )
     print(markdown(rows))
 
