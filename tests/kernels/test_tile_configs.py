@@ -154,3 +154,14 @@ def test_an_explicit_config_is_never_changed(limited_gpu):
     with pytest.raises(OutOfResources):
         _forward_backward(config=TileConfig(32, 32, 4, 1, 32, 32, 4, 1, 32, 32, 4, 1))
     assert kernels._FITTED == {}
+
+
+@pytest.mark.parametrize(
+    ("capability", "supported"),
+    [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 9), True), ((9, 0), True)],
+)
+def test_gpus_older_than_ampere_run_the_reference(monkeypatch, capability, supported):
+    """Compute capability < 8.0 (V100, T4): the kernels are not used (the exact reference runs)
+    rather than failing inside Triton's compiler."""
+    monkeypatch.setattr(kernels, "_capability_of", lambda index: capability)
+    assert kernels.device_supported(torch.device("cuda", 0)) is supported

@@ -25,6 +25,7 @@ __all__ = [
     "backward",
     "compact_tile_config",
     "device_shared_memory",
+    "device_supported",
     "forward",
     "prepare",
     "shrink_tile_config",
@@ -179,10 +180,29 @@ def _with_fitting_config(
             cfg = _FITTED[key] = smaller
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``.
+# Triton compiles the kernels' fp16/bf16 tensor-core dots and asynchronous copies for compute
+# capability 8.0 (Ampere) and newer; older GPUs (V100, T4) run the reference instead.
+MIN_CAPABILITY = (8, 0)
 
-    Other inputs (float32/float64, other head dims) run the exact reference instead.
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_supported(device: torch.device) -> bool:
+    """Whether the kernels run on ``device``: a CUDA GPU of compute capability >= 8.0, or any
+    device under Triton's interpreter."""
+    if device.type == "cuda":
+        return _capability_of(_cuda_index(device)) >= MIN_CAPABILITY
+    return _interpreting()
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernels take these inputs: fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``,
+    on a GPU of compute capability >= 8.0.
+
+    Other inputs (float32/float64, other head dims, older GPUs) run the exact reference instead.
     """
     d = q.shape[-1]
     return (
@@ -190,7 +210,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and v.shape[-1] == d
         and d % 8 == 0
         and 16 <= d <= MAX_HEAD_DIM
-        and (q.is_cuda or _interpreting())
+        and device_supported(q.device)
     )
 
 
