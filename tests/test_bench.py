@@ -72,3 +72,17 @@ def test_markdown_marks_an_implementation_that_ran_out_of_memory():
     flashmask, flex = lines[2:]
     assert "| flex (OOM) | — | — |" in flex
     assert flashmask.endswith("| — |")
+
+
+def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
+    """A bench result says which tiles produced it: the defaults for this GPU's shared memory."""
+    from flashmask import kernels
+    from flashmask.bench import _tile_configs
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 99 * 1024)
+    configs = _tile_configs([128])
+    assert set(configs) == {"D128/mask", "D128/no mask"}
+    assert configs["D128/no mask"]["fwd_m"] == kernels.compact_tile_config(128).fwd_m
+    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 227 * 1024)
+    assert _tile_configs([128])["D128/no mask"]["fwd_m"] == 128  # the H200's no-mask forward

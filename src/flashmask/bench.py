@@ -429,8 +429,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _tile_configs(head_dims: list[int]) -> dict[str, dict]:
+    """The kernels' default tiles on this GPU per head dim, with and without an interval mask
+    (so a result file says which configuration produced it)."""
+    from flashmask.kernels import device_shared_memory, tile_config
+
+    shared = device_shared_memory(torch.device("cuda"))
+    return {
+        f"D{d}/{'mask' if has_mask else 'no mask'}": asdict(
+            tile_config(d, has_mask=has_mask, shared_memory=shared)
+        )
+        for d in head_dims
+        for has_mask in (True, False)
+    }
+
+
 def _write_json(out: Path, rows: list[Row], args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
+    head_dims = [int(x) for x in args.head_dims.split(",")]
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "gpu": torch.cuda.get_device_name(),
@@ -438,6 +454,7 @@ def _write_json(out: Path, rows: list[Row], args: argparse.Namespace) -> dict:
         "triton": __import__("triton").__version__,
         "python": platform.python_version(),
         "args": vars(args),
+        "tile_configs": _tile_configs(head_dims),
     }
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1)
