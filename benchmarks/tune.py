@@ -83,6 +83,9 @@ def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
         ("bwd own launches+masked", replace(base, fused_backward=False, even_fast_path=False)),
         ("bwd flex tiles", flex_tiles),
         ("bwd flex tiles 2 stages", replace(flex_tiles, bwd_stages=2, dq_stages=2)),
+        # Offline, 8 warps take the dK/dV pass off its register cap at hd64/hd128 (no spills;
+        # benchmarks/results/sass_report.md): is that worth the smaller per-warp tiles?
+        ("bwd 8 warps", replace(base, bwd_warps=8, dq_warps=8)),
     ]
     return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", label, cfg) for label, cfg in bwd]
 
