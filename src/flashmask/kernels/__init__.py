@@ -39,7 +39,12 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile shapes, warps and pipeline stages of the three kernels."""
+    """Tile shapes, warps and pipeline stages of the three kernels.
+
+    ``*_m`` is the query-tile height and ``*_n`` the key-tile width of the forward (``fwd_``),
+    the key-stationary dK/dV pass (``bwd_``) and the query-stationary dQ pass (``dq_``); the
+    mask preparation builds its tile lists at the same shapes.
+    """
 
     fwd_m: int
     fwd_n: int
