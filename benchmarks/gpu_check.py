@@ -5,10 +5,14 @@
   rule (error <= 2x the error of PyTorch's own low-precision eager attention + 2x rounding noise);
 * bit-exactness of skipping: ``deterministic=True`` results equal the same kernels with every tile
   treated as partial, for every builder;
-* reproducibility: deterministic backward repeated gives identical bits.
+* reproducibility: deterministic backward repeated gives identical bits;
+* on some cases, the default config equals two backward launches with every load masked
+  (``TileConfig.fused_backward`` / ``even_fast_path``), bitwise.
 
 Writes ``$OUT/gpu_check.json`` (or ``--out``) and prints a summary table.
-Usage: ``PYTHONPATH=src python benchmarks/gpu_check.py [--quick]``
+Usage: ``PYTHONPATH=src python benchmarks/gpu_check.py [--quick]``; to halve the wall time (the
+run is compile-bound), run ``--part masks`` and ``--part shapes`` as two processes with their own
+``--out`` and combine them with ``--merge A.json B.json --out gpu_check.json``.
 """
 
 from __future__ import annotations
