@@ -831,3 +831,20 @@ def test_compact_tiles_match_reference(case):
     config = kernels.compact_tile_config(case.head_dim)
     actual = run_kernels(x, case.causal, config=config)
     check_against_reference(actual, x, case.causal, case.id + "-compact")
+
+
+# The head dims the issue names beyond the main matrix's: 32 (exact block), 96 and 192 (padded to
+# 128 and 256), 256 (the largest).
+HEAD_DIM_CASES = [
+    Case("causal-C1", 37, 50, 4, 2, 2, 32),
+    Case("noncausal-C2", 50, 37, 2, 1, 1, 96),
+    Case("causal-C2", 33, 33, 2, 2, 1, 192),
+    Case("noncausal-C4", 40, 33, 2, 2, 2, 256),
+]
+
+
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=[c.id for c in HEAD_DIM_CASES])
+def test_every_supported_head_dim_matches_reference(case):
+    x = make_inputs(case, torch.float16)
+    actual = run_kernels(x, case.causal)
+    check_against_reference(actual, x, case.causal, case.id)
