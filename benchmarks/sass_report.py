@@ -114,8 +114,26 @@ def _specialise(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     return ASTSource(fn, signature, constexprs, attrs), options
 
 
+# Per-SM resources by compute capability: (shared memory per SM in bytes, 32-bit registers).
+SM_RESOURCES = {80: (164 * 1024, 65536), 86: (100 * 1024, 65536), 89: (100 * 1024, 65536),
+                90: (228 * 1024, 65536)}  # fmt: skip
+MAX_WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64}
+
+
+def blocks_per_sm(arch: int, registers: int, warps: int, shared_bytes: int) -> int:
+    """How many programs of a kernel fit on one SM at once, limited by registers (allocated per
+    warp in units of 256), shared memory (plus the 1 KB the driver reserves per block) and warps.
+    """
+    smem_per_sm, regs_per_sm = SM_RESOURCES[arch]
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_registers = regs_per_sm // (regs_per_warp * warps)
+    by_shared = smem_per_sm // (shared_bytes + 1024)
+    by_warps = MAX_WARPS_PER_SM[arch] // warps
+    return min(by_registers, by_shared, by_warps)
+
+
 def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
-    """Compile one captured launch for sm_90 and summarise its cubin."""
+    """Compile one captured launch for ``TARGET`` and summarise its cubin."""
     backend = make_backend(TARGET)
     src, opts = _specialise(fn, args, kwargs)
     options = backend.parse_options(opts)
@@ -127,10 +145,14 @@ def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
         usage = subprocess.check_output([cuobjdump, "-res-usage", f.name], text=True)
         sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
     fields = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    registers = int(fields.get("REG", -1))
     return {
         "kernel": fn.__name__,
         "num_warps": options.num_warps,
-        "registers": int(fields.get("REG", -1)),
+        "registers": registers,
+        "blocks_per_sm": blocks_per_sm(
+            TARGET.arch, registers, options.num_warps, compiled.metadata.shared
+        ),
         "local_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
         "shared_bytes": compiled.metadata.shared,
         "constexprs": {
@@ -186,14 +208,15 @@ def _tiles(row: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| D | mask form | variant | kernel | tiles (M x N / stages) | warps | regs | spill bytes "
-        "| LDL/STL | smem KB | HGMMA | HMMA | MUFU.EX2 | LDGSTS | LDG |"
+        "| LDL/STL | smem KB | programs/SM | HGMMA | HMMA | MUFU.EX2 | LDGSTS | LDG |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
             f"| {r['head_dim']} | {r['form']} | {r['variant']} | {r['kernel']} | {_tiles(r)} "
             f"| {r['num_warps']} | {r['registers']} | {r['local_bytes']} | {r['LDL']}/{r['STL']} "
-            f"| {r['shared_bytes'] / 1024:.0f} | {r['HGMMA']} | {r['HMMA']} | {r['MUFU.EX2']} "
+            f"| {r['shared_bytes'] / 1024:.0f} | {r['blocks_per_sm']} | {r['HGMMA']} "
+            f"| {r['HMMA']} | {r['MUFU.EX2']} "
             f"| {r['LDGSTS']} | {r['LDG']} |"
         )
     return "\n".join(lines) + "\n"
