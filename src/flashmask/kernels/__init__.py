@@ -158,17 +158,11 @@ def _cuda_index(device: torch.device) -> int:
 
 
 def _with_fitting_config(
-    launch: Callable[[TileConfig], _Result],
-    device: torch.device,
-    head_dim: int,
-    has_mask: bool,
-    config: TileConfig | None,
+    launch: Callable[[TileConfig], _Result], device: torch.device, head_dim: int, has_mask: bool
 ) -> _Result:
-    """Run ``launch(cfg)`` with ``config``, or by default with the device's tile configuration,
-    shrinking it (:func:`shrink_tile_config`) while a kernel needs more shared memory than the
-    GPU has. An explicit ``config`` is never changed: its error propagates."""
-    if config is not None:
-        return launch(config)
+    """Run ``launch(cfg)`` with the device's default tile configuration, shrinking it
+    (:func:`shrink_tile_config`) while a kernel needs more shared memory than the GPU has.
+    Only default configurations come here: an explicit ``config`` is never changed."""
     from triton.runtime.errors import OutOfResources
 
     key = (_cuda_index(device) if device.type == "cuda" else -1, head_dim, has_mask)
@@ -312,37 +306,27 @@ def forward(
     Without ``config`` the tiles are :func:`tile_config`'s for the device, made smaller if a
     kernel needs more shared memory than the GPU has.
     """
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    has_mask = startend_row_indices is not None
-
-    def launch(cfg: TileConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(q, k, v, startend_row_indices, causal, softmax_scale, skip_tiles, cfg)
-
-    return _with_fitting_config(launch, q.device, q.shape[-1], has_mask, config)
-
-
-def _forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    startend_row_indices: torch.Tensor | None,
-    causal: bool,
-    softmax_scale: float,
-    skip_tiles: bool,
-    cfg: TileConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    if config is None:
+        return _with_fitting_config(
+            lambda cfg: forward(
+                q, k, v, startend_row_indices, causal, softmax_scale,
+                skip_tiles=skip_tiles, config=cfg,
+            ),
+            q.device, q.shape[-1], startend_row_indices is not None,
+        )  # fmt: skip
     from flashmask.kernels.attention_fwd import LOG2E_VALUE, flashmask_fwd_kernel
 
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bounds, (lists,) = prepare(
-        startend_row_indices, causal, sq, sk, b, q.device, [(cfg.fwd_m, cfg.fwd_n, True)],
+        startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
         skip_tiles,
     )  # fmt: skip
     hm = bounds.shape[1]
     tm, tn = lists.entries.shape[-2:]
     block_d = _block_d(d)
-    even = cfg.even_fast_path
+    even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     flashmask_fwd_kernel[(tm, hq, b)](
@@ -354,14 +338,14 @@ def _forward(
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
         POSITIVE_SCALE=softmax_scale > 0,
-        EVEN_M=even and sq % cfg.fwd_m == 0,
-        EVEN_N=even and sk % cfg.fwd_n == 0,
+        EVEN_M=even and sq % config.fwd_m == 0,
+        EVEN_N=even and sk % config.fwd_n == 0,
         EVEN_D=even and d == block_d,
-        BLOCK_M=cfg.fwd_m,
-        BLOCK_N=cfg.fwd_n,
+        BLOCK_M=config.fwd_m,
+        BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,
-        NUM_STAGES=cfg.fwd_stages,
-        num_warps=cfg.fwd_warps,
+        NUM_STAGES=config.fwd_stages,
+        num_warps=config.fwd_warps,
     )  # fmt: skip
     return out, lse
 
@@ -389,33 +373,14 @@ def backward(
     atomics instead (not bit-reproducible; slower on the H200, kept for measurement). The tiles
     are chosen as in :func:`forward`.
     """
-    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
-    has_mask = startend_row_indices is not None
-
-    def launch(cfg: TileConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(
-            dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-            deterministic, skip_tiles, cfg,
+    if config is None:
+        return _with_fitting_config(
+            lambda cfg: backward(
+                dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
+                deterministic, skip_tiles=skip_tiles, config=cfg,
+            ),
+            q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip
-
-    return _with_fitting_config(launch, q.device, q.shape[-1], has_mask, config)
-
-
-def _backward(
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    startend_row_indices: torch.Tensor | None,
-    causal: bool,
-    softmax_scale: float,
-    deterministic: bool,
-    skip_tiles: bool,
-    cfg: TileConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from flashmask.kernels.attention_bwd import (
         flashmask_bwd_delta_kernel,
         flashmask_bwd_dkdv_kernel,
@@ -424,12 +389,13 @@ def _backward(
     )
     from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
+    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    use_atomics = cfg.atomic_dq and not deterministic
-    shapes = [(cfg.bwd_m, cfg.bwd_n, False)]
+    use_atomics = config.atomic_dq and not deterministic
+    shapes = [(config.bwd_m, config.bwd_n, False)]
     if not use_atomics:
-        shapes.append((cfg.dq_m, cfg.dq_n, True))
+        shapes.append((config.dq_m, config.dq_n, True))
     bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
     hm = bounds.shape[1]
     lse = lse.float().contiguous()
@@ -450,17 +416,17 @@ def _backward(
     )
     block_d = _block_d(d)
     qk_scale = softmax_scale * LOG2E_VALUE
-    even = cfg.even_fast_path
+    even = config.even_fast_path
     even_d = even and d == block_d
 
     kv_lists = lists[0]
     kv_tn, kv_tm = kv_lists.entries.shape[-2:]
-    kv_even_m = even and sq % cfg.bwd_m == 0
-    kv_even_n = even and sk % cfg.bwd_n == 0
+    kv_even_m = even and sq % config.bwd_m == 0
+    kv_even_n = even and sk % config.bwd_n == 0
     dq_accum = None
     if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
-    if not use_atomics and cfg.fused_backward and cfg.bwd_warps == cfg.dq_warps:
+    if not use_atomics and config.fused_backward and config.bwd_warps == config.dq_warps:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lists = lists[1]
         q_tm, q_tn = q_lists.entries.shape[-2:]
@@ -474,17 +440,17 @@ def _backward(
             **flags,
             KV_EVEN_M=kv_even_m,
             KV_EVEN_N=kv_even_n,
-            Q_EVEN_M=even and sq % cfg.dq_m == 0,
-            Q_EVEN_N=even and sk % cfg.dq_n == 0,
+            Q_EVEN_M=even and sq % config.dq_m == 0,
+            Q_EVEN_N=even and sk % config.dq_n == 0,
             EVEN_D=even_d,
-            KV_BLOCK_M=cfg.bwd_m,
-            KV_BLOCK_N=cfg.bwd_n,
-            KV_STAGES=cfg.bwd_stages,
-            Q_BLOCK_M=cfg.dq_m,
-            Q_BLOCK_N=cfg.dq_n,
-            Q_STAGES=cfg.dq_stages,
+            KV_BLOCK_M=config.bwd_m,
+            KV_BLOCK_N=config.bwd_n,
+            KV_STAGES=config.bwd_stages,
+            Q_BLOCK_M=config.dq_m,
+            Q_BLOCK_N=config.dq_n,
+            Q_STAGES=config.dq_stages,
             BLOCK_D=block_d,
-            num_warps=cfg.bwd_warps,
+            num_warps=config.bwd_warps,
         )  # fmt: skip
         return dq, dk, dv
 
@@ -499,13 +465,13 @@ def _backward(
         EVEN_M=kv_even_m,
         EVEN_N=kv_even_n,
         EVEN_D=even_d,
-        BLOCK_M=cfg.bwd_m,
-        BLOCK_N=cfg.bwd_n,
+        BLOCK_M=config.bwd_m,
+        BLOCK_N=config.bwd_n,
         BLOCK_D=block_d,
         # The atomic-dQ matmul needs shared memory that a second pipeline stage leaves no room
         # for at D > 128 (measured: 263 KB needed, 227 KB on the H200).
-        NUM_STAGES=1 if use_atomics and d > 128 else cfg.bwd_stages,
-        num_warps=cfg.bwd_warps,
+        NUM_STAGES=1 if use_atomics and d > 128 else config.bwd_stages,
+        num_warps=config.bwd_warps,
     )  # fmt: skip
     if dq_accum is not None:
         return dq_accum.to(q.dtype), dk, dv
@@ -518,13 +484,13 @@ def _backward(
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
-        EVEN_M=even and sq % cfg.dq_m == 0,
-        EVEN_N=even and sk % cfg.dq_n == 0,
+        EVEN_M=even and sq % config.dq_m == 0,
+        EVEN_N=even and sk % config.dq_n == 0,
         EVEN_D=even_d,
-        BLOCK_M=cfg.dq_m,
-        BLOCK_N=cfg.dq_n,
+        BLOCK_M=config.dq_m,
+        BLOCK_N=config.dq_n,
         BLOCK_D=block_d,
-        NUM_STAGES=cfg.dq_stages,
-        num_warps=cfg.dq_warps,
+        NUM_STAGES=config.dq_stages,
+        num_warps=config.dq_warps,
     )  # fmt: skip
     return dq, dk, dv
