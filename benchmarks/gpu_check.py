@@ -138,6 +138,10 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     return res
 
 
+def _bitwise_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
     """Skipping == dense mode and repeat == repeat, bitwise; with ``launch_check`` also the
     default config == two backward launches with every load masked (more compiles, so only on
@@ -155,16 +159,12 @@ def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
         plain = replace(base, fused_backward=False, even_fast_path=False)
         o4, l4 = kernels.forward(q, k, v, sri, causal, scale, config=plain)
         g4 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True, config=plain)
-        launch_equal = bool(
-            torch.equal(o1, o4) and torch.equal(l1, l4) and all(map(torch.equal, g1, g4))
-        )
+        launch_equal = _bitwise_equal((o1, l1, *g1), (o4, l4, *g4))
     return {
         "case": name,
         "scale": scale,
-        "skip_equals_dense": bool(
-            torch.equal(o1, o2) and torch.equal(l1, l2) and all(map(torch.equal, g1, g2))
-        ),
-        "deterministic_repeat": all(map(torch.equal, g1, g3)),
+        "skip_equals_dense": _bitwise_equal((o1, l1, *g1), (o2, l2, *g2)),
+        "deterministic_repeat": _bitwise_equal(g1, g3),
         "launch_and_loads_equal": launch_equal if launch_check else None,
     }
 
