@@ -7,7 +7,10 @@
   treated as partial, for every builder;
 * reproducibility: deterministic backward repeated gives identical bits;
 * on some cases, the default config equals two backward launches with every load masked
-  (``TileConfig.fused_backward`` / ``even_fast_path``), bitwise.
+  through pointers (``TileConfig.fused_backward`` / ``even_fast_path`` / ``tma``), bitwise.
+
+``--variant tma=1,bwd_warps=8`` checks candidate defaults: the overrides replace fields of
+``tile_config``'s answer for head dims up to 128 (to check a configuration before shipping it).
 
 Writes ``$OUT/gpu_check.json`` (or ``--out``) and prints a summary table.
 Usage: ``PYTHONPATH=src python benchmarks/gpu_check.py [--quick]``; to halve the wall time (the
@@ -156,7 +159,7 @@ def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
     launch_equal = True
     if launch_check:
         base = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
-        plain = replace(base, fused_backward=False, even_fast_path=False)
+        plain = replace(base, fused_backward=False, even_fast_path=False, tma=False)
         o4, l4 = kernels.forward(q, k, v, sri, causal, scale, config=plain)
         g4 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True, config=plain)
         launch_equal = _bitwise_equal((o1, l1, *g1), (o4, l4, *g4))
@@ -180,6 +183,11 @@ def main() -> int:
         "can run as two processes at once, their compiles in parallel; then --merge)",
     )
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine the parts' files")
+    parser.add_argument(
+        "--variant",
+        default="",
+        help="TileConfig overrides for head dims <= 128, e.g. tma=1,bwd_warps=8,dq_warps=8",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -191,7 +199,10 @@ def main() -> int:
         exact = [e for p in parts for e in p["bit_exact"]]
         seconds = max(p["summary"]["seconds"] for p in parts)
         env = {key: parts[0]["summary"][key] for key in ENV_KEYS}
-        return report(args.out, results, exact, seconds, env)
+        variant = parts[0]["summary"].get("variant", "")
+        return report(args.out, results, exact, seconds, env, variant)
+    if args.variant:
+        _override_defaults(args.variant)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -279,14 +290,34 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    return report(args.out, results, exact, time.time() - t0)
+    return report(args.out, results, exact, time.time() - t0, variant=args.variant)
+
+
+def _override_defaults(spec: str) -> None:
+    """Make ``kernels.tile_config`` answer with ``spec``'s fields replaced (head dims <= 128)."""
+    overrides = {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        overrides[key] = bool(int(value)) if key in ("tma", "fused_backward") else int(value)
+    original = kernels.tile_config
+
+    def tile_config(head_dim, **kwargs):
+        cfg = original(head_dim, **kwargs)
+        return replace(cfg, **overrides) if head_dim <= 128 else cfg
+
+    kernels.tile_config = tile_config
 
 
 ENV_KEYS = ("date", "gpu", "torch", "triton", "python")
 
 
 def report(
-    out: str, results: list[dict], exact: list[dict], seconds: float, env: dict | None = None
+    out: str,
+    results: list[dict],
+    exact: list[dict],
+    seconds: float,
+    env: dict | None = None,
+    variant: str = "",
 ) -> int:
     """Write the JSON (summary, cases, bit-exactness checks), print failures; exit status."""
     failed = [r for r in results if not r["pass"]]
@@ -305,6 +336,7 @@ def report(
     }
     summary = {
         **env,
+        "variant": variant,
         "cases": len(results),
         "failed": len(failed),
         "worst_error_ratio_vs_lowp": worst,

@@ -32,6 +32,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashmask import kernels
 from flashmask.kernels import attention_bwd, attention_fwd, mask_prep
@@ -44,7 +46,10 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.int64: "*i64",
 }
-OPCODES = ("HGMMA", "HMMA", "MUFU.EX2", "LDGSTS", "LDG", "STG", "LDL", "STL", "BAR.SYNC")
+OPCODES = (
+    "HGMMA", "HMMA", "MUFU.EX2", "UTMALDG", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDL", "STL",
+    "BAR.SYNC",
+)  # fmt: skip
 KERNELS = {
     attention_fwd: ["flashmask_fwd_kernel"],
     attention_bwd: [
@@ -98,6 +103,8 @@ def _specialise(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
         if p.is_constexpr or v is None or folded_one:
             signature[p.name] = "constexpr"
             constexprs[(i,)] = v
+        elif isinstance(v, TensorDescriptor):
+            signature[p.name] = mangle_type(v)  # "tensordesc<bf16[1, 64, 1, 128]>"
         elif isinstance(v, torch.Tensor):
             signature[p.name] = POINTER_TYPES[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -187,7 +194,15 @@ def launches(
         # Not shipped: does doubling the backward's warps take the dK/dV pass off its register
         # cap (fewer accumulator registers per thread)?
         "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
+        "tma": replace(cfg, tma=True),
+        "tma, 8-warp backward": replace(cfg, tma=True, bwd_warps=8, dq_warps=8),
+        # FlashAttention-3's backward shape: 128 keys x 64 queries, two warpgroups.
+        "tma, 8-warp 128-key backward": replace(
+            cfg, tma=True, bwd_n=128, bwd_warps=8, dq_m=128, dq_warps=8
+        ),
     }[variant]
+    # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
+    kernels._tma_usable = lambda tensors: True
     with Capture() as cap:
         kernels.forward(q, q, q, sri, causal, head_dim**-0.5, config=cfg)
         kernels.backward(q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, True, config=cfg)

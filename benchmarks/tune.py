@@ -78,24 +78,27 @@ def _time_ms(fn, rep: int, return_mode: str = "median") -> float:
 
 
 def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
-    """``--set launch``: forward tile shapes around the default, and the backward's launch layout
-    (one grid or two), load masking and FlexAttention's tile shapes, each as a whole config."""
+    """``--set launch``: whole-config variants around the default: forward tiles, TMA descriptor
+    loads, the backward's warps (8 warps take the dK/dV pass off its register cap offline,
+    ``benchmarks/results/sass_report.md``) and launch layout."""
+    tma = replace(base, tma=True)
     fwd = [
-        (f"fwd {m}x{n}/{w}w/{st}s", _with(base, "fwd", (m, n, w, st)))
-        for m, n, w, st in ((64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3))
+        ("fwd default", base),
+        ("fwd tma", tma),
+        *(
+            (f"fwd tma {m}x{n}/{w}w/{st}s", _with(tma, "fwd", (m, n, w, st)))
+            for m, n, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3))
+            if (m, n, w, st) != (base.fwd_m, base.fwd_n, base.fwd_warps, base.fwd_stages)
+        ),
     ]
-    fwd.append(("fwd masked loads", replace(base, even_fast_path=False)))
-    flex_tiles = _with(_with(base, "dkdv", (64, 128, 8, 3)), "dq", (128, 64, 8, 3))
+    bwd8 = replace(base, bwd_warps=8, dq_warps=8)
     bwd = [
         ("bwd default", base),
-        ("bwd own launches", replace(base, fused_backward=False)),
-        ("bwd masked loads", replace(base, even_fast_path=False)),
-        ("bwd own launches+masked", replace(base, fused_backward=False, even_fast_path=False)),
-        ("bwd flex tiles", flex_tiles),
-        ("bwd flex tiles 2 stages", replace(flex_tiles, bwd_stages=2, dq_stages=2)),
-        # Offline, 8 warps take the dK/dV pass off its register cap at hd64/hd128 (no spills;
-        # benchmarks/results/sass_report.md): is that worth the smaller per-warp tiles?
-        ("bwd 8 warps", replace(base, bwd_warps=8, dq_warps=8)),
+        ("bwd 8 warps", bwd8),
+        ("bwd tma", tma),
+        ("bwd tma 8 warps", replace(bwd8, tma=True)),
+        ("bwd tma 8 warps 3 stages", replace(bwd8, tma=True, bwd_stages=3, dq_stages=3)),
+        ("bwd 8 warps own launches", replace(bwd8, fused_backward=False)),
     ]
     return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", label, cfg) for label, cfg in bwd]
 

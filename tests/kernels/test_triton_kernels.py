@@ -643,6 +643,72 @@ def test_launch_layout_and_load_masking_change_no_bit(case):
     check_against_reference(default, x, case.causal, case.id)
 
 
+TMA_AVAILABLE = not CUDA or torch.cuda.get_device_capability() >= kernels.TMA_CAPABILITY
+
+
+def _count_descriptors(monkeypatch) -> list:
+    """Record every TMA descriptor the launchers build (to prove the TMA path ran)."""
+    built: list = []
+    real = kernels._row_descriptor
+
+    def counting(*args):
+        built.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "_row_descriptor", counting)
+    return built
+
+
+@pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
+@pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
+def test_tma_loads_change_no_bit(case, monkeypatch):
+    """Q/K/V/dO tiles read through TMA descriptors (``TileConfig.tma``) hold the same values as
+    the pointer loads, zeros past the sequence and past the head dim included: same bits in the
+    forward, the fused and two-launch backward and the atomic-dQ path."""
+    x = make_inputs(case, torch.float16)
+    base = kernels.tile_config(case.head_dim)
+    built = _count_descriptors(monkeypatch)
+    for label, config in {
+        "fused": base,
+        "own launches": replace(base, fused_backward=False),
+        "atomic dq": replace(base, atomic_dq=True),
+    }.items():
+        deterministic = not config.atomic_dq
+        pointers = run_kernels(x, case.causal, deterministic=deterministic, config=config)
+        assert not built, "the pointer path built a TMA descriptor"
+        tma = run_kernels(
+            x, case.causal, deterministic=deterministic, config=replace(config, tma=True)
+        )
+        assert built, "the TMA path was not taken"
+        built.clear()
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), pointers, tma, strict=True):
+            if name == "dq" and config.atomic_dq and CUDA:
+                continue  # fp32 atomics: no bitwise claim on a GPU
+            assert torch.equal(a, b), f"{name} differs with TMA loads, {label} ({case.id})"
+
+
+def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
+    """TMA needs 16-byte aligned addresses and strides: a tensor at an odd element offset, or
+    with a 24-byte row stride, takes the pointer path (same results), never an error."""
+    case = Case("causal-C1", 33, 33, 2, 2, 2, 16)
+    x = make_inputs(case, torch.float16)
+    flat = torch.empty(x.q.numel() + 1, dtype=x.q.dtype, device=x.q.device)
+    shifted = flat[1:].view(x.q.shape)  # data pointer 2 bytes past an aligned one
+    shifted.copy_(x.q)
+    wide = torch.zeros(*x.k.shape[:-1], 12, dtype=x.k.dtype, device=x.k.device)
+    narrow = wide[..., :8]  # head dim 8 inside rows of 12: head stride 24 bytes
+    assert not kernels._tma_usable((shifted,))
+    assert not kernels._tma_usable((narrow,))
+    assert kernels._tma_usable((x.q, x.k, x.v)) == TMA_AVAILABLE
+    built = _count_descriptors(monkeypatch)
+    config = replace(kernels.tile_config(case.head_dim), tma=True)
+    result = run_kernels(replace(x, q=shifted), case.causal, config=config)
+    assert not built
+    expected = run_kernels(x, case.causal, config=replace(config, tma=False))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), result, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero-scale", "negative-scale"])
 @pytest.mark.parametrize(
     "case",
@@ -756,14 +822,19 @@ def _inside_nan_buffer(t: torch.Tensor) -> torch.Tensor:
     ],
     ids=lambda c: c.id,
 )
-def test_poisoned_memory_never_leaks_into_results(case, monkeypatch):
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
+def test_poisoned_memory_never_leaks_into_results(case, loads, monkeypatch):
     """testing-anchors §6.D.15 (FlexAttention's poisoned test): q, k, v, dout inside NaN-filled
     buffers, indices inside a buffer whose tail beyond Sk holds int32 extremes, and every buffer
     the launchers allocate pre-filled with NaN (floats) or garbage (ints). A load without its
     bounds mask, or an output element the kernels never write, would surface here; the results
-    must equal the clean run bit for bit."""
+    must equal the clean run bit for bit. With TMA loads the descriptors describe the views, so
+    the hardware's out-of-bounds zeros stand in for the masks."""
+    if loads == "tma" and not TMA_AVAILABLE:
+        pytest.skip("TMA needs compute capability 9.0")
     x = make_inputs(case, torch.float16)
-    clean = run_kernels(x, case.causal)
+    config = replace(kernels.tile_config(case.head_dim), tma=loads == "tma")
+    clean = run_kernels(x, case.causal, config=config)
 
     poisoned = replace(
         x,
@@ -787,7 +858,7 @@ def test_poisoned_memory_never_leaks_into_results(case, monkeypatch):
         return t.fill_(float("nan") if t.is_floating_point() else -7777)
 
     monkeypatch.setattr(kernels.torch, "empty", garbage_empty)
-    result = run_kernels(poisoned, case.causal)
+    result = run_kernels(poisoned, case.causal, config=config)
     monkeypatch.undo()
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), result, clean, strict=True):
         assert not a.isnan().any(), f"{name} has NaN ({case.id})"

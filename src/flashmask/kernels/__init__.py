@@ -67,6 +67,10 @@ class TileConfig:
     # Drop the bounds masks of Q/K/V/dO loads and stores along the dimensions that divide the
     # tile evenly. False: every access masked (kept for measurement).
     even_fast_path: bool = True
+    # Load the Q/K/V (and dO) tiles through TMA tensor descriptors on GPUs that have TMA (compute
+    # capability >= 9.0) when the tensors' strides allow it (16-byte aligned). Same values as
+    # the pointer loads: rows and columns past the tensor read as zeros.
+    tma: bool = False
 
 
 def _interpreting() -> bool:
@@ -273,6 +277,35 @@ def prepare(
     return bounds, lists
 
 
+# TMA (the tensor memory accelerator) arrived with Hopper.
+TMA_CAPABILITY = (9, 0)
+
+
+def _tma_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether TMA descriptors can describe ``tensors``: a GPU with TMA (or the interpreter),
+    16-byte aligned base addresses and strides, unit stride along the head dimension."""
+    device = tensors[0].device
+    if device.type == "cuda":
+        if _capability_of(_cuda_index(device)) < TMA_CAPABILITY:
+            return False
+    elif not _interpreting():
+        return False
+    return all(
+        x.data_ptr() % 16 == 0
+        and x.stride(-1) == 1
+        and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+        for x in tensors
+    )
+
+
+def _row_descriptor(x: torch.Tensor, rows: int, block_d: int):
+    """A TMA descriptor over ``x [B, S, H, D]`` loading ``[1, rows, 1, block_d]`` blocks (one
+    head's ``rows`` consecutive sequence positions); out-of-range elements read as zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, block_d])
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -329,8 +362,16 @@ def forward(
     even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    use_tma = config.tma and _tma_usable((q, k, v))
+    descs = (None, None, None)
+    if use_tma:
+        descs = (
+            _row_descriptor(q, config.fwd_m, block_d),
+            _row_descriptor(k, config.fwd_n, block_d),
+            _row_descriptor(v, config.fwd_n, block_d),
+        )
     flashmask_fwd_kernel[(tm, hq, b)](
-        q, k, v, out, lse, bounds, lists.entries, lists.counts,
+        q, k, v, out, lse, bounds, lists.entries, lists.counts, *descs,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
@@ -341,6 +382,7 @@ def forward(
         EVEN_M=even and sq % config.fwd_m == 0,
         EVEN_N=even and sk % config.fwd_n == 0,
         EVEN_D=even and d == block_d,
+        USE_TMA=use_tma,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,
@@ -419,6 +461,20 @@ def backward(
     even = config.even_fast_path
     even_d = even and d == block_d
 
+    use_tma = config.tma and _tma_usable((q, k, v, dout))
+
+    def descriptors(block_m: int, block_n: int) -> tuple:
+        """TMA descriptors of (q, k, v, dout) for tiles of ``block_m`` queries x ``block_n``
+        keys (Nones without TMA: the kernels then use pointers)."""
+        if not use_tma:
+            return (None,) * 4
+        return (
+            _row_descriptor(q, block_m, block_d),
+            _row_descriptor(k, block_n, block_d),
+            _row_descriptor(v, block_n, block_d),
+            _row_descriptor(dout, block_m, block_d),
+        )
+
     kv_lists = lists[0]
     kv_tn, kv_tm = kv_lists.entries.shape[-2:]
     kv_even_m = even and sq % config.bwd_m == 0
@@ -434,6 +490,7 @@ def backward(
             q, k, v, dout, lse, delta, dq, dk, dv, bounds,
             kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
             q_lists.entries, q_lists.counts, q_lists.num_partial,
+            *descriptors(config.bwd_m, config.bwd_n), *descriptors(config.dq_m, config.dq_n),
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *_s3(dk), *_s3(dv),
             sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, q_tm, q_tn, d, qk_scale,
             softmax_scale,
@@ -443,6 +500,7 @@ def backward(
             Q_EVEN_M=even and sq % config.dq_m == 0,
             Q_EVEN_N=even and sk % config.dq_n == 0,
             EVEN_D=even_d,
+            USE_TMA=use_tma,
             KV_BLOCK_M=config.bwd_m,
             KV_BLOCK_N=config.bwd_n,
             KV_STAGES=config.bwd_stages,
@@ -458,6 +516,7 @@ def backward(
     flashmask_bwd_dkdv_kernel[(kv_tn, hk, b)](
         q, k, v, dout, lse, delta, dk, dv, dq_target, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
+        *descriptors(config.bwd_m, config.bwd_n),
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, d, qk_scale, softmax_scale,
         **flags,
@@ -465,6 +524,7 @@ def backward(
         EVEN_M=kv_even_m,
         EVEN_N=kv_even_n,
         EVEN_D=even_d,
+        USE_TMA=use_tma,
         BLOCK_M=config.bwd_m,
         BLOCK_N=config.bwd_n,
         BLOCK_D=block_d,
@@ -481,12 +541,14 @@ def backward(
     tm, tn = q_lists.entries.shape[-2:]
     flashmask_bwd_dq_kernel[(tm, hq, b)](
         q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts, q_lists.num_partial,
+        *descriptors(config.dq_m, config.dq_n),
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
         EVEN_M=even and sq % config.dq_m == 0,
         EVEN_N=even and sk % config.dq_n == 0,
         EVEN_D=even_d,
+        USE_TMA=use_tma,
         BLOCK_M=config.dq_m,
         BLOCK_N=config.dq_n,
         BLOCK_D=block_d,

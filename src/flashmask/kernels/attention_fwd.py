@@ -75,8 +75,17 @@ def store_tile(ptrs, value, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: 
 
 
 @triton.jit
+def load_rows_tma(desc, b, row0, h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK_R`` of (batch ``b``, head ``h``) as a ``[BLOCK_R, BLOCK_D]``
+    tile, through a TMA descriptor over a ``[B, S, H, D]`` tensor (block ``[1, BLOCK_R, 1,
+    BLOCK_D]``). Rows past ``S`` and columns past ``D`` read as zeros, exactly like the masked
+    pointer loads of :func:`load_tile`."""
+    return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def flashmask_fwd_kernel(
-    Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts,
+    Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts, DescQ, DescK, DescV,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -91,11 +100,14 @@ def flashmask_fwd_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
+    """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
+    copies, no per-thread address arithmetic) instead of pointer loads; same values."""
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -111,8 +123,11 @@ def flashmask_fwd_kernel(
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
 
-    q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
+    if USE_TMA:
+        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
+    else:
+        q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+        q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
     k_base = K + b64 * stride_kb + h_kv * stride_kh
     v_base = V + b64 * stride_vb + h_kv * stride_vh
     mask_head = b64 * num_mask_heads + h_mask
@@ -134,13 +149,16 @@ def flashmask_fwd_kernel(
         n_tile = tl.where(entry >= 0, entry, -entry - 1)
         offs_n = n_tile * BLOCK_N + offs_n0
         col_ok = offs_n < seqlen_k
-        kT = load_tile(
-            k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-            d_ok[:, None],
-            col_ok[None, :],
-            EVEN_D,
-            EVEN_N,
-        )
+        if USE_TMA:
+            kT = tl.trans(load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
+        else:
+            kT = load_tile(
+                k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+                d_ok[:, None],
+                col_ok[None, :],
+                EVEN_D,
+                EVEN_N,
+            )
         qk = tl.dot(q, kT)
         # The arithmetic below is the same on every tile whatever its class (only the masking
         # differs), so the dense mode (every tile masked) matches skipping bit for bit. Left to
@@ -169,13 +187,16 @@ def flashmask_fwd_kernel(
         else:
             p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(
-            v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-            col_ok[:, None],
-            d_ok[None, :],
-            EVEN_N,
-            EVEN_D,
-        )
+        if USE_TMA:
+            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
+        else:
+            v = load_tile(
+                v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                col_ok[:, None],
+                d_ok[None, :],
+                EVEN_N,
+                EVEN_D,
+            )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
