@@ -194,12 +194,8 @@ def launches(
         # Not shipped: does doubling the backward's warps take the dK/dV pass off its register
         # cap (fewer accumulator registers per thread)?
         "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
-        "tma": replace(cfg, tma=True),
-        "tma, 8-warp backward": replace(cfg, tma=True, bwd_warps=8, dq_warps=8),
-        # FlashAttention-3's backward shape: 128 keys x 64 queries, two warpgroups.
-        "tma, 8-warp 128-key backward": replace(
-            cfg, tma=True, bwd_n=128, bwd_warps=8, dq_m=128, dq_warps=8
-        ),
+        "tma-host": replace(cfg, fwd_tma="host"),
+        "tma-kernel": replace(cfg, fwd_tma="kernel"),
     }[variant]
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
     kernels._tma_usable = lambda tensors: True

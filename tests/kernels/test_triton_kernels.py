@@ -659,32 +659,26 @@ def _count_descriptors(monkeypatch) -> list:
     return built
 
 
+TMA_MODES = ["host", "kernel"]
+
+
 @pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
+@pytest.mark.parametrize("mode", TMA_MODES)
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_tma_loads_change_no_bit(case, monkeypatch):
-    """Q/K/V/dO tiles read through TMA descriptors (``TileConfig.tma``) hold the same values as
-    the pointer loads, zeros past the sequence and past the head dim included: same bits in the
-    forward, the fused and two-launch backward and the atomic-dQ path."""
+def test_tma_loads_change_no_bit(case, mode, monkeypatch):
+    """The forward's Q/K/V tiles read through TMA descriptors (``TileConfig.fwd_tma``: built by
+    the launcher over the whole tensors, or in the kernel per (batch, head)) hold the same values
+    as the pointer loads, zeros past the sequence and past the head dim included."""
     x = make_inputs(case, torch.float16)
     base = kernels.tile_config(case.head_dim)
     built = _count_descriptors(monkeypatch)
-    for label, config in {
-        "fused": base,
-        "own launches": replace(base, fused_backward=False),
-        "atomic dq": replace(base, atomic_dq=True),
-    }.items():
-        deterministic = not config.atomic_dq
-        pointers = run_kernels(x, case.causal, deterministic=deterministic, config=config)
-        assert not built, "the pointer path built a TMA descriptor"
-        tma = run_kernels(
-            x, case.causal, deterministic=deterministic, config=replace(config, tma=True)
-        )
-        assert built, "the TMA path was not taken"
-        built.clear()
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), pointers, tma, strict=True):
-            if name == "dq" and config.atomic_dq and CUDA:
-                continue  # fp32 atomics: no bitwise claim on a GPU
-            assert torch.equal(a, b), f"{name} differs with TMA loads, {label} ({case.id})"
+    pointers = kernels.forward(x.q, x.k, x.v, x.sri, case.causal, x.scale, config=base)
+    tma = kernels.forward(
+        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(base, fwd_tma=mode)
+    )
+    assert bool(built) == (mode == "host"), "host descriptors exactly when asked for"
+    for name, a, b in zip(("out", "lse"), pointers, tma, strict=True):
+        assert torch.equal(a, b), f"{name} differs with TMA loads ({mode}, {case.id})"
 
 
 def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
@@ -701,10 +695,10 @@ def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
     assert not kernels._tma_usable((narrow,))
     assert kernels._tma_usable((x.q, x.k, x.v)) == TMA_AVAILABLE
     built = _count_descriptors(monkeypatch)
-    config = replace(kernels.tile_config(case.head_dim), tma=True)
+    config = replace(kernels.tile_config(case.head_dim), fwd_tma="host")
     result = run_kernels(replace(x, q=shifted), case.causal, config=config)
     assert not built
-    expected = run_kernels(x, case.causal, config=replace(config, tma=False))
+    expected = run_kernels(x, case.causal, config=replace(config, fwd_tma="off"))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), result, expected, strict=True):
         assert torch.equal(a, b), name
 
@@ -822,18 +816,18 @@ def _inside_nan_buffer(t: torch.Tensor) -> torch.Tensor:
     ],
     ids=lambda c: c.id,
 )
-@pytest.mark.parametrize("loads", ["pointers", "tma"])
+@pytest.mark.parametrize("loads", ["off", *TMA_MODES], ids=["pointers", "tma-host", "tma-kernel"])
 def test_poisoned_memory_never_leaks_into_results(case, loads, monkeypatch):
     """testing-anchors §6.D.15 (FlexAttention's poisoned test): q, k, v, dout inside NaN-filled
     buffers, indices inside a buffer whose tail beyond Sk holds int32 extremes, and every buffer
     the launchers allocate pre-filled with NaN (floats) or garbage (ints). A load without its
     bounds mask, or an output element the kernels never write, would surface here; the results
-    must equal the clean run bit for bit. With TMA loads the descriptors describe the views, so
-    the hardware's out-of-bounds zeros stand in for the masks."""
-    if loads == "tma" and not TMA_AVAILABLE:
+    must equal the clean run bit for bit. With the forward's TMA loads the descriptors describe
+    the views, so the hardware's out-of-bounds zeros stand in for the masks."""
+    if loads != "off" and not TMA_AVAILABLE:
         pytest.skip("TMA needs compute capability 9.0")
     x = make_inputs(case, torch.float16)
-    config = replace(kernels.tile_config(case.head_dim), tma=loads == "tma")
+    config = replace(kernels.tile_config(case.head_dim), fwd_tma=loads)
     clean = run_kernels(x, case.causal, config=config)
 
     poisoned = replace(

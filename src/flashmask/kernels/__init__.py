@@ -67,10 +67,12 @@ class TileConfig:
     # Drop the bounds masks of Q/K/V/dO loads and stores along the dimensions that divide the
     # tile evenly. False: every access masked (kept for measurement).
     even_fast_path: bool = True
-    # Load the Q/K/V (and dO) tiles through TMA tensor descriptors on GPUs that have TMA (compute
-    # capability >= 9.0) when the tensors' strides allow it (16-byte aligned). Same values as
-    # the pointer loads: rows and columns past the tensor read as zeros.
-    tma: bool = False
+    # The forward loads its Q/K/V tiles through TMA tensor descriptors on GPUs that have TMA
+    # (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned): "host"
+    # (descriptors over the whole tensors, built by the launcher) or "kernel" (each program
+    # builds 2-D descriptors over its (batch, head) slice). Same values as the pointer loads
+    # ("off"): rows and columns past the tensor read as zeros.
+    fwd_tma: str = "off"
 
 
 def _interpreting() -> bool:
@@ -298,6 +300,26 @@ def _tma_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
+_TMA_MODES = {"off": 0, "host": 1, "kernel": 2}  # attention_fwd.TMA_OFF / TMA_HOST / TMA_KERNEL
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """In-kernel TMA descriptors live in a global scratch buffer Triton asks an allocator for;
+    install a torch one unless the caller set their own. Triton keeps the allocator in a context
+    variable, which threads do not inherit (autograd runs the backward in its own), hence the
+    check before every such launch."""
+    if _interpreting():
+        return
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        _allocation.set_allocator(_scratch)
+
+
 def _row_descriptor(x: torch.Tensor, rows: int, block_d: int):
     """A TMA descriptor over ``x [B, S, H, D]`` loading ``[1, rows, 1, block_d]`` blocks (one
     head's ``rows`` consecutive sequence positions); out-of-range elements read as zeros."""
@@ -362,9 +384,15 @@ def forward(
     even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    use_tma = config.tma and _tma_usable((q, k, v))
+    if config.fwd_tma not in _TMA_MODES:
+        raise ValueError(
+            f"config.fwd_tma must be one of {sorted(_TMA_MODES)}, got {config.fwd_tma!r}"
+        )
+    tma_mode = _TMA_MODES[config.fwd_tma] if _tma_usable((q, k, v)) else 0
     descs = (None, None, None)
-    if use_tma:
+    if tma_mode == _TMA_MODES["kernel"]:
+        _ensure_allocator()
+    elif tma_mode == _TMA_MODES["host"]:
         descs = (
             _row_descriptor(q, config.fwd_m, block_d),
             _row_descriptor(k, config.fwd_n, block_d),
@@ -382,7 +410,7 @@ def forward(
         EVEN_M=even and sq % config.fwd_m == 0,
         EVEN_N=even and sk % config.fwd_n == 0,
         EVEN_D=even and d == block_d,
-        USE_TMA=use_tma,
+        USE_TMA=tma_mode,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,
@@ -461,20 +489,6 @@ def backward(
     even = config.even_fast_path
     even_d = even and d == block_d
 
-    use_tma = config.tma and _tma_usable((q, k, v, dout))
-
-    def descriptors(block_m: int, block_n: int) -> tuple:
-        """TMA descriptors of (q, k, v, dout) for tiles of ``block_m`` queries x ``block_n``
-        keys (Nones without TMA: the kernels then use pointers)."""
-        if not use_tma:
-            return (None,) * 4
-        return (
-            _row_descriptor(q, block_m, block_d),
-            _row_descriptor(k, block_n, block_d),
-            _row_descriptor(v, block_n, block_d),
-            _row_descriptor(dout, block_m, block_d),
-        )
-
     kv_lists = lists[0]
     kv_tn, kv_tm = kv_lists.entries.shape[-2:]
     kv_even_m = even and sq % config.bwd_m == 0
@@ -490,7 +504,6 @@ def backward(
             q, k, v, dout, lse, delta, dq, dk, dv, bounds,
             kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
             q_lists.entries, q_lists.counts, q_lists.num_partial,
-            *descriptors(config.bwd_m, config.bwd_n), *descriptors(config.dq_m, config.dq_n),
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *_s3(dk), *_s3(dv),
             sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, q_tm, q_tn, d, qk_scale,
             softmax_scale,
@@ -500,7 +513,6 @@ def backward(
             Q_EVEN_M=even and sq % config.dq_m == 0,
             Q_EVEN_N=even and sk % config.dq_n == 0,
             EVEN_D=even_d,
-            USE_TMA=use_tma,
             KV_BLOCK_M=config.bwd_m,
             KV_BLOCK_N=config.bwd_n,
             KV_STAGES=config.bwd_stages,
@@ -516,7 +528,6 @@ def backward(
     flashmask_bwd_dkdv_kernel[(kv_tn, hk, b)](
         q, k, v, dout, lse, delta, dk, dv, dq_target, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
-        *descriptors(config.bwd_m, config.bwd_n),
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, d, qk_scale, softmax_scale,
         **flags,
@@ -524,7 +535,6 @@ def backward(
         EVEN_M=kv_even_m,
         EVEN_N=kv_even_n,
         EVEN_D=even_d,
-        USE_TMA=use_tma,
         BLOCK_M=config.bwd_m,
         BLOCK_N=config.bwd_n,
         BLOCK_D=block_d,
@@ -541,14 +551,12 @@ def backward(
     tm, tn = q_lists.entries.shape[-2:]
     flashmask_bwd_dq_kernel[(tm, hq, b)](
         q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts, q_lists.num_partial,
-        *descriptors(config.dq_m, config.dq_n),
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
         EVEN_M=even and sq % config.dq_m == 0,
         EVEN_N=even and sk % config.dq_n == 0,
         EVEN_D=even_d,
-        USE_TMA=use_tma,
         BLOCK_M=config.dq_m,
         BLOCK_N=config.dq_n,
         BLOCK_D=block_d,

@@ -27,13 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmask.kernels.attention_fwd import (
-    LOG2E,
-    element_mask,
-    load_rows_tma,
-    load_tile,
-    store_tile,
-)
+from flashmask.kernels.attention_fwd import LOG2E, element_mask, load_tile, store_tile
 
 
 @triton.jit
@@ -45,7 +39,6 @@ def _load_lse_log2(Lse, offs, row_ok):
 @triton.jit
 def _dkdv_tile(
     k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr, dq_base,
-    desc_q, desc_do, b, h,
     offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
     seqlen_q, seqlen_k, qk_scale, softmax_scale,
     CAUSAL: tl.constexpr,
@@ -55,20 +48,14 @@ def _dkdv_tile(
     ACCUMULATE_DQ: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Add query tile ``m_tile``'s contribution to this key tile's ``(dk, dv)``."""
-    BLOCK_M: tl.constexpr = offs_m0.shape[0]
-    BLOCK_D: tl.constexpr = offs_d.shape[0]
-    offs_m = m_tile * BLOCK_M + offs_m0
+    offs_m = m_tile * offs_m0.shape[0] + offs_m0
     row_ok = offs_m < seqlen_q
-    if USE_TMA:
-        q = load_rows_tma(desc_q, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
-    else:
-        q = load_tile(
-            q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
-            row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
-        )  # fmt: skip
+    q = load_tile(
+        q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
     # fma as in the forward, so skipping and dense modes run the same arithmetic.
@@ -78,13 +65,10 @@ def _dkdv_tile(
             bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
         )
         pT = tl.where(hidden, 0.0, pT)
-    if USE_TMA:
-        do = load_rows_tma(desc_do, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
-    else:
-        do = load_tile(
-            do_base + offs_m[:, None] * stride_dos + offs_d[None, :],
-            row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
-        )  # fmt: skip
+    do = load_tile(
+        do_base + offs_m[:, None] * stride_dos + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     dv += tl.dot(pT.to(do.dtype), do)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     dpT = tl.dot(v, tl.trans(do))
@@ -103,7 +87,6 @@ def _dkdv_tile(
 def _dkdv_program(
     n_tile, h_kv, b,
     Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
-    DescQ, DescK, DescV, DescDO,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -121,7 +104,6 @@ def _dkdv_program(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -134,18 +116,14 @@ def _dkdv_program(
     offs_m0 = tl.arange(0, BLOCK_M)
     col_ok = offs_n[:, None] < seqlen_k
     d_ok = offs_d < head_dim
-    if USE_TMA:
-        k = load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
-        v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
-    else:
-        k = load_tile(
-            K + b64 * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-            col_ok, d_ok[None, :], EVEN_N, EVEN_D,
-        )  # fmt: skip
-        v = load_tile(
-            V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-            col_ok, d_ok[None, :], EVEN_N, EVEN_D,
-        )  # fmt: skip
+    k = load_tile(
+        K + b64 * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
+    v = load_tile(
+        V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+        col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+    )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     cols = offs_n[:, None]
@@ -168,18 +146,17 @@ def _dkdv_program(
             m_tile = tl.load(entries + it)
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, DescQ, DescDO, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos,
-                stride_dqs, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, EVEN_M, EVEN_D, USE_TMA,
+                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, EVEN_M, EVEN_D,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, DescQ, DescDO, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos,
-                stride_dqs, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                seqlen_q, seqlen_k, qk_scale, softmax_scale,
                 CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_D,
-                USE_TMA,
             )  # fmt: skip
 
     dk = dk * softmax_scale
@@ -195,33 +172,26 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tile(
-    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, desc_k, desc_v, b, h_kv,
-    offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d, d_ok,
+    stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
-    BLOCK_N: tl.constexpr = offs_n0.shape[0]
-    BLOCK_D: tl.constexpr = offs_d.shape[0]
-    offs_n = n_tile * BLOCK_N + offs_n0
+    offs_n = n_tile * offs_n0.shape[0] + offs_n0
     col_ok = offs_n[None, :] < seqlen_k
-    if USE_TMA:
-        kT = tl.trans(load_rows_tma(desc_k, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
-        vT = tl.trans(load_rows_tma(desc_v, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
-    else:
-        kT = load_tile(
-            k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-        )  # fmt: skip
-        vT = load_tile(
-            v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
-            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-        )  # fmt: skip
+    kT = load_tile(
+        k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
+    vT = load_tile(
+        v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
     p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
@@ -238,7 +208,6 @@ def _dq_tile(
 def _dq_program(
     m_tile, h, b,
     Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
-    DescQ, DescK, DescV, DescDO,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -253,7 +222,6 @@ def _dq_program(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -270,18 +238,14 @@ def _dq_program(
     offs_n0 = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
-    if USE_TMA:
-        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
-        do = load_rows_tma(DescDO, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
-    else:
-        q = load_tile(
-            Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-            row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
-        )  # fmt: skip
-        do = load_tile(
-            DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-            row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
-        )  # fmt: skip
+    q = load_tile(
+        Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
+    do = load_tile(
+        DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+    )  # fmt: skip
     row_base = bh.to(tl.int64) * seqlen_q
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
@@ -300,16 +264,16 @@ def _dq_program(
     for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
         n_tile = tl.load(entries + it)
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, DescK, DescV, b,
-            h_kv, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, USE_TMA,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
+            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, DescK, DescV, b,
-            h_kv, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, USE_TMA,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
+            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D,
         )  # fmt: skip
 
     dq = dq * softmax_scale
@@ -322,7 +286,6 @@ def _dq_program(
 @triton.jit
 def flashmask_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
-    DescQ, DescK, DescV, DescDO,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -340,7 +303,6 @@ def flashmask_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -351,7 +313,6 @@ def flashmask_bwd_dkdv_kernel(
     _dkdv_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
-        DescQ, DescK, DescV, DescDO,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -359,14 +320,13 @@ def flashmask_bwd_dkdv_kernel(
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_N, EVEN_D,
-        USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
 @triton.jit
 def flashmask_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
-    DescQ, DescK, DescV, DescDO,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -381,7 +341,6 @@ def flashmask_bwd_dq_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -391,14 +350,13 @@ def flashmask_bwd_dq_kernel(
     _dq_program(
         num_m_tiles - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
         Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
-        DescQ, DescK, DescV, DescDO,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
         num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
-        USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
@@ -406,7 +364,6 @@ def flashmask_bwd_dq_kernel(
 def flashmask_bwd_fused_kernel(
     Q, K, V, DO, Lse, Delta, DQ, DK, DV, Bounds,
     KvEntries, KvCounts, KvPartial, QEntries, QCounts, QPartial,
-    KvDescQ, KvDescK, KvDescV, KvDescDO, QDescQ, QDescK, QDescV, QDescDO,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -426,7 +383,6 @@ def flashmask_bwd_fused_kernel(
     Q_EVEN_M: tl.constexpr,
     Q_EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     KV_BLOCK_M: tl.constexpr,
     KV_BLOCK_N: tl.constexpr,
     KV_STAGES: tl.constexpr,
@@ -449,7 +405,6 @@ def flashmask_bwd_fused_kernel(
         _dkdv_program(
             pid, h_kv, b,
             Q, K, V, DO, Lse, Delta, DK, DV, DQ, Bounds, KvEntries, KvCounts, KvPartial,
-            KvDescQ, KvDescK, KvDescV, KvDescDO,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -457,7 +412,7 @@ def flashmask_bwd_fused_kernel(
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
             num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, False, KV_EVEN_M, KV_EVEN_N, EVEN_D,
-            USE_TMA, KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
+            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
         )  # fmt: skip
     else:
         r = pid - kv_num_n_tiles
@@ -466,14 +421,13 @@ def flashmask_bwd_fused_kernel(
         _dq_program(
             m_tile, h, b,
             Q, K, V, DO, Lse, Delta, DQ, Bounds, QEntries, QCounts, QPartial,
-            QDescQ, QDescK, QDescV, QDescDO,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dqb, stride_dqs, stride_dqh,
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
             q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
-            USE_TMA, Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
+            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
         )  # fmt: skip
 
 
