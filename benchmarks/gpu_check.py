@@ -9,7 +9,7 @@
 * on some cases, the default config equals two backward launches with every load masked
   through pointers (``TileConfig.fused_backward`` / ``even_fast_path`` / ``fwd_tma``), bitwise.
 
-``--variant fwd_tma=kernel,fwd_m=64`` checks candidate defaults: the overrides replace fields of
+``--variant fwd_tma=0,fwd_m=128`` checks candidate defaults: the overrides replace fields of
 ``tile_config``'s answer for head dims up to 128 (to check a configuration before shipping it).
 
 Writes ``$OUT/gpu_check.json`` (or ``--out``) and prints a summary table.
@@ -159,7 +159,7 @@ def bit_exact_case(name, q, k, v, sri, causal, scale=None, launch_check=False):
     launch_equal = True
     if launch_check:
         base = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
-        plain = replace(base, fused_backward=False, even_fast_path=False, fwd_tma="off")
+        plain = replace(base, fused_backward=False, even_fast_path=False, fwd_tma=False)
         o4, l4 = kernels.forward(q, k, v, sri, causal, scale, config=plain)
         g4 = kernels.backward(do, None, q, k, v, o1, l1, sri, causal, scale, True, config=plain)
         launch_equal = _bitwise_equal((o1, l1, *g1), (o4, l4, *g4))
@@ -186,7 +186,7 @@ def main() -> int:
     parser.add_argument(
         "--variant",
         default="",
-        help="TileConfig overrides for head dims <= 128, e.g. fwd_tma=kernel,bwd_warps=8",
+        help="TileConfig overrides for head dims <= 128, e.g. fwd_tma=0,bwd_warps=8",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -298,9 +298,7 @@ def _override_defaults(spec: str) -> None:
     overrides = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        if key == "fwd_tma":
-            overrides[key] = value
-        elif key in ("fused_backward", "even_fast_path", "atomic_dq"):
+        if key in ("fwd_tma", "fused_backward", "even_fast_path", "atomic_dq"):
             overrides[key] = bool(int(value))
         else:
             overrides[key] = int(value)

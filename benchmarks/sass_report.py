@@ -194,8 +194,7 @@ def launches(
         # Not shipped: does doubling the backward's warps take the dK/dV pass off its register
         # cap (fewer accumulator registers per thread)?
         "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
-        "tma-host": replace(cfg, fwd_tma="host"),
-        "tma-kernel": replace(cfg, fwd_tma="kernel"),
+        "pointer forward": replace(cfg, fwd_tma=False),
     }[variant]
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
     kernels._tma_usable = lambda tensors: True

@@ -78,16 +78,15 @@ def _time_ms(fn, rep: int, return_mode: str = "median") -> float:
 
 
 def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
-    """``--set launch``: whole-config variants around the default: the forward's TMA loads
-    (descriptors built by the launcher or in the kernel) at several tile shapes, and the
-    default backward as the yardstick."""
+    """``--set launch``: whole-config variants around the default: the forward with and without
+    TMA loads at several tile shapes, and the default backward as the yardstick."""
     fwd = [("fwd default", base)]
-    for mode in ("host", "kernel"):
-        tma = replace(base, fwd_tma=mode)
-        fwd.append((f"fwd tma-{mode}", tma))
+    for tma in (False, True):
+        label = "tma" if tma else "pointers"
+        fwd.append((f"fwd {label}", replace(base, fwd_tma=tma)))
         for m, n, w, st in ((128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)):
-            if (m, n, w, st) != (base.fwd_m, base.fwd_n, base.fwd_warps, base.fwd_stages):
-                fwd.append((f"fwd tma-{mode} {m}x{n}/{w}w/{st}s", _with(tma, "fwd", (m, n, w, st))))
+            cfg = _with(replace(base, fwd_tma=tma), "fwd", (m, n, w, st))
+            fwd.append((f"fwd {label} {m}x{n}/{w}w/{st}s", cfg))
     return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", "bwd default", base)]
 
 

@@ -659,26 +659,45 @@ def _count_descriptors(monkeypatch) -> list:
     return built
 
 
-TMA_MODES = ["host", "kernel"]
+def _tma_tiles(head_dim: int) -> TileConfig:
+    """Forward tiles of 32x32: never square against the padded head dims of these cases (16 or
+    64), so the TMA path is taken (square tiles keep pointer loads, ``_tma_tiles_safe``)."""
+    return replace(kernels.tile_config(head_dim), fwd_m=32, fwd_n=32)
 
 
 @pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
-@pytest.mark.parametrize("mode", TMA_MODES)
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_tma_loads_change_no_bit(case, mode, monkeypatch):
-    """The forward's Q/K/V tiles read through TMA descriptors (``TileConfig.fwd_tma``: built by
-    the launcher over the whole tensors, or in the kernel per (batch, head)) hold the same values
-    as the pointer loads, zeros past the sequence and past the head dim included."""
+def test_tma_loads_change_no_bit(case, monkeypatch):
+    """The forward's Q/K/V tiles read through TMA descriptors (``TileConfig.fwd_tma``) hold the
+    same values as the pointer loads, zeros past the sequence and past the head dim included."""
     x = make_inputs(case, torch.float16)
-    base = kernels.tile_config(case.head_dim)
+    base = _tma_tiles(case.head_dim)
     built = _count_descriptors(monkeypatch)
     pointers = kernels.forward(x.q, x.k, x.v, x.sri, case.causal, x.scale, config=base)
+    assert not built, "the pointer path built a TMA descriptor"
     tma = kernels.forward(
-        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(base, fwd_tma=mode)
+        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(base, fwd_tma=True)
     )
-    assert bool(built) == (mode == "host"), "host descriptors exactly when asked for"
+    assert built, "the TMA path was not taken"
     for name, a, b in zip(("out", "lse"), pointers, tma, strict=True):
-        assert torch.equal(a, b), f"{name} differs with TMA loads ({mode}, {case.id})"
+        assert torch.equal(a, b), f"{name} differs with TMA loads ({case.id})"
+
+
+def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
+    """Triton 3.6 miscompiled the TMA forward on the H200 whenever a tile was as wide as the
+    (padded) head dim: such configurations must load through pointers, with the right result."""
+    case = Case("causal-C1", 50, 50, 2, 2, 2, 32)
+    x = make_inputs(case, torch.float16)
+    built = _count_descriptors(monkeypatch)
+    square = replace(kernels.tile_config(32), fwd_m=16, fwd_n=32, fwd_tma=True)
+    result = kernels.forward(x.q, x.k, x.v, x.sri, case.causal, x.scale, config=square)
+    assert not built
+    expected = kernels.forward(
+        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(square, fwd_tma=False)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
+    assert not kernels._tma_tiles_safe(32, 16, 32) and not kernels._tma_tiles_safe(64, 64, 64)
+    assert kernels._tma_tiles_safe(64, 64, 128)
 
 
 def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
@@ -695,10 +714,10 @@ def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
     assert not kernels._tma_usable((narrow,))
     assert kernels._tma_usable((x.q, x.k, x.v)) == TMA_AVAILABLE
     built = _count_descriptors(monkeypatch)
-    config = replace(kernels.tile_config(case.head_dim), fwd_tma="host")
+    config = replace(_tma_tiles(case.head_dim), fwd_tma=True)
     result = run_kernels(replace(x, q=shifted), case.causal, config=config)
     assert not built
-    expected = run_kernels(x, case.causal, config=replace(config, fwd_tma="off"))
+    expected = run_kernels(x, case.causal, config=replace(config, fwd_tma=False))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), result, expected, strict=True):
         assert torch.equal(a, b), name
 
@@ -816,7 +835,7 @@ def _inside_nan_buffer(t: torch.Tensor) -> torch.Tensor:
     ],
     ids=lambda c: c.id,
 )
-@pytest.mark.parametrize("loads", ["off", *TMA_MODES], ids=["pointers", "tma-host", "tma-kernel"])
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
 def test_poisoned_memory_never_leaks_into_results(case, loads, monkeypatch):
     """testing-anchors §6.D.15 (FlexAttention's poisoned test): q, k, v, dout inside NaN-filled
     buffers, indices inside a buffer whose tail beyond Sk holds int32 extremes, and every buffer
@@ -824,10 +843,10 @@ def test_poisoned_memory_never_leaks_into_results(case, loads, monkeypatch):
     bounds mask, or an output element the kernels never write, would surface here; the results
     must equal the clean run bit for bit. With the forward's TMA loads the descriptors describe
     the views, so the hardware's out-of-bounds zeros stand in for the masks."""
-    if loads != "off" and not TMA_AVAILABLE:
+    if loads == "tma" and not TMA_AVAILABLE:
         pytest.skip("TMA needs compute capability 9.0")
     x = make_inputs(case, torch.float16)
-    config = replace(kernels.tile_config(case.head_dim), fwd_tma=loads)
+    config = replace(_tma_tiles(case.head_dim), fwd_tma=loads == "tma")
     clean = run_kernels(x, case.causal, config=config)
 
     poisoned = replace(

@@ -68,11 +68,10 @@ class TileConfig:
     # tile evenly. False: every access masked (kept for measurement).
     even_fast_path: bool = True
     # The forward loads its Q/K/V tiles through TMA tensor descriptors on GPUs that have TMA
-    # (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned): "host"
-    # (descriptors over the whole tensors, built by the launcher) or "kernel" (each program
-    # builds 2-D descriptors over its (batch, head) slice). Same values as the pointer loads
-    # ("off"): rows and columns past the tensor read as zeros.
-    fwd_tma: str = "off"
+    # (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned) and no
+    # tile is square (see ``_tma_tiles_safe``). Same values as the pointer loads: rows and
+    # columns past the tensor read as zeros.
+    fwd_tma: bool = False
 
 
 def _interpreting() -> bool:
@@ -104,8 +103,10 @@ def tile_config(
         cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
         return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8)
     if head_dim <= 128:
-        cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2)
-        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
+        # With a mask the forward's 64x64 tiles load through TMA (7-15% faster on masks at 8K;
+        # the no-mask 128x128 tiles are square, which Triton 3.6 miscompiles with TMA).
+        cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, fwd_tma=True)
+        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8, fwd_tma=False)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
 
@@ -300,24 +301,13 @@ def _tma_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
-_TMA_MODES = {"off": 0, "host": 1, "kernel": 2}  # attention_fwd.TMA_OFF / TMA_HOST / TMA_KERNEL
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """In-kernel TMA descriptors live in a global scratch buffer Triton asks an allocator for;
-    install a torch one unless the caller set their own. Triton keeps the allocator in a context
-    variable, which threads do not inherit (autograd runs the backward in its own), hence the
-    check before every such launch."""
-    if _interpreting():
-        return
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        _allocation.set_allocator(_scratch)
+def _tma_tiles_safe(block_m: int, block_n: int, block_d: int) -> bool:
+    """Whether the forward's TMA tiles ``[block_m, block_d]`` (Q) and ``[block_n, block_d]``
+    (K, V) avoid the shape Triton 3.6 miscompiles on the H200: with ``block_n == block_d``
+    (hd128 at 128x128 tiles, hd64 at 64x64) the TMA forward returned wrong outputs (max error
+    0.2-2.8 in every such case, exact in every other; ``benchmarks/NOTES.md``, change 9). Square
+    tiles keep the pointer loads."""
+    return block_n != block_d and block_m != block_d
 
 
 def _row_descriptor(x: torch.Tensor, rows: int, block_d: int):
@@ -384,15 +374,13 @@ def forward(
     even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    if config.fwd_tma not in _TMA_MODES:
-        raise ValueError(
-            f"config.fwd_tma must be one of {sorted(_TMA_MODES)}, got {config.fwd_tma!r}"
-        )
-    tma_mode = _TMA_MODES[config.fwd_tma] if _tma_usable((q, k, v)) else 0
+    use_tma = (
+        config.fwd_tma
+        and _tma_tiles_safe(config.fwd_m, config.fwd_n, block_d)
+        and _tma_usable((q, k, v))
+    )
     descs = (None, None, None)
-    if tma_mode == _TMA_MODES["kernel"]:
-        _ensure_allocator()
-    elif tma_mode == _TMA_MODES["host"]:
+    if use_tma:
         descs = (
             _row_descriptor(q, config.fwd_m, block_d),
             _row_descriptor(k, config.fwd_n, block_d),
@@ -410,7 +398,7 @@ def forward(
         EVEN_M=even and sq % config.fwd_m == 0,
         EVEN_N=even and sk % config.fwd_n == 0,
         EVEN_D=even and d == block_d,
-        USE_TMA=tma_mode,
+        USE_TMA=use_tma,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,

@@ -74,37 +74,13 @@ def store_tile(ptrs, value, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: 
         tl.store(ptrs, value, mask=row_ok & col_ok)
 
 
-# TMA modes of the forward (``USE_TMA``): pointer loads; descriptors the launcher builds over the
-# whole ``[B, S, H, D]`` tensors (4-D blocks ``[1, rows, 1, D]``); or 2-D descriptors each
-# program builds over its own (batch, head) slice ``[S, D]``.
-TMA_OFF = tl.constexpr(0)
-TMA_HOST = tl.constexpr(1)
-TMA_KERNEL = tl.constexpr(2)
-
-
 @triton.jit
-def head_descriptor(
-    base, seqlen, row_stride, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """In-kernel TMA descriptor over one (batch, head) slice ``[seqlen, head_dim]`` of a
-    ``[B, S, H, D]`` tensor, loading ``[BLOCK_R, BLOCK_D]`` blocks."""
-    return tl.make_tensor_descriptor(
-        base, shape=[seqlen, head_dim], strides=[row_stride, 1], block_shape=[BLOCK_R, BLOCK_D]
-    )
-
-
-@triton.jit
-def load_rows_tma(
-    desc, b, row0, h, USE_TMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
-):
+def load_rows_tma(desc, b, row0, h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``row0 .. row0 + BLOCK_R`` of (batch ``b``, head ``h``) as a ``[BLOCK_R, BLOCK_D]``
-    tile through a TMA descriptor (``TMA_HOST``: over the whole tensor; ``TMA_KERNEL``: over the
-    (batch, head) slice already). Rows past ``S`` and columns past ``D`` read as zeros, exactly
-    like the masked pointer loads of :func:`load_tile`."""
-    if USE_TMA == TMA_HOST:
-        return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
-    else:
-        return desc.load([row0, 0])
+    tile, through a TMA descriptor over a ``[B, S, H, D]`` tensor (block ``[1, BLOCK_R, 1,
+    BLOCK_D]``). Rows past ``S`` and columns past ``D`` read as zeros, exactly like the masked
+    pointer loads of :func:`load_tile`."""
+    return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
 
 
 @triton.jit
@@ -130,9 +106,8 @@ def flashmask_fwd_kernel(
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """``USE_TMA`` (``TMA_HOST`` / ``TMA_KERNEL``): Q, K and V tiles come through TMA
-    descriptors (Hopper's bulk copies, no per-thread address arithmetic) instead of pointer
-    loads; same values. ``Desc*`` are the launcher's descriptors (``TMA_HOST``) or None."""
+    """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
+    copies, no per-thread address arithmetic) instead of pointer loads; same values."""
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -148,18 +123,8 @@ def flashmask_fwd_kernel(
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
 
-    if USE_TMA == TMA_KERNEL:
-        DescQ = head_descriptor(
-            Q + b64 * stride_qb + h * stride_qh, seqlen_q, stride_qs, head_dim, BLOCK_M, BLOCK_D
-        )
-        DescK = head_descriptor(
-            K + b64 * stride_kb + h_kv * stride_kh, seqlen_k, stride_ks, head_dim, BLOCK_N, BLOCK_D
-        )
-        DescV = head_descriptor(
-            V + b64 * stride_vb + h_kv * stride_vh, seqlen_k, stride_vs, head_dim, BLOCK_N, BLOCK_D
-        )
-    if USE_TMA != TMA_OFF:
-        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, USE_TMA, BLOCK_M, BLOCK_D)
+    if USE_TMA:
+        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
     else:
         q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
         q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
@@ -184,10 +149,8 @@ def flashmask_fwd_kernel(
         n_tile = tl.where(entry >= 0, entry, -entry - 1)
         offs_n = n_tile * BLOCK_N + offs_n0
         col_ok = offs_n < seqlen_k
-        if USE_TMA != TMA_OFF:
-            kT = tl.trans(
-                load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, USE_TMA, BLOCK_N, BLOCK_D)
-            )
+        if USE_TMA:
+            kT = tl.trans(load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
         else:
             kT = load_tile(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
@@ -224,8 +187,8 @@ def flashmask_fwd_kernel(
         else:
             p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA != TMA_OFF:
-            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, USE_TMA, BLOCK_N, BLOCK_D)
+        if USE_TMA:
+            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
         else:
             v = load_tile(
                 v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
