@@ -46,7 +46,14 @@ def test_visible_pairs_without_a_mask(causal, expected):
 def test_markdown_reports_speedup_and_the_preparation_share():
     common = dict(mask="causal", seqlen=8192, batch=4, heads=16, head_dim=128, sparsity=0.5)
     rows = [
-        Row(impl="flashmask", fwd_ms=2.0, total_ms=8.0, mask_prep_ms=0.08, **common),
+        Row(
+            impl="flashmask",
+            fwd_ms=2.0,
+            total_ms=8.0,
+            mask_prep_ms=0.08,
+            mask_prep_gpu_ms=0.004,
+            **common,
+        ),
         Row(impl="flex", fwd_ms=2.5, total_ms=10.0, mask_prep_ms=2.0, **common),
         Row(impl="sdpa", fwd_ms=1.0, total_ms=5.0, **common),
     ]
@@ -54,9 +61,10 @@ def test_markdown_reports_speedup_and_the_preparation_share():
     assert "prep % of fwd+bwd" in lines[0]
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
     flashmask, flex, sdpa = lines[2:]
-    assert flashmask.endswith("| 1.0 | — | 1.25x |")  # 0.08 ms of an 8 ms call, 10 / 8 faster
-    assert flex.endswith("| 20.0 | — | 1.00x |")
-    assert sdpa.endswith("| — | — | 2.00x |")
+    # 0.08 ms of an 8 ms call (0.004 ms of device time), 10 / 8 faster
+    assert flashmask.endswith("| 1.0 | 0.004 | 0.05 | — | 1.25x |")
+    assert flex.endswith("| 20.0 | — | — | — | 1.00x |")
+    assert sdpa.endswith("| — | — | — | — | 2.00x |")
 
 
 def test_markdown_marks_an_implementation_that_ran_out_of_memory():

@@ -351,7 +351,10 @@ def test_triton_prepare_equals_the_torch_oracle(form, skip_tiles):
             skip_tiles,
         )
         expected = tiles.column_bounds(sri, causal, sq, sk, batch, torch.device("cpu"))
-        assert torch.equal(bounds.cpu(), expected), f"bounds, shape {i}"
+        if sri is None:
+            assert bounds is None, "no bounds are built (or read) without a mask"
+        else:
+            assert torch.equal(bounds.cpu(), expected), f"bounds, shape {i}"
         classes = tiles.tile_classes(expected, causal, sq, bm, bn, skip_tiles)
         _assert_lists_equal(rows, tiles.forward_lists(classes), f"row-major lists, shape {i}")
         _assert_lists_equal(cols, tiles.backward_lists(classes), f"column-major lists, shape {i}")
@@ -374,3 +377,42 @@ def test_triton_prepare_handles_more_tiles_than_one_chunk():
     _assert_lists_equal(rows, tiles.forward_lists(classes), "row-major lists")
     _assert_lists_equal(cols, tiles.backward_lists(classes), "column-major lists")
     assert int(cols.counts.max()) > 256
+
+
+def _count_launches(monkeypatch) -> dict[str, int]:
+    from flashmask.kernels import mask_prep
+
+    counts = {"summarize_kernel": 0, "tile_list_kernel": 0}
+    for name in counts:
+        fn = getattr(mask_prep, name)
+        real = fn.run
+
+        def run(*args, _name=name, _real=real, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fn, "run", run)
+    return counts
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "nomask"])
+def test_triton_prepare_costs_at_most_two_launches_per_call(masked, monkeypatch):
+    """The preparation is launch-bound on a GPU, so its launch count is part of its contract:
+    one summary (none without a mask) and one list kernel per two distinct lists; a repeated
+    shape is built once and returned twice, equal to the oracle."""
+    form = Form(True, 2)
+    sq, sk, bm, bn = 50, 41, 16, 16
+    gen = torch.Generator().manual_seed(_seed("launches"))
+    sri = _random_indices(form, 2, 1, sq, sk, gen) if masked else None
+    counts = _count_launches(monkeypatch)
+    shapes = [(bm, bn, False), (bm, bn, True), (bm, bn, False)]
+    bounds, (cols, rows, cols_again) = kernels.prepare(
+        None if sri is None else sri.to(DEVICE), True, sq, sk, 2, DEVICE, shapes
+    )
+    assert counts == {"summarize_kernel": int(masked), "tile_list_kernel": 1}
+    assert cols_again is cols
+    assert (bounds is None) == (not masked)
+    expected = tiles.column_bounds(sri, True, sq, sk, 2, torch.device("cpu"))
+    classes = tiles.tile_classes(expected, True, sq, bm, bn)
+    _assert_lists_equal(rows, tiles.forward_lists(classes), "row-major lists")
+    _assert_lists_equal(cols, tiles.backward_lists(classes), "column-major lists")

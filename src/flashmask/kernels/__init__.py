@@ -229,55 +229,74 @@ def prepare(
     device: torch.device,
     shapes: list[tuple[int, int, bool]],
     skip_tiles: bool = True,
-) -> tuple[torch.Tensor, list[tiles.TileLists]]:
+) -> tuple[torch.Tensor | None, list[tiles.TileLists]]:
     """Mask preparation with the Triton kernels of :mod:`.mask_prep`.
 
-    Returns the normalised bounds ``[B, Hm, 4, Sk]`` and one :class:`tiles.TileLists` per
-    ``(block_m, block_n, row_major)`` in ``shapes``: row-major lists give each query tile its key
-    tiles (forward, dQ), column-major ones each key tile its query tiles (dK/dV). Equal to
-    :func:`tiles.column_bounds` + :func:`tiles.tile_classes` + :func:`tiles.compact`.
+    Returns the normalised bounds ``[B, Hm, 4, Sk]`` (``None`` without a mask: the kernels then
+    read no bounds) and one :class:`tiles.TileLists` per ``(block_m, block_n, row_major)`` in
+    ``shapes``: row-major lists give each query tile its key tiles (forward, dQ), column-major
+    ones each key tile its query tiles (dK/dV). Equal to :func:`tiles.column_bounds` +
+    :func:`tiles.tile_classes` + :func:`tiles.compact`. Launches: one summary per key-tile width
+    (none without a mask) and one list kernel per two lists (the launch latency, not the O(N)
+    work, is what this costs on a GPU).
     """
     from flashmask.kernels.mask_prep import summarize_kernel, tile_list_kernel
 
     sri = startend_row_indices
     hm = 1 if sri is None else sri.shape[1]
-    bounds = torch.empty(batch, hm, 4, seqlen_k, dtype=torch.int32, device=device)
+    bounds = None
+    # Placeholder pointer for kernels' arguments that a maskless launch never reads.
+    unused = torch.empty(1, dtype=torch.int32, device=device)
     summaries: dict[int, torch.Tensor] = {}
-    for _, bn, _ in shapes:
-        if bn in summaries:
-            continue
-        tn = -(-seqlen_k // bn)
-        summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
-        strides = (0, 0, 0, 0) if sri is None else sri.stride()
-        summarize_kernel[(tn, hm, batch)](
-            bounds if sri is None else sri, bounds, summary, *strides,
-            hm, seqlen_q, seqlen_k, tn,
+    if sri is not None:
+        bounds = torch.empty(batch, hm, 4, seqlen_k, dtype=torch.int32, device=device)
+        for _, bn, _ in shapes:
+            if bn in summaries:
+                continue
+            tn = -(-seqlen_k // bn)
+            summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
+            summarize_kernel[(tn, hm, batch)](
+                sri, bounds, summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
+                CAUSAL=causal,
+                BOUNDS_PER_COLUMN=sri.shape[-1],
+                HAS_MASK=True,
+                WRITE_BOUNDS=not summaries,
+                BLOCK_N=bn,
+            )  # fmt: skip
+            summaries[bn] = summary
+    built: dict[tuple[int, int, bool], tiles.TileLists] = {}
+    todo = list(dict.fromkeys(shapes))  # each distinct list once
+    for pair in (todo[i : i + 2] for i in range(0, len(todo), 2)):
+        args, flags, outers = [], {}, []
+        for slot, (bm, bn, row_major) in zip("AB", pair, strict=False):
+            tm, tn = -(-seqlen_q // bm), -(-seqlen_k // bn)
+            outer, inner = (tm, tn) if row_major else (tn, tm)
+            lists = tiles.TileLists(
+                torch.empty(batch, hm, outer, inner, dtype=torch.int32, device=device),
+                torch.empty(batch, hm, outer, dtype=torch.int32, device=device),
+                torch.empty(batch, hm, outer, dtype=torch.int32, device=device),
+            )
+            built[(bm, bn, row_major)] = lists
+            args += [summaries.get(bn, unused), *lists, tm, tn]
+            outers.append(outer)
+            flags |= {
+                f"ROW_MAJOR_{slot}": row_major,
+                f"BLOCK_M_{slot}": bm,
+                f"BLOCK_N_{slot}": bn,
+                f"CHUNK_{slot}": min(256, max(16, 1 << (inner - 1).bit_length())),
+            }
+        if len(pair) == 1:  # slot B unused: a copy of A's arguments that no program reads
+            args += args
+            flags |= {k.replace("_A", "_B"): v for k, v in flags.items()}
+        tile_list_kernel[(sum(outers), hm, batch)](
+            *args, outers[0], seqlen_q, seqlen_k,
             CAUSAL=causal,
-            BOUNDS_PER_COLUMN=1 if sri is None else sri.shape[-1],
             HAS_MASK=sri is not None,
-            WRITE_BOUNDS=not summaries,
-            BLOCK_N=bn,
-        )  # fmt: skip
-        summaries[bn] = summary
-    lists = []
-    tm_of = {bm: -(-seqlen_q // bm) for bm, _, _ in shapes}
-    for bm, bn, row_major in shapes:
-        tm, tn = tm_of[bm], -(-seqlen_k // bn)
-        outer, inner = (tm, tn) if row_major else (tn, tm)
-        entries = torch.empty(batch, hm, outer, inner, dtype=torch.int32, device=device)
-        counts = torch.empty(batch, hm, outer, dtype=torch.int32, device=device)
-        num_partial = torch.empty_like(counts)
-        tile_list_kernel[(outer, hm, batch)](
-            summaries[bn], entries, counts, num_partial, seqlen_q, seqlen_k, tm, tn,
-            CAUSAL=causal,
-            ROW_MAJOR=row_major,
             SKIP_TILES=skip_tiles,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            CHUNK=min(256, max(16, 1 << (inner - 1).bit_length())),
+            HAS_B=len(pair) == 2,
+            **flags,
         )  # fmt: skip
-        lists.append(tiles.TileLists(entries, counts, num_partial))
-    return bounds, lists
+    return bounds, [built[shape] for shape in shapes]
 
 
 # TMA (the tensor memory accelerator) arrived with Hopper.
@@ -368,7 +387,9 @@ def forward(
         startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
         skip_tiles,
     )  # fmt: skip
-    hm = bounds.shape[1]
+    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+    if bounds is None:
+        bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
     block_d = _block_d(d)
     even = config.even_fast_path
@@ -455,7 +476,9 @@ def backward(
     if not use_atomics:
         shapes.append((config.dq_m, config.dq_n, True))
     bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
-    hm = bounds.shape[1]
+    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+    if bounds is None:
+        bounds = lists[0].counts  # never read without a mask
     lse = lse.float().contiguous()
     out = _last_dim_contiguous(out)
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)

@@ -1,15 +1,17 @@
 """Triton mask preparation: normalised bounds, per-key-tile min/max summary, tile lists.
 
 Two small kernels replace the dozens of torch ops of :mod:`.tiles` (which stays as their
-oracle) so that preparing a mask costs O(N) + O(tiles) work in a handful of launches:
+oracle) so that preparing a mask costs O(N) + O(tiles) work in two launches per call (one
+without a mask):
 
 * ``summarize_kernel`` (one program per (batch, mask head, key tile)): reads the raw
   ``[B, Hm, Sk, C]`` indices, writes the normalised ``[B, Hm, 4, Sk]`` bounds (optional) and the
   8 min/max values of each bound over the tile's valid columns, ``[B, Hm, 8, Tn]``.
-* ``tile_list_kernel`` (one program per (batch, mask head, outer tile)): classifies the tiles of
-  one row (``ROW_MAJOR``: a query tile's key tiles) or one column (a key tile's query tiles) of the
-  tile grid and compacts the survivors into a list (partial tiles, then full ones), as
-  :func:`.tiles.compact` does.
+* ``tile_list_kernel`` (one program per (batch, mask head, outer tile) of each of up to two
+  lists): classifies the tiles of one row (``ROW_MAJOR``: a query tile's key tiles) or one column
+  (a key tile's query tiles) of the tile grid and compacts the survivors into a list (partial
+  tiles, then full ones), as :func:`.tiles.compact` does. Without a mask it needs no summary:
+  only the causal triangle and the ragged last key tile classify tiles.
 """
 
 from __future__ import annotations
@@ -83,29 +85,34 @@ def summarize_kernel(
 def _classify(
     summary, m, n, num_n_tiles, seqlen_q, seqlen_k,
     CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     SKIP_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``(skip, partial)`` flags of tiles ``(m, n)`` (vectors); a tile is full when neither.
 
-    Without ``SKIP_TILES`` (the dense mode) no tile is skipped: fully masked ones count as
-    partial."""
-    n_load = tl.minimum(n, num_n_tiles - 1)
-    lts_max = tl.load(summary + n_load)
-    lts_min = tl.load(summary + num_n_tiles + n_load)
-    lte_max = tl.load(summary + 2 * num_n_tiles + n_load)
-    lte_min = tl.load(summary + 3 * num_n_tiles + n_load)
-    uts_max = tl.load(summary + 4 * num_n_tiles + n_load)
-    uts_min = tl.load(summary + 5 * num_n_tiles + n_load)
-    ute_max = tl.load(summary + 6 * num_n_tiles + n_load)
-    ute_min = tl.load(summary + 7 * num_n_tiles + n_load)
+    Without ``HAS_MASK`` no interval hides anything (no summary is read); without
+    ``SKIP_TILES`` (the dense mode) no tile is skipped: fully masked ones count as partial."""
     m_s = m * BLOCK_M
     m_e = tl.minimum(m_s + BLOCK_M, seqlen_q)
     n_s = n * BLOCK_N
     n_e = tl.minimum(n_s + BLOCK_N, seqlen_k)
-    skip = ((m_s >= lts_max) & (m_e <= lte_min)) | ((m_s >= uts_max) & (m_e <= ute_min))
-    partial = ((m_s < lte_max) & (m_e > lts_min)) | ((m_s < ute_max) & (m_e > uts_min))
+    if HAS_MASK:
+        n_load = tl.minimum(n, num_n_tiles - 1)
+        lts_max = tl.load(summary + n_load)
+        lts_min = tl.load(summary + num_n_tiles + n_load)
+        lte_max = tl.load(summary + 2 * num_n_tiles + n_load)
+        lte_min = tl.load(summary + 3 * num_n_tiles + n_load)
+        uts_max = tl.load(summary + 4 * num_n_tiles + n_load)
+        uts_min = tl.load(summary + 5 * num_n_tiles + n_load)
+        ute_max = tl.load(summary + 6 * num_n_tiles + n_load)
+        ute_min = tl.load(summary + 7 * num_n_tiles + n_load)
+        skip = ((m_s >= lts_max) & (m_e <= lte_min)) | ((m_s >= uts_max) & (m_e <= ute_min))
+        partial = ((m_s < lte_max) & (m_e > lts_min)) | ((m_s < ute_max) & (m_e > uts_min))
+    else:
+        skip = (m_s + n_s) < 0  # all False, of the tile vector's shape
+        partial = skip
     if CAUSAL:
         offset = seqlen_k - seqlen_q
         skip = skip | (n_s > m_e - 1 + offset)
@@ -123,26 +130,21 @@ def _classify(
 
 
 @triton.jit
-def tile_list_kernel(
-    Summary, Entries, Counts, NumPartial,
-    seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
+def _build_list(
+    summary, entries, counts, num_partial, outer, seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
     CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     ROW_MAJOR: tl.constexpr,
     SKIP_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
-    outer = tl.program_id(0)
-    bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    if ROW_MAJOR:
-        num_outer = num_m_tiles
-        num_inner = num_n_tiles
-    else:
-        num_outer = num_n_tiles
-        num_inner = num_m_tiles
-    summary = Summary + bh * 8 * num_n_tiles
-    entries = Entries + (bh * num_outer + outer) * num_inner
+    """Classify and compact the row (``ROW_MAJOR``: query tile ``outer``'s key tiles) or column
+    (key tile ``outer``'s query tiles) of one (batch, mask head)'s tile grid; ``entries`` /
+    ``counts`` / ``num_partial`` point at this (batch, mask head)'s part of the outputs."""
+    num_inner = num_n_tiles if ROW_MAJOR else num_m_tiles
+    row = entries + outer.to(tl.int64) * num_inner
     count = 0
     # Two passes over the row: partial tiles first, then full ones (as :func:`.tiles.compact`).
     # The second pass classifies the row again rather than storing the first pass's flags: it is
@@ -159,7 +161,7 @@ def tile_list_kernel(
                 n = outer
             skip, partial = _classify(
                 summary, m, n, num_n_tiles, seqlen_q, seqlen_k,
-                CAUSAL, SKIP_TILES, BLOCK_M, BLOCK_N,
+                CAUSAL, HAS_MASK, SKIP_TILES, BLOCK_M, BLOCK_N,
             )  # fmt: skip
             if full_pass == 0:
                 keep = partial & in_range
@@ -168,8 +170,55 @@ def tile_list_kernel(
                 keep = ~(skip | partial) & in_range
                 encoded = -inner - 1
             position = count + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(entries + position, encoded, mask=keep)
+            tl.store(row + position, encoded, mask=keep)
             count += tl.sum(keep.to(tl.int32), 0)
         if full_pass == 0:
-            tl.store(NumPartial + bh * num_outer + outer, count)
-    tl.store(Counts + bh * num_outer + outer, count)
+            tl.store(num_partial + outer, count)
+    tl.store(counts + outer, count)
+
+
+@triton.jit
+def tile_list_kernel(
+    SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
+    SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
+    num_outer_a, seqlen_q, seqlen_k,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SKIP_TILES: tl.constexpr,
+    ROW_MAJOR_A: tl.constexpr,
+    BLOCK_M_A: tl.constexpr,
+    BLOCK_N_A: tl.constexpr,
+    CHUNK_A: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ROW_MAJOR_B: tl.constexpr,
+    BLOCK_M_B: tl.constexpr,
+    BLOCK_N_B: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+):  # fmt: skip
+    """One or two tile lists (A and, with ``HAS_B``, B) in one launch; grid ``(outer tiles of A +
+    outer tiles of B, mask heads, batch)``. Each list has its own tile shape and orientation;
+    ``Summary*`` is the summary at that list's key-tile width (unused without ``HAS_MASK``)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    if pid < num_outer_a:
+        num_outer = num_m_tiles_a if ROW_MAJOR_A else num_n_tiles_a
+        num_inner = num_n_tiles_a if ROW_MAJOR_A else num_m_tiles_a
+        _build_list(
+            SummaryA + bh * 8 * num_n_tiles_a,
+            EntriesA + bh * num_outer * num_inner,
+            CountsA + bh * num_outer,
+            NumPartialA + bh * num_outer,
+            pid, seqlen_q, seqlen_k, num_m_tiles_a, num_n_tiles_a,
+            CAUSAL, HAS_MASK, ROW_MAJOR_A, SKIP_TILES, BLOCK_M_A, BLOCK_N_A, CHUNK_A,
+        )  # fmt: skip
+    elif HAS_B:
+        num_outer = num_m_tiles_b if ROW_MAJOR_B else num_n_tiles_b
+        num_inner = num_n_tiles_b if ROW_MAJOR_B else num_m_tiles_b
+        _build_list(
+            SummaryB + bh * 8 * num_n_tiles_b,
+            EntriesB + bh * num_outer * num_inner,
+            CountsB + bh * num_outer,
+            NumPartialB + bh * num_outer,
+            pid - num_outer_a, seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
+            CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
+        )  # fmt: skip
