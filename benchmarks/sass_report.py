@@ -218,7 +218,7 @@ def _tiles(row: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     head = (
         "| D | mask form | variant | kernel | tiles (M x N / stages) | warps | regs | spill bytes "
-        "| LDL/STL | smem KB | programs/SM | HGMMA | HMMA | MUFU.EX2 | LDGSTS | LDG |"
+        "| LDL/STL | smem KB | programs/SM | HGMMA | HMMA | MUFU.EX2 | UTMALDG | LDGSTS | LDG |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -226,7 +226,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['head_dim']} | {r['form']} | {r['variant']} | {r['kernel']} | {_tiles(r)} "
             f"| {r['num_warps']} | {r['registers']} | {r['local_bytes']} | {r['LDL']}/{r['STL']} "
             f"| {r['shared_bytes'] / 1024:.0f} | {r['blocks_per_sm']} | {r['HGMMA']} "
-            f"| {r['HMMA']} | {r['MUFU.EX2']} "
+            f"| {r['HMMA']} | {r['MUFU.EX2']} | {r.get('UTMALDG', '—')} "
             f"| {r['LDGSTS']} | {r['LDG']} |"
         )
     return "\n".join(lines) + "\n"

@@ -231,25 +231,36 @@ def run_case(
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def run_flashmask() -> None:
-        from flashmask.kernels import device_shared_memory, prepare, tile_config
+        from flashmask.kernels import (
+            clear_prepared,
+            device_shared_memory,
+            prepare_cached,
+            tile_config,
+        )
 
         sri = mask.startend_row_indices if mask is not None else None
         cfg = tile_config(
             head_dim, has_mask=sri is not None, shared_memory=device_shared_memory(device)
         )
-        # What one forward + backward prepares, call by call as the launchers do: the forward's
-        # lists, then the backward's dK/dV and dQ lists.
+        # What one forward + backward of a new mask prepares, call by call as the launchers do:
+        # the forward's lists, then what the backward does not find prepared (its dK/dV lists;
+        # its dQ lists too where their tiles differ from the forward's).
         fwd_shapes = [(cfg.fwd_m, cfg.fwd_n, True)]
         bwd_shapes = [(cfg.bwd_m, cfg.bwd_n, False), (cfg.dq_m, cfg.dq_n, True)]
 
         def prep():
-            prepare(sri, causal, seqlen, seqlen, batch, device, fwd_shapes)
-            prepare(sri, causal, seqlen, seqlen, batch, device, bwd_shapes)
+            clear_prepared()
+            prepare_cached(sri, causal, seqlen, seqlen, batch, device, fwd_shapes)
+            prepare_cached(sri, causal, seqlen, seqlen, batch, device, bwd_shapes)
 
+        # Each timed call prepares its mask, as a model's first layer does (later layers and
+        # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.
         def fm_fwd():
+            clear_prepared()
             return flashmask_attention(qg, kg, vg, mask, causal=causal)
 
         def fm_total():
+            clear_prepared()
             flashmask_attention(qg, kg, vg, mask, causal=causal).backward(do)
 
         row = finish(base("flashmask"), fm_fwd, fm_total)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -23,11 +26,13 @@ from flashmask.kernels import tiles
 __all__ = [
     "TileConfig",
     "backward",
+    "clear_prepared",
     "compact_tile_config",
     "device_shared_memory",
     "device_supported",
     "forward",
     "prepare",
+    "prepare_cached",
     "shrink_tile_config",
     "supports",
     "tile_config",
@@ -240,30 +245,62 @@ def prepare(
     (none without a mask) and one list kernel per two lists (the launch latency, not the O(N)
     work, is what this costs on a GPU).
     """
-    from flashmask.kernels.mask_prep import summarize_kernel, tile_list_kernel
-
     sri = startend_row_indices
     hm = 1 if sri is None else sri.shape[1]
-    bounds = None
-    # Placeholder pointer for kernels' arguments that a maskless launch never reads.
-    unused = torch.empty(1, dtype=torch.int32, device=device)
-    summaries: dict[int, torch.Tensor] = {}
+    bounds, summaries = None, {}
     if sri is not None:
         bounds = torch.empty(batch, hm, 4, seqlen_k, dtype=torch.int32, device=device)
-        for _, bn, _ in shapes:
-            if bn in summaries:
-                continue
-            tn = -(-seqlen_k // bn)
-            summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=device)
-            summarize_kernel[(tn, hm, batch)](
-                sri, bounds, summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
-                CAUSAL=causal,
-                BOUNDS_PER_COLUMN=sri.shape[-1],
-                HAS_MASK=True,
-                WRITE_BOUNDS=not summaries,
-                BLOCK_N=bn,
-            )  # fmt: skip
-            summaries[bn] = summary
+        _summarize(sri, causal, seqlen_q, seqlen_k, bounds, summaries, [bn for _, bn, _ in shapes])
+    built = _build_lists(
+        summaries, causal, seqlen_q, seqlen_k, batch, hm, device, shapes, skip_tiles
+    )
+    return bounds, [built[shape] for shape in shapes]
+
+
+def _summarize(
+    sri: torch.Tensor,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    bounds: torch.Tensor,
+    summaries: dict[int, torch.Tensor],
+    widths: list[int],
+) -> None:
+    """Add the per-key-tile summaries of the key-tile ``widths`` missing from ``summaries``; the
+    first summary ever built for ``bounds`` also writes the normalised bounds."""
+    from flashmask.kernels.mask_prep import summarize_kernel
+
+    batch, hm = bounds.shape[:2]
+    for bn in widths:
+        if bn in summaries:
+            continue
+        tn = -(-seqlen_k // bn)
+        summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=bounds.device)
+        summarize_kernel[(tn, hm, batch)](
+            sri, bounds, summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
+            CAUSAL=causal,
+            BOUNDS_PER_COLUMN=sri.shape[-1],
+            HAS_MASK=True,
+            WRITE_BOUNDS=not summaries,
+            BLOCK_N=bn,
+        )  # fmt: skip
+        summaries[bn] = summary
+
+
+def _build_lists(
+    summaries: dict[int, torch.Tensor],
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    hm: int,
+    device: torch.device,
+    shapes: list[tuple[int, int, bool]],
+    skip_tiles: bool,
+) -> dict[tuple[int, int, bool], tiles.TileLists]:
+    """The tile lists of the distinct ``shapes``, two per launch (``summaries`` empty: no mask)."""
+    from flashmask.kernels.mask_prep import tile_list_kernel
+
     built: dict[tuple[int, int, bool], tiles.TileLists] = {}
     todo = list(dict.fromkeys(shapes))  # each distinct list once
     for pair in (todo[i : i + 2] for i in range(0, len(todo), 2)):
@@ -277,7 +314,8 @@ def prepare(
                 torch.empty(batch, hm, outer, dtype=torch.int32, device=device),
             )
             built[(bm, bn, row_major)] = lists
-            args += [summaries.get(bn, unused), *lists, tm, tn]
+            # Without a mask no summary exists or is read: any int32 pointer fills the slot.
+            args += [summaries.get(bn, lists.counts), *lists, tm, tn]
             outers.append(outer)
             flags |= {
                 f"ROW_MAJOR_{slot}": row_major,
@@ -291,12 +329,102 @@ def prepare(
         tile_list_kernel[(sum(outers), hm, batch)](
             *args, outers[0], seqlen_q, seqlen_k,
             CAUSAL=causal,
-            HAS_MASK=sri is not None,
+            HAS_MASK=bool(summaries),
             SKIP_TILES=skip_tiles,
             HAS_B=len(pair) == 2,
             **flags,
         )  # fmt: skip
-    return bounds, [built[shape] for shape in shapes]
+    return built
+
+
+@dataclass
+class _Prepared:
+    """What one mask tensor has been prepared into so far (see :func:`prepare_cached`)."""
+
+    ref: weakref.ref
+    version: int
+    params: tuple
+    bounds: torch.Tensor
+    summaries: dict[int, torch.Tensor]
+    lists: dict[tuple[int, int, bool], tiles.TileLists]
+
+
+# Recently prepared masks, most recent last; a few suffice (one per training step is typical)
+# and a bound keeps masks a caller holds on to (a dataset on the GPU) from pinning their lists.
+_PREPARED: OrderedDict[int, _Prepared] = OrderedDict()
+# Reentrant: a mask tensor's weakref callback (below) may fire inside the locked section.
+_PREPARED_LOCK = threading.RLock()
+PREPARED_CAPACITY = 4
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    """Drop the entry of a mask tensor that was freed (its lists' memory goes with it)."""
+    with _PREPARED_LOCK:
+        entry = _PREPARED.get(key)
+        if entry is not None and entry.ref is ref:
+            del _PREPARED[key]
+
+
+def clear_prepared() -> None:
+    """Forget every cached preparation (:func:`prepare_cached`); the next call of each mask
+    prepares it again. For benchmarks that time a call with its preparation."""
+    with _PREPARED_LOCK:
+        _PREPARED.clear()
+
+
+def prepare_cached(
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    device: torch.device,
+    shapes: list[tuple[int, int, bool]],
+    skip_tiles: bool = True,
+) -> tuple[torch.Tensor | None, list[tiles.TileLists]]:
+    """:func:`prepare`, reusing what an earlier call prepared from the same mask tensor.
+
+    Every layer of a model, and the backward of each, gets the same ``startend_row_indices``
+    object, so the bounds, summaries and lists are built on the mask's first use and reused
+    while that tensor is alive and unchanged: the key is its identity (a weak reference, so a
+    freed tensor whose memory is reused never matches), its ``_version`` (in-place edits
+    invalidate), the call's lengths, batch, device, current stream and mode. Lists of shapes not
+    seen yet are added to the entry. Nothing is cached without a mask (one launch per call),
+    during CUDA graph capture, or while ``torch.compile`` traces.
+    """
+    sri = startend_row_indices
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if sri is None or capturing or torch.compiler.is_compiling():
+        return prepare(sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    params = (causal, seqlen_q, seqlen_k, batch, device, stream, skip_tiles)
+    with _PREPARED_LOCK:
+        entry = _PREPARED.get(id(sri))
+        if (
+            entry is None
+            or entry.ref() is not sri
+            or entry.version != sri._version
+            or entry.params != params
+        ):
+            bounds = torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device)
+            ref = weakref.ref(sri, functools.partial(_forget, key=id(sri)))
+            entry = _Prepared(ref, sri._version, params, bounds, {}, {})
+            _PREPARED[id(sri)] = entry
+        _PREPARED.move_to_end(id(sri))
+        while len(_PREPARED) > PREPARED_CAPACITY:
+            _PREPARED.popitem(last=False)
+    missing = [shape for shape in shapes if shape not in entry.lists]
+    if missing:
+        _summarize(
+            sri, causal, seqlen_q, seqlen_k, entry.bounds, entry.summaries,
+            [bn for _, bn, _ in missing],
+        )  # fmt: skip
+        new_lists = _build_lists(
+            entry.summaries, causal, seqlen_q, seqlen_k, batch, sri.shape[1], device,
+            missing, skip_tiles,
+        )  # fmt: skip
+        entry.lists.update(new_lists)
+    return entry.bounds, [entry.lists[shape] for shape in shapes]
 
 
 # TMA (the tensor memory accelerator) arrived with Hopper.
@@ -383,7 +511,7 @@ def forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    bounds, (lists,) = prepare(
+    bounds, (lists,) = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
         skip_tiles,
     )  # fmt: skip
@@ -475,7 +603,9 @@ def backward(
     shapes = [(config.bwd_m, config.bwd_n, False)]
     if not use_atomics:
         shapes.append((config.dq_m, config.dq_n, True))
-    bounds, lists = prepare(startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles)
+    bounds, lists = prepare_cached(
+        startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
+    )
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     if bounds is None:
         bounds = lists[0].counts  # never read without a mask

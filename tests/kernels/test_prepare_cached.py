@@ -1,0 +1,143 @@
+"""``kernels.prepare_cached``: a mask tensor is prepared once and reused by every later call.
+
+A model's layers and their backward passes all receive the same ``startend_row_indices``
+object, so the launchers prepare it (bounds, summaries, tile lists) on first use only. These
+tests pin down when the cache may answer (same live tensor, unchanged, same lengths, batch,
+device, stream and mode), that what it answers equals a fresh preparation, and that it lets go
+of freed masks and never holds more than a few.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton (tests/conftest.py does too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from flashmask import kernels
+from flashmask.kernels import TileConfig
+from tests.kernels.test_tiles import _assert_lists_equal, _count_launches
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# dK/dV tiles 32x16: the same 16-wide key tiles (one summary), a list of their own.
+TILES = TileConfig(16, 16, 4, 1, 32, 16, 4, 1, 16, 16, 4, 1)
+SQ = SK = 40
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    kernels._PREPARED.clear()
+    yield
+    kernels._PREPARED.clear()
+
+
+def _mask(seed: int = 0, heads: int = 1) -> torch.Tensor:
+    """Causal document mask (C=1): every column hides the rows from its document's end on."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(1, SK, (3,), generator=gen).tolist())
+    ends = torch.tensor([next((c for c in cuts if c > j), SK) for j in range(SK)])
+    return ends.view(1, 1, SK, 1).expand(2, heads, SK, 1).contiguous().to(torch.int32).to(DEVICE)
+
+
+def _layer(sri: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """One attention layer's forward + backward through the launchers."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (
+        torch.randn(2, SQ, 2, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkvd"
+    )
+    out, lse = kernels.forward(q, k, v, sri, True, 0.25, config=TILES)
+    grads = kernels.backward(do, None, q, k, v, out, lse, sri, True, 0.25, True, config=TILES)
+    return out, lse, *grads
+
+
+def test_layers_sharing_a_mask_prepare_it_once(monkeypatch):
+    """First layer: forward = summary + its list, backward = the dK/dV list only (the dQ list
+    has the forward's shape and the summary exists). Every further layer: no launch at all,
+    and the same bits as a layer prepared from scratch."""
+    sri = _mask()
+    counts = _count_launches(monkeypatch)
+    first = _layer(sri)
+    assert counts == {"summarize_kernel": 1, "tile_list_kernel": 2}
+    for _ in range(3):
+        again = _layer(sri)
+    assert counts == {"summarize_kernel": 1, "tile_list_kernel": 2}
+    kernels._PREPARED.clear()
+    fresh = _layer(sri)
+    for a, b in zip(first + again, fresh + fresh, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cached_lists_equal_a_fresh_preparation():
+    sri = _mask(seed=3, heads=2)
+    shapes = [(16, 16, True), (16, 32, False), (32, 16, True)]
+    args = (True, SQ, SK, 2, DEVICE)
+    kernels.prepare_cached(sri, *args, shapes[:1])  # a partial entry, completed below
+    bounds, cached = kernels.prepare_cached(sri, *args, shapes)
+    expected_bounds, expected = kernels.prepare(sri, *args, shapes)
+    assert torch.equal(bounds, expected_bounds)
+    for shape, a, b in zip(shapes, cached, expected, strict=True):
+        _assert_lists_equal(a, b.__class__(*(t.cpu() for t in b)), str(shape))
+
+
+def test_an_in_place_edit_invalidates(monkeypatch):
+    """``_version`` is part of the key: editing the mask in place prepares it again, and the
+    result follows the new mask."""
+    sri = _mask(seed=0)
+    kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    sri.copy_(_mask(seed=5))
+    counts = _count_launches(monkeypatch)
+    _, (lists,) = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    assert counts == {"summarize_kernel": 1, "tile_list_kernel": 1}
+    _, (expected,) = kernels.prepare(sri.clone(), True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    _assert_lists_equal(lists, expected.__class__(*(t.cpu() for t in expected)), "edited mask")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"causal": False},
+        {"seqlen_q": SQ - 1},
+        {"skip_tiles": False},
+    ],
+    ids=["causal", "seqlen", "dense-mode"],
+)
+def test_other_call_parameters_do_not_reuse(change, monkeypatch):
+    sri = _mask()
+    call = dict(causal=True, seqlen_q=SQ, seqlen_k=SK, batch=2, device=DEVICE, skip_tiles=True)
+    kernels.prepare_cached(sri, shapes=[(16, 16, True)], **call)
+    counts = _count_launches(monkeypatch)
+    kernels.prepare_cached(sri, shapes=[(16, 16, True)], **(call | change))
+    assert counts["tile_list_kernel"] == 1
+
+
+def test_freed_masks_are_forgotten_and_few_are_kept():
+    """A mask tensor's entry goes when the tensor does, and at most ``PREPARED_CAPACITY``
+    masks are held (a dataset of masks kept on the device must not pin all their lists)."""
+    sri = _mask()
+    kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    assert len(kernels._PREPARED) == 1
+    del sri
+    gc.collect()
+    assert len(kernels._PREPARED) == 0
+    held = [_mask(seed=i) for i in range(kernels.PREPARED_CAPACITY + 3)]
+    for sri in held:
+        kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    assert len(kernels._PREPARED) == kernels.PREPARED_CAPACITY
+    assert list(kernels._PREPARED) == [id(t) for t in held[-kernels.PREPARED_CAPACITY :]]
+
+
+def test_no_mask_is_not_cached(monkeypatch):
+    counts = _count_launches(monkeypatch)
+    for _ in range(2):
+        kernels.prepare_cached(None, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
+    assert counts == {"summarize_kernel": 0, "tile_list_kernel": 2}
+    assert not kernels._PREPARED
