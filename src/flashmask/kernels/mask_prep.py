@@ -131,7 +131,7 @@ def _classify(
 
 @triton.jit
 def _build_list(
-    summary, entries, counts, num_partial, outer, seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
+    Summary, Entries, Counts, NumPartial, bh, outer, seqlen_q, seqlen_k, num_m_tiles, num_n_tiles,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     ROW_MAJOR: tl.constexpr,
@@ -141,10 +141,14 @@ def _build_list(
     CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Classify and compact the row (``ROW_MAJOR``: query tile ``outer``'s key tiles) or column
-    (key tile ``outer``'s query tiles) of one (batch, mask head)'s tile grid; ``entries`` /
-    ``counts`` / ``num_partial`` point at this (batch, mask head)'s part of the outputs."""
+    (key tile ``outer``'s query tiles) of (batch x mask head) ``bh``'s tile grid into the
+    list outputs ``Entries`` / ``Counts`` / ``NumPartial``."""
+    num_outer = num_m_tiles if ROW_MAJOR else num_n_tiles
     num_inner = num_n_tiles if ROW_MAJOR else num_m_tiles
-    row = entries + outer.to(tl.int64) * num_inner
+    summary = Summary + bh * 8 * num_n_tiles
+    counts = Counts + bh * num_outer
+    num_partial = NumPartial + bh * num_outer
+    row = Entries + (bh * num_outer + outer) * num_inner
     count = 0
     # Two passes over the row: partial tiles first, then full ones (as :func:`.tiles.compact`).
     # The second pass classifies the row again rather than storing the first pass's flags: it is
@@ -201,24 +205,14 @@ def tile_list_kernel(
     pid = tl.program_id(0)
     bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     if pid < num_outer_a:
-        num_outer = num_m_tiles_a if ROW_MAJOR_A else num_n_tiles_a
-        num_inner = num_n_tiles_a if ROW_MAJOR_A else num_m_tiles_a
         _build_list(
-            SummaryA + bh * 8 * num_n_tiles_a,
-            EntriesA + bh * num_outer * num_inner,
-            CountsA + bh * num_outer,
-            NumPartialA + bh * num_outer,
-            pid, seqlen_q, seqlen_k, num_m_tiles_a, num_n_tiles_a,
+            SummaryA, EntriesA, CountsA, NumPartialA, bh, pid,
+            seqlen_q, seqlen_k, num_m_tiles_a, num_n_tiles_a,
             CAUSAL, HAS_MASK, ROW_MAJOR_A, SKIP_TILES, BLOCK_M_A, BLOCK_N_A, CHUNK_A,
         )  # fmt: skip
     elif HAS_B:
-        num_outer = num_m_tiles_b if ROW_MAJOR_B else num_n_tiles_b
-        num_inner = num_n_tiles_b if ROW_MAJOR_B else num_m_tiles_b
         _build_list(
-            SummaryB + bh * 8 * num_n_tiles_b,
-            EntriesB + bh * num_outer * num_inner,
-            CountsB + bh * num_outer,
-            NumPartialB + bh * num_outer,
-            pid - num_outer_a, seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
+            SummaryB, EntriesB, CountsB, NumPartialB, bh, pid - num_outer_a,
+            seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
             CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
         )  # fmt: skip
