@@ -443,3 +443,29 @@ def test_the_per_forward_memo_sees_in_place_edits():
     second = fm_transformers.resolve_mask(1, 8, 8, device=cpu, position_ids=positions)
     assert first is not None and not bool(first.to_dense()[0, 0, 5, :4].any())
     assert second is None  # plain causal: the maskless fast path
+
+
+@pytest.mark.parametrize("source", ["cu_seq_lens_q", "attention_mask", "position_ids"])
+def test_layers_of_a_forward_share_one_mask_tensor(source):
+    """The same batch-describing tensor gives the same FlashMask object, layer after layer, so
+    every layer passes the kernels the same ``startend_row_indices`` tensor and their mask
+    preparation is done once (``flashmask.kernels.prepare_cached``); layers that differ in
+    window (hybrid models) each keep theirs."""
+    cpu = torch.device("cpu")
+    inputs = {
+        "cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]),
+        "position_ids": torch.cat([torch.arange(3), torch.arange(5)]).unsqueeze(0),
+    }
+    tensor = inputs[source]
+
+    def resolve(window=None):
+        return fm_transformers.resolve_mask(
+            1, 8, 8, device=cpu, sliding_window=window, **{source: tensor}
+        )
+
+    first, windowed = resolve(), resolve(window=2)
+    assert first is not None and windowed is not None
+    assert resolve() is first and resolve(window=2) is windowed
+    assert windowed.startend_row_indices is not first.startend_row_indices
+    assert torch.equal(resolve(window=2).to_dense(), windowed.to_dense())

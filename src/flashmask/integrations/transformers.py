@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -298,6 +299,42 @@ def resolve_mask(
             f"shape {tuple(attention_mask.shape)}"
         )
 
+    # Every layer of a forward gets the same source tensor: derive its mask once, so the layers
+    # also share one startend_row_indices tensor (and the kernels' preparation of it).
+    if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
+        source = cu_seq_lens_q
+    elif attention_mask is not None:
+        source = attention_mask
+    elif position_ids is not None and position_ids.dim() == 2 and seqlen_q == seqlen_k:
+        source = position_ids
+    else:
+        source = None
+
+    def derive() -> FlashMask | None:
+        return _derived_mask(
+            batch, seqlen_q, seqlen_k, device, causal, attention_mask, position_ids,
+            cu_seq_lens_q, sliding_window,
+        )  # fmt: skip
+
+    if source is None:
+        return derive()
+    key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window)
+    return _LAYER_MEMO.get(source, key, derive)
+
+
+def _derived_mask(
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+    causal: bool,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    sliding_window: int | None,
+) -> FlashMask | None:
+    """The mask of the batch-describing inputs (documents, padding) and the window; ``None``
+    when nothing narrows plain causal / full attention."""
     # Per key column j: masked query rows [lts_j, Sq), plus [0, ute_j) when not causal.
     cols = torch.arange(seqlen_k, device=device)
     lts = torch.full((batch, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
@@ -310,7 +347,7 @@ def resolve_mask(
             doc_start, doc_end = _document_bounds(starts)
             return doc_start, torch.where(valid, doc_end, 0)
 
-        ute, lts = _LAYER_MEMO.get(cu_seq_lens_q, (batch, seqlen_k, device), from_cu_seqlens)
+        ute, lts = from_cu_seqlens()
         shaped = True
     elif attention_mask is not None:
         valid = attention_mask[:, -seqlen_k:].to(device=device, dtype=torch.bool)
@@ -342,11 +379,11 @@ def resolve_mask(
             pos = position_ids.to(device).expand(batch, -1)
             starts = torch.ones_like(pos, dtype=torch.bool)
             starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-            # One host sync (per forward, thanks to the memo) keeps unpacked batches on the
-            # maskless causal fast path.
+            # One host sync (per forward, thanks to the memo in resolve_mask) keeps unpacked
+            # batches on the maskless causal fast path.
             return _document_bounds(starts) if bool(starts[:, 1:].any()) else None
 
-        documents = _LAYER_MEMO.get(position_ids, (batch, seqlen_q, device), from_positions)
+        documents = from_positions()
         if documents is not None:
             ute, lts = documents
             shaped = True
@@ -364,28 +401,39 @@ def resolve_mask(
 
 # ---------------------------------------------------------------------- helpers
 class _PerForwardMemo:
-    """The last value derived from one tensor, reused while that tensor is alive and unchanged.
+    """Values derived from tensors, reused while a tensor is alive and unchanged.
 
-    transformers hands every layer of a forward the same ``position_ids`` / ``cu_seq_lens_q``
-    object, so the document bounds (whose derivation needs a host sync) are computed once per
-    forward instead of once per layer. The key is the tensor's identity, through a weak
-    reference (a freed tensor whose memory is reused can never match), its ``_version``
-    (in-place edits invalidate) and the call's shape and device. One entry per thread; nothing
-    is memoised while ``torch.compile`` traces.
+    transformers hands every layer of a forward the same ``position_ids`` / ``cu_seq_lens_q`` /
+    padding-mask object, so the mask (whose derivation may need a host sync) is derived once per
+    forward instead of once per layer, and all layers share its ``startend_row_indices`` tensor
+    (which lets the kernels reuse their preparation of it). The key is the tensor's identity,
+    through a weak reference (a freed tensor whose memory is reused can never match), its
+    ``_version`` (in-place edits invalidate) and the call's parameters. A few entries are kept
+    (layers of one model may differ in window), shared by all threads (activation checkpointing
+    recomputes in the backward's); nothing is memoised while ``torch.compile`` traces.
     """
 
+    CAPACITY = 8
+
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, int, Any]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, tensor: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
         if torch.compiler.is_compiling():
             return compute()
-        entry = getattr(self._local, "entry", None)
-        full_key = (tensor._version, key)
-        if entry is not None and entry[0]() is tensor and entry[1] == full_key:
-            return entry[2]
+        full_key = (id(tensor), key)
+        with self._lock:
+            entry = self._entries.get(full_key)
+            if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+                self._entries.move_to_end(full_key)
+                return entry[2]
         value = compute()
-        self._local.entry = (weakref.ref(tensor), full_key, value)
+        with self._lock:
+            self._entries[full_key] = (weakref.ref(tensor), tensor._version, value)
+            self._entries.move_to_end(full_key)
+            while len(self._entries) > self.CAPACITY:
+                self._entries.popitem(last=False)
         return value
 
 
