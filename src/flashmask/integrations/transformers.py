@@ -299,25 +299,25 @@ def resolve_mask(
             f"shape {tuple(attention_mask.shape)}"
         )
 
-    # Every layer of a forward gets the same source tensor: derive its mask once, so the layers
-    # also share one startend_row_indices tensor (and the kernels' preparation of it).
+    # The one batch-describing input that applies, first match wins.
     if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
-        source = cu_seq_lens_q
+        kind, source = "cu_seq_lens_q", cu_seq_lens_q
     elif attention_mask is not None:
-        source = attention_mask
+        kind, source = "attention_mask", attention_mask
     elif position_ids is not None and position_ids.dim() == 2 and seqlen_q == seqlen_k:
-        source = position_ids
+        kind, source = "position_ids", position_ids
     else:
-        source = None
+        kind, source = None, None
 
     def derive() -> FlashMask | None:
         return _derived_mask(
-            batch, seqlen_q, seqlen_k, device, causal, attention_mask, position_ids,
-            cu_seq_lens_q, sliding_window,
-        )  # fmt: skip
+            batch, seqlen_q, seqlen_k, device, causal, kind, source, sliding_window
+        )
 
     if source is None:
         return derive()
+    # Every layer of a forward gets the same source tensor: derive its mask once, so the layers
+    # also share one startend_row_indices tensor (and the kernels' preparation of it).
     key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window)
     return _LAYER_MEMO.get(source, key, derive)
 
@@ -328,28 +328,25 @@ def _derived_mask(
     seqlen_k: int,
     device: torch.device,
     causal: bool,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
+    kind: str | None,
+    source: torch.Tensor | None,
     sliding_window: int | None,
 ) -> FlashMask | None:
-    """The mask of the batch-describing inputs (documents, padding) and the window; ``None``
-    when nothing narrows plain causal / full attention."""
+    """The mask of the batch-describing input ``source`` (``kind``: ``"cu_seq_lens_q"``,
+    ``"attention_mask"`` or ``"position_ids"``; ``None``: none applies) and the window;
+    ``None`` when nothing narrows plain causal / full attention."""
     # Per key column j: masked query rows [lts_j, Sq), plus [0, ute_j) when not causal.
     cols = torch.arange(seqlen_k, device=device)
     lts = torch.full((batch, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
     ute = torch.zeros_like(lts)
     shaped = False  # whether anything narrows plain causal / full attention
-    if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
-
-        def from_cu_seqlens() -> tuple[torch.Tensor, torch.Tensor]:
-            starts, valid = _starts_from_cu_seqlens(cu_seq_lens_q, batch, seqlen_k, device)
-            doc_start, doc_end = _document_bounds(starts)
-            return doc_start, torch.where(valid, doc_end, 0)
-
-        ute, lts = from_cu_seqlens()
+    if kind == "cu_seq_lens_q":
+        starts, valid = _starts_from_cu_seqlens(source, batch, seqlen_k, device)
+        ute, doc_end = _document_bounds(starts)
+        lts = torch.where(valid, doc_end, 0)
         shaped = True
-    elif attention_mask is not None:
+    elif kind == "attention_mask":
+        attention_mask = source
         valid = attention_mask[:, -seqlen_k:].to(device=device, dtype=torch.bool)
         if valid.shape[0] == 1 and batch > 1:
             valid = valid.expand(batch, -1)
@@ -368,24 +365,20 @@ def _derived_mask(
             ute = torch.where(runs <= 1, run_start, ute)
         lts = torch.where(valid, lts, 0)
         shaped = True
-    elif position_ids is not None and position_ids.dim() == 2 and seqlen_q == seqlen_k:
+    elif kind == "position_ids":
+        position_ids = source
         if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seqlen_q:
             raise ValueError(
                 f"position_ids must be [batch={batch} or 1, seqlen={seqlen_q}], got shape "
                 f"{tuple(position_ids.shape)}"
             )
-
-        def from_positions() -> tuple[torch.Tensor, torch.Tensor] | None:
-            pos = position_ids.to(device).expand(batch, -1)
-            starts = torch.ones_like(pos, dtype=torch.bool)
-            starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-            # One host sync (per forward, thanks to the memo in resolve_mask) keeps unpacked
-            # batches on the maskless causal fast path.
-            return _document_bounds(starts) if bool(starts[:, 1:].any()) else None
-
-        documents = from_positions()
-        if documents is not None:
-            ute, lts = documents
+        pos = position_ids.to(device).expand(batch, -1)
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        # One host sync (per forward, thanks to the memo in resolve_mask) keeps unpacked batches
+        # on the maskless causal fast path.
+        if bool(starts[:, 1:].any()):
+            ute, lts = _document_bounds(starts)
             shaped = True
 
     if sliding_window is not None:
