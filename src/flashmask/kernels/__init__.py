@@ -248,15 +248,40 @@ def prepare(
     work, is what this costs on a GPU).
     """
     sri = startend_row_indices
-    hm = 1 if sri is None else sri.shape[1]
-    bounds, summaries = None, {}
+    bounds = None
     if sri is not None:
-        bounds = torch.empty(batch, hm, 4, seqlen_k, dtype=torch.int32, device=device)
-        _summarize(sri, causal, seqlen_q, seqlen_k, bounds, summaries, [bn for _, bn, _ in shapes])
-    built = _build_lists(
-        summaries, causal, seqlen_q, seqlen_k, batch, hm, device, shapes, skip_tiles
+        bounds = torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device)
+    lists: dict[tuple[int, int, bool], tiles.TileLists] = {}
+    _add_lists(
+        sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles, bounds, {}, lists
     )
-    return bounds, [built[shape] for shape in shapes]
+    return bounds, [lists[shape] for shape in shapes]
+
+
+def _add_lists(
+    sri: torch.Tensor | None,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    device: torch.device,
+    shapes: list[tuple[int, int, bool]],
+    skip_tiles: bool,
+    bounds: torch.Tensor | None,
+    summaries: dict[int, torch.Tensor],
+    lists: dict[tuple[int, int, bool], tiles.TileLists],
+) -> None:
+    """Add to ``lists`` those of ``shapes`` it lacks, first adding the summaries they need (and,
+    with the first summary, the normalised ``bounds``) to ``summaries``."""
+    missing = [shape for shape in shapes if shape not in lists]
+    if not missing:
+        return
+    if sri is not None:
+        _summarize(sri, causal, seqlen_q, seqlen_k, bounds, summaries, [bn for _, bn, _ in missing])
+    hm = 1 if sri is None else sri.shape[1]
+    lists.update(
+        _build_lists(summaries, causal, seqlen_q, seqlen_k, batch, hm, device, missing, skip_tiles)
+    )
 
 
 def _summarize(
@@ -415,17 +440,10 @@ def prepare_cached(
         _PREPARED.move_to_end(id(sri))
         while len(_PREPARED) > PREPARED_CAPACITY:
             _PREPARED.popitem(last=False)
-    missing = [shape for shape in shapes if shape not in entry.lists]
-    if missing:
-        _summarize(
-            sri, causal, seqlen_q, seqlen_k, entry.bounds, entry.summaries,
-            [bn for _, bn, _ in missing],
-        )  # fmt: skip
-        new_lists = _build_lists(
-            entry.summaries, causal, seqlen_q, seqlen_k, batch, sri.shape[1], device,
-            missing, skip_tiles,
-        )  # fmt: skip
-        entry.lists.update(new_lists)
+    _add_lists(
+        sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles,
+        entry.bounds, entry.summaries, entry.lists,
+    )  # fmt: skip
     return entry.bounds, [entry.lists[shape] for shape in shapes]
 
 
@@ -636,6 +654,8 @@ def backward(
     kv_tn, kv_tm = kv_lists.entries.shape[-2:]
     kv_even_m = even and sq % config.bwd_m == 0
     kv_even_n = even and sk % config.bwd_n == 0
+    dq_even_m = even and sq % config.dq_m == 0
+    dq_even_n = even and sk % config.dq_n == 0
     dq_accum = None
     if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
@@ -653,8 +673,8 @@ def backward(
             **flags,
             KV_EVEN_M=kv_even_m,
             KV_EVEN_N=kv_even_n,
-            Q_EVEN_M=even and sq % config.dq_m == 0,
-            Q_EVEN_N=even and sk % config.dq_n == 0,
+            Q_EVEN_M=dq_even_m,
+            Q_EVEN_N=dq_even_n,
             EVEN_D=even_d,
             KV_BLOCK_M=config.bwd_m,
             KV_BLOCK_N=config.bwd_n,
@@ -697,8 +717,8 @@ def backward(
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
-        EVEN_M=even and sq % config.dq_m == 0,
-        EVEN_N=even and sk % config.dq_n == 0,
+        EVEN_M=dq_even_m,
+        EVEN_N=dq_even_n,
         EVEN_D=even_d,
         BLOCK_M=config.dq_m,
         BLOCK_N=config.dq_n,
