@@ -304,7 +304,7 @@ def _override_defaults(spec: str) -> None:
     overrides = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        if key in ("fwd_tma", "fused_backward", "even_fast_path", "atomic_dq"):
+        if key in ("fwd_tma", "fused_backward", "even_fast_path", "atomic_dq", "atomic_dq_tma"):
             overrides[key] = bool(int(value))
         else:
             overrides[key] = int(value)

@@ -195,12 +195,24 @@ def launches(
         # cap (fewer accumulator registers per thread)?
         "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
         "pointer forward": replace(cfg, fwd_tma=False),
+        # dQ added inside the dK/dV pass (five matmuls per tile instead of seven), per element
+        # or by TMA reduce-add, at the shipped and at two-warpgroup tile shapes.
+        "atomic dQ (element)": replace(cfg, atomic_dq=True, atomic_dq_tma=False),
+        "atomic dQ (TMA)": replace(cfg, atomic_dq=True),
+        "atomic dQ (TMA) 64x128/8w": replace(cfg, atomic_dq=True, bwd_n=128, bwd_warps=8),
+        "atomic dQ (TMA) 128x64/8w": replace(cfg, atomic_dq=True, bwd_m=128, bwd_warps=8),
+        "atomic dQ (TMA) 64x64/8w": replace(cfg, atomic_dq=True, bwd_warps=8),
+        "atomic dQ (TMA) 32x64/4w": replace(cfg, atomic_dq=True, bwd_m=32),
+        "atomic dQ (TMA) 32x128/4w": replace(cfg, atomic_dq=True, bwd_m=32, bwd_n=128),
     }[variant]
+    deterministic = not cfg.atomic_dq
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
     kernels._tma_usable = lambda tensors: True
     with Capture() as cap:
         kernels.forward(q, q, q, sri, causal, head_dim**-0.5, config=cfg)
-        kernels.backward(q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, True, config=cfg)
+        kernels.backward(
+            q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, deterministic, config=cfg
+        )
     return cap.launches
 
 

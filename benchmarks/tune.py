@@ -90,6 +90,21 @@ def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
     return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", "bwd default", base)]
 
 
+def _dq_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
+    """``--set dq``: the backward with dQ added inside the dK/dV pass (``atomic_dq``: five matmuls
+    per tile instead of seven), per element or by TMA reduce-add, at several dK/dV tile shapes,
+    against the default (deterministic, separate dQ pass)."""
+    cands = [("bwd", "bwd default", base)]
+    atomic = replace(base, atomic_dq=True)
+    cands.append(("bwd", "atomic element", replace(atomic, atomic_dq_tma=False)))
+    cands.append(("bwd", "atomic tma", atomic))
+    for shape in ((64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3),
+                  (128, 64, 8, 2), (64, 128, 8, 1)):  # fmt: skip
+        label = "atomic tma {}x{}/{}w/{}s".format(*shape)
+        cands.append(("bwd", label, _with(atomic, "dkdv", shape)))
+    return cands
+
+
 def _with(base: TileConfig, kind: str, shape: tuple[int, int, int, int]) -> TileConfig:
     m, n, w, s = shape
     if kind == "fwd":
@@ -141,8 +156,9 @@ def main() -> None:
     parser.add_argument(
         "--set",
         default="tiles",
-        choices=("tiles", "launch"),
-        help="tiles: per-pass tile shapes; launch: whole-config variants (_launch_set)",
+        choices=("tiles", "launch", "dq"),
+        help="tiles: per-pass tile shapes; launch: whole-config variants (_launch_set); "
+        "dq: dQ inside the dK/dV pass (_dq_set)",
     )
     args = parser.parse_args()
     dev = torch.device(args.device)
@@ -173,8 +189,10 @@ def main() -> None:
                 cands = [(kind, f"{kind} {c}", _with(base, kind, c))
                          for kind, table in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
                          for c in table[d]]  # fmt: skip
-            else:
+            elif args.set == "launch":
                 cands = _launch_set(base)
+            else:
+                cands = _dq_set(base)
             for _ in range(args.rounds):
                 for kind, key, cfg in cands:
                     try:
@@ -189,8 +207,9 @@ def main() -> None:
                                 return_mode="median",
                             )
                         else:
+                            det = not cfg.atomic_dq
                             grads = kernels.backward(
-                                do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True,
+                                do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, det,
                                 config=cfg,
                             )  # fmt: skip
                             err = max(
@@ -198,8 +217,8 @@ def main() -> None:
                                 for g, r in zip(grads, ref_grads, strict=True)
                             )
                             ms = _time_ms(
-                                lambda c=cfg: kernels.backward(
-                                    do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, True,
+                                lambda c=cfg, det=det: kernels.backward(
+                                    do, None, q, k, v, ref_out, ref_lse, sri, causal, scale, det,
                                     config=c,
                                 ),
                                 rep=args.rep_ms,

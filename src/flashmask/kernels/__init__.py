@@ -66,6 +66,10 @@ class TileConfig:
     # Non-deterministic backward: add dQ with fp32 atomics in the dK/dV pass instead of a
     # separate dQ pass. Off by default: the separate pass measured faster on the H200.
     atomic_dq: bool = False
+    # With ``atomic_dq``, on a GPU with TMA: add each tile's dQ through one TMA bulk reduce-add
+    # (``cp.reduce.async.bulk.tensor``) instead of one fp32 atomic per element. Triton's
+    # interpreter has no descriptor reductions, so there the element atomics run.
+    atomic_dq_tma: bool = True
     # Launch the dK/dV and dQ passes as one grid (when their warp counts agree), so neither
     # pass's last wave leaves the GPU half idle. False: two launches (kept for measurement).
     fused_backward: bool = True
@@ -688,13 +692,22 @@ def backward(
         return dq, dk, dv
 
     dq_target = dq_accum if dq_accum is not None else dk  # unused pointer when deterministic
+    dq_desc = None
+    if (
+        dq_accum is not None
+        and config.atomic_dq_tma
+        and not _interpreting()
+        and _tma_usable((dq_accum,))
+    ):
+        dq_desc = _row_descriptor(dq_accum, config.bwd_m, block_d)
     flashmask_bwd_dkdv_kernel[(kv_tn, hk, b)](
-        q, k, v, dout, lse, delta, dk, dv, dq_target, bounds,
+        q, k, v, dout, lse, delta, dk, dv, dq_target, dq_desc, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
         sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, d, qk_scale, softmax_scale,
         **flags,
         ACCUMULATE_DQ=use_atomics,
+        DQ_TMA=dq_desc is not None,
         EVEN_M=kv_even_m,
         EVEN_N=kv_even_n,
         EVEN_D=even_d,

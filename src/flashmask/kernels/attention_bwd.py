@@ -39,13 +39,14 @@ def _load_lse_log2(Lse, offs, row_ok):
 @triton.jit
 def _dkdv_tile(
     k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr, dq_base,
-    offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+    dq_desc, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
     seqlen_q, seqlen_k, qk_scale, softmax_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):  # fmt: skip
@@ -76,17 +77,27 @@ def _dkdv_tile(
     dk += tl.dot(dsT.to(q.dtype), q)
     if ACCUMULATE_DQ:
         dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
-        tl.atomic_add(
-            dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq,
-            mask=row_ok[:, None] & d_ok[None, :], sem="relaxed",
-        )  # fmt: skip
+        if DQ_TMA:
+            # One bulk reduce-add of the whole tile (through shared memory) instead of one
+            # atomic per element; rows past Sq and columns past D are dropped by the hardware.
+            block_m: tl.constexpr = offs_m0.shape[0]
+            block_d: tl.constexpr = offs_d.shape[0]
+            dq_desc.atomic_add(
+                [b, m_tile * block_m, h, 0], tl.reshape(dq, [1, block_m, 1, block_d])
+            )
+        else:
+            tl.atomic_add(
+                dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq,
+                mask=row_ok[:, None] & d_ok[None, :], sem="relaxed",
+            )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
     n_tile, h_kv, b,
-    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
+    ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -101,6 +112,7 @@ def _dkdv_program(
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -146,17 +158,18 @@ def _dkdv_program(
             m_tile = tl.load(entries + it)
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                dq_base, DescDQ, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
                 seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, EVEN_M, EVEN_D,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, DQ_TMA, EVEN_M, EVEN_D,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
+                dq_base, DescDQ, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
                 seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_D,
+                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, DQ_TMA, EVEN_M,
+                EVEN_D,
             )  # fmt: skip
 
     dk = dk * softmax_scale
@@ -285,7 +298,8 @@ def _dq_program(
 
 @triton.jit
 def flashmask_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
+    ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -300,6 +314,7 @@ def flashmask_bwd_dkdv_kernel(
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
     ACCUMULATE_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -312,15 +327,15 @@ def flashmask_bwd_dkdv_kernel(
     # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
     _dkdv_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, Bounds, ListEntries, ListCounts, ListPartial,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
+        ListPartial, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
-        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, EVEN_M, EVEN_N, EVEN_D,
-        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, DQ_TMA, EVEN_M, EVEN_N,
+        EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
@@ -404,14 +419,15 @@ def flashmask_bwd_fused_kernel(
     if pid < kv_num_n_tiles:
         _dkdv_program(
             pid, h_kv, b,
-            Q, K, V, DO, Lse, Delta, DK, DV, DQ, Bounds, KvEntries, KvCounts, KvPartial,
+            Q, K, V, DO, Lse, Delta, DK, DV, DQ, None, Bounds, KvEntries, KvCounts, KvPartial,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
             stride_dqb, stride_dqs, stride_dqh,
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
             num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, False, KV_EVEN_M, KV_EVEN_N, EVEN_D,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, False, False, KV_EVEN_M, KV_EVEN_N,
+            EVEN_D,
             KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
         )  # fmt: skip
     else:
