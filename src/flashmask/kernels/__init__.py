@@ -81,6 +81,10 @@ class TileConfig:
     # tile is square (see ``_tma_tiles_safe``). Same values as the pointer loads: rows and
     # columns past the tensor read as zeros.
     fwd_tma: bool = False
+    # With ``fwd_tma``: 2-D descriptors over ``[B * S, H * D]`` where no tile crosses a sequence
+    # or head boundary (lengths divisible by the tiles, ``D`` a power of two, dense layout), else
+    # the 4-D ones over ``[B, S, H, D]``. False: always 4-D (kept for measurement).
+    fwd_tma_flat: bool = True
 
 
 def _interpreting() -> bool:
@@ -489,6 +493,16 @@ def _row_descriptor(x: torch.Tensor, rows: int, block_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, block_d])
 
 
+def _flat_descriptor(x: torch.Tensor, rows: int, block_d: int):
+    """A 2-D TMA descriptor over a contiguous ``x [B, S, H, D]`` seen as ``[B * S, H * D]``,
+    loading ``[rows, block_d]`` blocks; exact only for tiles that stay inside one sequence and
+    one head (see ``attention_fwd.load_rows_tma``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, s, h, d = x.shape
+    return TensorDescriptor(x, [b * s, h * d], [h * d, 1], [rows, block_d])
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -547,17 +561,26 @@ def forward(
     even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    use_tma = (
-        config.fwd_tma
-        and _tma_tiles_safe(config.fwd_m, config.fwd_n, block_d)
-        and _tma_usable((q, k, v))
+    even_m = even and sq % config.fwd_m == 0
+    even_n = even and sk % config.fwd_n == 0
+    even_d = even and d == block_d
+    use_tma = config.fwd_tma and _tma_usable((q, k, v))
+    flat = (
+        use_tma
+        and config.fwd_tma_flat
+        and even_m
+        and even_n
+        and even_d
+        and all(x.is_contiguous() for x in (q, k, v))
     )
+    use_tma = use_tma and (flat or _tma_tiles_safe(config.fwd_m, config.fwd_n, block_d))
     descs = (None, None, None)
     if use_tma:
+        describe = _flat_descriptor if flat else _row_descriptor
         descs = (
-            _row_descriptor(q, config.fwd_m, block_d),
-            _row_descriptor(k, config.fwd_n, block_d),
-            _row_descriptor(v, config.fwd_n, block_d),
+            describe(q, config.fwd_m, block_d),
+            describe(k, config.fwd_n, block_d),
+            describe(v, config.fwd_n, block_d),
         )
     flashmask_fwd_kernel[(tm, hq, b)](
         q, k, v, out, lse, bounds, lists.entries, lists.counts, *descs,
@@ -568,10 +591,11 @@ def forward(
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
         POSITIVE_SCALE=softmax_scale > 0,
-        EVEN_M=even and sq % config.fwd_m == 0,
-        EVEN_N=even and sk % config.fwd_n == 0,
-        EVEN_D=even and d == block_d,
+        EVEN_M=even_m,
+        EVEN_N=even_n,
+        EVEN_D=even_d,
         USE_TMA=use_tma,
+        TMA_FLAT=use_tma and flat,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,

@@ -75,11 +75,19 @@ def store_tile(ptrs, value, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: 
 
 
 @triton.jit
-def load_rows_tma(desc, b, row0, h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def load_rows_tma(
+    desc, b, row0, h, seqlen, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FLAT: tl.constexpr
+):
     """Rows ``row0 .. row0 + BLOCK_R`` of (batch ``b``, head ``h``) as a ``[BLOCK_R, BLOCK_D]``
     tile, through a TMA descriptor over a ``[B, S, H, D]`` tensor (block ``[1, BLOCK_R, 1,
     BLOCK_D]``). Rows past ``S`` and columns past ``D`` read as zeros, exactly like the masked
-    pointer loads of :func:`load_tile`."""
+    pointer loads of :func:`load_tile`.
+
+    ``FLAT``: the descriptor is 2-D over the same memory seen as ``[B * S, H * D]`` (block
+    ``[BLOCK_R, BLOCK_D]``), valid only when tiles never cross a sequence or head boundary
+    (``S % BLOCK_R == 0`` and ``D == BLOCK_D``), where it reads the same values."""
+    if FLAT:
+        return desc.load([b * seqlen + row0, h * BLOCK_D])
     return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
 
 
@@ -101,13 +109,15 @@ def flashmask_fwd_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_FLAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
-    copies, no per-thread address arithmetic) instead of pointer loads; same values."""
+    copies, no per-thread address arithmetic) instead of pointer loads; same values. ``TMA_FLAT``:
+    the descriptors are 2-D (see :func:`load_rows_tma`)."""
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -124,7 +134,7 @@ def flashmask_fwd_kernel(
     d_ok = offs_d < head_dim
 
     if USE_TMA:
-        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
+        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, seqlen_q, BLOCK_M, BLOCK_D, TMA_FLAT)
     else:
         q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
         q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
@@ -150,7 +160,11 @@ def flashmask_fwd_kernel(
         offs_n = n_tile * BLOCK_N + offs_n0
         col_ok = offs_n < seqlen_k
         if USE_TMA:
-            kT = tl.trans(load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
+            kT = tl.trans(
+                load_rows_tma(
+                    DescK, b, n_tile * BLOCK_N, h_kv, seqlen_k, BLOCK_N, BLOCK_D, TMA_FLAT
+                )
+            )
         else:
             kT = load_tile(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
@@ -188,7 +202,9 @@ def flashmask_fwd_kernel(
             p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
-            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
+            v = load_rows_tma(
+                DescV, b, n_tile * BLOCK_N, h_kv, seqlen_k, BLOCK_N, BLOCK_D, TMA_FLAT
+            )
         else:
             v = load_tile(
                 v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
