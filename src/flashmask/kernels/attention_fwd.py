@@ -86,9 +86,12 @@ def load_rows_tma(
     ``FLAT``: the descriptor is 2-D over the same memory seen as ``[B * S, H * D]`` (block
     ``[BLOCK_R, BLOCK_D]``), valid only when tiles never cross a sequence or head boundary
     (``S % BLOCK_R == 0`` and ``D == BLOCK_D``), where it reads the same values."""
+    # if/else, not an early return: Triton compiles the statements after a returning branch.
     if FLAT:
-        return desc.load([b * seqlen + row0, h * BLOCK_D])
-    return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
+        tile = desc.load([b * seqlen + row0, h * BLOCK_D])
+    else:
+        tile = tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
+    return tile
 
 
 @triton.jit
