@@ -8,7 +8,7 @@ skipped at square tiles (``BLOCK_N == D``), which Triton 3.6 miscompiles (``benc
 change 9); whether the 2-D ones compile right there is what this checks.
 
 Usage: ``PYTHONPATH=src python benchmarks/tma_check.py [--seqlen 8192] [--head-dims 64,128]``;
-prints one line per case and writes ``$OUT/tma_check.json``.
+prints one line per case and writes ``$OUT/tma_check_S{seqlen}_D{head dims}.json``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def main() -> None:
                         f"diff={err:.2e}",
                         flush=True,
                     )
-    path = os.path.join(os.environ.get("OUT", "."), "tma_check.json")
+    name = f"tma_check_S{args.seqlen}_D{args.head_dims.replace(',', '-')}.json"
+    path = os.path.join(os.environ.get("OUT", "."), name)
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                    "date": time.strftime("%F %T"), "rows": rows}, f, indent=1)  # fmt: skip

@@ -44,28 +44,32 @@ def test_gpus_with_less_shared_memory_than_hopper_get_compact_tiles(not_interpre
     assert hopper != kernels.compact_tile_config(head_dim)
 
 
-def test_without_a_mask_hopper_forward_tiles_are_larger(not_interpreting):
-    masked = kernels.tile_config(128, has_mask=True)
-    unmasked = kernels.tile_config(128, has_mask=False)
-    assert (unmasked.fwd_m, unmasked.fwd_n) == (128, 128)
-    assert (masked.fwd_m, masked.fwd_n) == (64, 64)
-    # The backward does not depend on the mask's presence.
-    assert (unmasked.bwd_m, unmasked.bwd_n, unmasked.dq_m, unmasked.dq_n) == (
-        masked.bwd_m,
-        masked.bwd_n,
-        masked.dq_m,
-        masked.dq_n,
-    )
+def test_without_a_mask_hopper_forward_tiles_are_larger_where_no_tma(not_interpreting):
+    """Without a mask the forward takes taller tiles (128 query rows: nothing to skip but the
+    causal triangle) except at head dim 128, where the 64x64 TMA-loaded tiles measured faster."""
+    for head_dim, expected in ((64, (128, 64)), (96, (128, 128)), (128, (64, 64))):
+        masked = kernels.tile_config(head_dim, has_mask=True)
+        unmasked = kernels.tile_config(head_dim, has_mask=False)
+        assert (unmasked.fwd_m, unmasked.fwd_n) == expected
+        assert (masked.fwd_m, masked.fwd_n) == (64, 64)
+        # The backward does not depend on the mask's presence.
+        assert (unmasked.bwd_m, unmasked.bwd_n, unmasked.dq_m, unmasked.dq_n) == (
+            masked.bwd_m,
+            masked.bwd_n,
+            masked.dq_m,
+            masked.dq_n,
+        )
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 def test_hopper_forward_uses_tma_only_where_measured_faster_and_safe(not_interpreting, head_dim):
-    """TMA loads in the forward at head dim 128 with a mask (7-21% faster on the H200, checked
-    there); never on square tiles (miscompiled by Triton 3.6), at hd256 (slower), at head dims
-    not yet checked on a GPU, or in compact tiles."""
+    """TMA loads in the forward at head dim 128 (faster on the H200 with and without a mask,
+    checked there); never on square 4-D tiles (miscompiled by Triton 3.6), at hd256 (slower), at
+    head dims not yet checked on a GPU, or in compact tiles; 2-D descriptors only on request."""
     for has_mask in (True, False):
         cfg = kernels.tile_config(head_dim, has_mask=has_mask)
-        assert cfg.fwd_tma == (has_mask and head_dim == 128)
+        assert cfg.fwd_tma == (head_dim == 128)
+        assert not cfg.fwd_tma_flat
         block_d = kernels._block_d(head_dim)
         if cfg.fwd_tma:
             assert kernels._tma_tiles_safe(cfg.fwd_m, cfg.fwd_n, block_d)

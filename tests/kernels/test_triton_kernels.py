@@ -700,6 +700,42 @@ def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
     assert kernels._tma_tiles_safe(64, 64, 128)
 
 
+@pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
+@pytest.mark.parametrize(
+    "case, tiles, flat",
+    [
+        (Case("causal-C2", 64, 64, 4, 2, 2, 32, batch=2), (32, 16), True),
+        (Case("nomask-full", 64, 32, 2, 1, 1, 32, batch=2), (32, 32), True),  # square tiles
+        (Case("causal-C2", 50, 64, 4, 2, 2, 32, batch=2), (16, 16), False),  # Sq % 16 != 0
+        (Case("noncausal-C4", 64, 64, 2, 2, 1, 24, mask="random"), (16, 16), False),  # D < 32
+    ],
+    ids=["even", "even-square", "ragged-rows", "padded-head-dim"],
+)
+def test_flat_tma_descriptors_only_where_tiles_stay_inside_a_sequence(
+    case, tiles, flat, monkeypatch
+):
+    """``TileConfig.fwd_tma_flat``: 2-D descriptors over ``[B * S, H * D]`` are used only where
+    no tile crosses into the next sequence or head (lengths divisible by the tiles, unpadded head
+    dim); elsewhere the 4-D descriptors (or, at square tiles, pointer loads). Same bits as the
+    pointer loads either way."""
+    x = make_inputs(case, torch.float16)
+    config = replace(
+        kernels.tile_config(case.head_dim),
+        fwd_m=tiles[0], fwd_n=tiles[1], fwd_tma=True, fwd_tma_flat=True,
+    )  # fmt: skip
+    used: list[str] = []
+    for name in ("_flat_descriptor", "_row_descriptor"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: used.append(_n) or _r(*a))
+    tma = kernels.forward(x.q, x.k, x.v, x.sri, case.causal, x.scale, config=config)
+    pointers = kernels.forward(
+        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(config, fwd_tma=False)
+    )
+    assert set(used) == ({"_flat_descriptor"} if flat else {"_row_descriptor"})
+    for name, a, b in zip(("out", "lse"), pointers, tma, strict=True):
+        assert torch.equal(a, b), f"{name} differs with 2-D TMA loads ({case.id})"
+
+
 def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
     """TMA needs 16-byte aligned addresses and strides: a tensor at an odd element offset, or
     with a 24-byte row stride, takes the pointer path (same results), never an error."""

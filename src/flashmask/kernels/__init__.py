@@ -83,8 +83,10 @@ class TileConfig:
     fwd_tma: bool = False
     # With ``fwd_tma``: 2-D descriptors over ``[B * S, H * D]`` where no tile crosses a sequence
     # or head boundary (lengths divisible by the tiles, ``D`` a power of two, dense layout), else
-    # the 4-D ones over ``[B, S, H, D]``. False: always 4-D (kept for measurement).
-    fwd_tma_flat: bool = True
+    # the 4-D ones over ``[B, S, H, D]``. Off by default: measured on the H200 the 2-D loads are
+    # exact even on square tiles (where the 4-D ones are miscompiled) but no faster than pointer
+    # loads there, and 1-5% slower than the 4-D ones elsewhere (benchmarks/NOTES.md, change 13).
+    fwd_tma_flat: bool = False
 
 
 def _interpreting() -> bool:
@@ -102,8 +104,9 @@ def tile_config(
     """The tile configuration for a head dimension (small tiles under the interpreter).
 
     ``has_mask=False`` (no ``startend_row_indices``: full or causal attention) picks larger
-    forward tiles: with nothing to skip but the causal triangle, bigger tiles only add matmul
-    efficiency, while with an interval mask they would skip less.
+    forward tiles (except at head dim 128, where TMA-loaded 64x64 tiles are faster): with
+    nothing to skip but the causal triangle, bigger tiles only add matmul efficiency, while with
+    an interval mask they would skip less.
     Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
     ``benchmarks/NOTES.md``). ``shared_memory`` (bytes per block the GPU allows) below Hopper's
     selects :func:`compact_tile_config` instead.
@@ -116,12 +119,14 @@ def tile_config(
         cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
         return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8)
     if head_dim <= 128:
-        # With a mask the forward's 64x64 tiles load through TMA at D = 128, the measured and
-        # GPU-checked case (7-21% faster on masks at 8K); padded head dims (80, 96, 112) keep
-        # pointer loads until checked on a GPU; the no-mask 128x128 tiles are square, which
-        # Triton 3.6 miscompiles with TMA.
+        # At D = 128 the forward's 64x64 tiles load through TMA, with or without a mask (the
+        # measured and GPU-checked case: 7-21% faster on masks at 8K, and 4-11% faster than the
+        # pointer-loaded 128x128 tiles on full/causal at 8K/32K). Padded head dims (80, 96, 112)
+        # keep pointer loads until checked on a GPU, and without a mask the 128x128 tiles.
         cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, fwd_tma=head_dim == 128)
-        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8, fwd_tma=False)
+        if has_mask or cfg.fwd_tma:
+            return cfg
+        return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
 
