@@ -11,7 +11,8 @@
   through pointers (``TileConfig.fused_backward`` / ``even_fast_path`` / ``fwd_tma``), bitwise.
 
 ``--variant fwd_tma=0,fwd_m=128`` checks candidate defaults: the overrides replace fields of
-``tile_config``'s answer for head dims up to 128 (to check a configuration before shipping it).
+``tile_config``'s answer for head dims up to 128 (``--variant-max-head-dim``), to check a
+configuration before shipping it.
 
 Writes ``$OUT/gpu_check.json`` (or ``--out``) and prints a summary table.
 Usage: ``PYTHONPATH=src python benchmarks/gpu_check.py [--quick]``; to halve the wall time (the
@@ -22,6 +23,7 @@ run is compile-bound), run ``--part masks`` and ``--part shapes`` as two process
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -192,8 +194,10 @@ def main() -> int:
     parser.add_argument(
         "--variant",
         default="",
-        help="TileConfig overrides for head dims <= 128, e.g. fwd_tma=0,bwd_warps=8",
+        help="TileConfig overrides, e.g. fwd_tma=0,bwd_warps=8 (head dims up to "
+        "--variant-max-head-dim)",
     )
+    parser.add_argument("--variant-max-head-dim", type=int, default=128)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -208,7 +212,7 @@ def main() -> int:
         variant = parts[0]["summary"].get("variant", "")
         return report(args.out, results, exact, seconds, env, variant)
     if args.variant:
-        _override_defaults(args.variant)
+        _override_defaults(args.variant, args.variant_max_head_dim)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -299,20 +303,22 @@ def main() -> int:
     return report(args.out, results, exact, time.time() - t0, variant=args.variant)
 
 
-def _override_defaults(spec: str) -> None:
-    """Make ``kernels.tile_config`` answer with ``spec``'s fields replaced (head dims <= 128)."""
+def _override_defaults(spec: str, max_head_dim: int) -> None:
+    """Make ``kernels.tile_config`` answer with ``spec``'s fields replaced (head dims up to
+    ``max_head_dim``); booleans are written 0/1."""
+    fields = {f.name: f for f in dataclasses.fields(kernels.TileConfig)}
     overrides = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        if key in ("fwd_tma", "fused_backward", "even_fast_path", "atomic_dq", "atomic_dq_tma"):
-            overrides[key] = bool(int(value))
-        else:
-            overrides[key] = int(value)
+        if key not in fields:
+            raise SystemExit(f"--variant: TileConfig has no field {key!r}")
+        is_bool = fields[key].type in (bool, "bool")
+        overrides[key] = bool(int(value)) if is_bool else int(value)
     original = kernels.tile_config
 
     def tile_config(head_dim, **kwargs):
         cfg = original(head_dim, **kwargs)
-        return replace(cfg, **overrides) if head_dim <= 128 else cfg
+        return replace(cfg, **overrides) if head_dim <= max_head_dim else cfg
 
     kernels.tile_config = tile_config
 

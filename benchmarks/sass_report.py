@@ -197,6 +197,8 @@ def launches(
         "pointer forward": replace(cfg, fwd_tma=False),
         # dQ added inside the dK/dV pass (five matmuls per tile instead of seven), per element
         # or by TMA reduce-add, at the shipped and at two-warpgroup tile shapes.
+        "dQ pass TMA": replace(cfg, dq_tma=True),
+        "dQ pass TMA, two launches": replace(cfg, dq_tma=True, fused_backward=False),
         "atomic dQ (element)": replace(cfg, atomic_dq=True, atomic_dq_tma=False),
         "atomic dQ (TMA)": replace(cfg, atomic_dq=True),
         "atomic dQ (TMA) 64x128/8w": replace(cfg, atomic_dq=True, bwd_n=128, bwd_warps=8),

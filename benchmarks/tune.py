@@ -91,10 +91,11 @@ def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
 
 
 def _dq_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
-    """``--set dq``: the backward with dQ added inside the dK/dV pass (``atomic_dq``: five matmuls
-    per tile instead of seven), per element or by TMA reduce-add, at several dK/dV tile shapes,
-    against the default (deterministic, separate dQ pass)."""
-    cands = [("bwd", "bwd default", base)]
+    """``--set dq``: the default backward (deterministic, separate dQ pass), the same with the dQ
+    pass's K/V tiles loaded through TMA (``dq_tma``), and dQ added inside the dK/dV pass
+    (``atomic_dq``: five matmuls per tile instead of seven), per element or by TMA reduce-add, at
+    several dK/dV tile shapes."""
+    cands = [("bwd", "bwd default", base), ("bwd", "dq pass tma", replace(base, dq_tma=True))]
     atomic = replace(base, atomic_dq=True)
     cands.append(("bwd", "atomic element", replace(atomic, atomic_dq_tma=False)))
     cands.append(("bwd", "atomic tma", atomic))

@@ -683,6 +683,24 @@ def test_tma_loads_change_no_bit(case, monkeypatch):
         assert torch.equal(a, b), f"{name} differs with TMA loads ({case.id})"
 
 
+@pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
+@pytest.mark.parametrize("fused", [True, False], ids=["one-grid", "two-launches"])
+@pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
+def test_dq_pass_tma_loads_change_no_bit(case, fused, monkeypatch):
+    """The dQ pass's K/V tiles read through TMA descriptors (``TileConfig.dq_tma``), in the one
+    backward grid or its own launch, give the pointer loads' bits, ragged tails included."""
+    x = make_inputs(case, torch.float16)
+    # 32x32 dQ tiles: never square against these cases' padded head dims (16 or 64).
+    base = replace(kernels.tile_config(case.head_dim), fused_backward=fused, dq_m=32, dq_n=32)
+    built = _count_descriptors(monkeypatch)
+    pointers = run_kernels(x, case.causal, config=base)
+    assert not built, "the pointer path built a TMA descriptor"
+    tma = run_kernels(x, case.causal, config=replace(base, dq_tma=True))
+    assert len(built) == 2, "the dQ pass did not load K and V through TMA"
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), pointers, tma, strict=True):
+        assert torch.equal(a, b), f"{name} differs with TMA loads in the dQ pass ({case.id})"
+
+
 def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
     """Triton 3.6 miscompiled the TMA forward on the H200 whenever a tile was as wide as the
     (padded) head dim: such configurations must load through pointers, with the right result."""

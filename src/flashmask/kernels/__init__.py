@@ -87,6 +87,10 @@ class TileConfig:
     # exact even on square tiles (where the 4-D ones are miscompiled) but no faster than pointer
     # loads there, and 1-5% slower than the 4-D ones elsewhere (benchmarks/NOTES.md, change 13).
     fwd_tma_flat: bool = False
+    # The dQ pass loads its K/V tiles through 4-D TMA descriptors (same conditions as
+    # ``fwd_tma``: a TMA GPU, aligned strides, no tile side equal to the padded head dim). Off by
+    # default: not yet measured (TMA in both backward passes at once was 1.3x slower, change 9).
+    dq_tma: bool = False
 
 
 def _interpreting() -> bool:
@@ -689,6 +693,18 @@ def backward(
     kv_even_n = even and sk % config.bwd_n == 0
     dq_even_m = even and sq % config.dq_m == 0
     dq_even_n = even and sk % config.dq_n == 0
+    dq_descs = (None, None)
+    dq_tma = (
+        not use_atomics
+        and config.dq_tma
+        and _tma_tiles_safe(config.dq_m, config.dq_n, block_d)
+        and _tma_usable((k, v))
+    )
+    if dq_tma:
+        dq_descs = (
+            _row_descriptor(k, config.dq_n, block_d),
+            _row_descriptor(v, config.dq_n, block_d),
+        )
     dq_accum = None
     if use_atomics:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
@@ -697,7 +713,7 @@ def backward(
         q_lists = lists[1]
         q_tm, q_tn = q_lists.entries.shape[-2:]
         flashmask_bwd_fused_kernel[(kv_tn + q_tm * (hq // hk), hk, b)](
-            q, k, v, dout, lse, delta, dq, dk, dv, bounds,
+            q, k, v, dout, lse, delta, dq, dk, dv, *dq_descs, bounds,
             kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
             q_lists.entries, q_lists.counts, q_lists.num_partial,
             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *_s3(dk), *_s3(dv),
@@ -708,6 +724,7 @@ def backward(
             KV_EVEN_N=kv_even_n,
             Q_EVEN_M=dq_even_m,
             Q_EVEN_N=dq_even_n,
+            Q_TMA=dq_tma,
             EVEN_D=even_d,
             KV_BLOCK_M=config.bwd_m,
             KV_BLOCK_N=config.bwd_n,
@@ -755,13 +772,15 @@ def backward(
     q_lists = lists[1]
     tm, tn = q_lists.entries.shape[-2:]
     flashmask_bwd_dq_kernel[(tm, hq, b)](
-        q, k, v, dout, lse, delta, dq, bounds, q_lists.entries, q_lists.counts, q_lists.num_partial,
+        q, k, v, dout, lse, delta, dq, *dq_descs, bounds,
+        q_lists.entries, q_lists.counts, q_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, qk_scale, softmax_scale,
         **flags,
         EVEN_M=dq_even_m,
         EVEN_N=dq_even_n,
         EVEN_D=even_d,
+        USE_TMA=dq_tma,
         BLOCK_M=config.dq_m,
         BLOCK_N=config.dq_n,
         BLOCK_D=block_d,

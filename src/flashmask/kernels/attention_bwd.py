@@ -27,7 +27,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmask.kernels.attention_fwd import LOG2E, element_mask, load_tile, store_tile
+from flashmask.kernels.attention_fwd import (
+    LOG2E,
+    element_mask,
+    load_rows_tma,
+    load_tile,
+    store_tile,
+)
 
 
 @triton.jit
@@ -185,26 +191,34 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tile(
-    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d, d_ok,
-    stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, desc_k, desc_v, b, h_kv, bounds_ptr,
+    offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
-    offs_n = n_tile * offs_n0.shape[0] + offs_n0
+    block_n: tl.constexpr = offs_n0.shape[0]
+    block_d: tl.constexpr = offs_d.shape[0]
+    offs_n = n_tile * block_n + offs_n0
     col_ok = offs_n[None, :] < seqlen_k
-    kT = load_tile(
-        k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-    )  # fmt: skip
-    vT = load_tile(
-        v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
-        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-    )  # fmt: skip
+    if USE_TMA:
+        row0 = n_tile * block_n
+        kT = tl.trans(load_rows_tma(desc_k, b, row0, h_kv, seqlen_k, block_n, block_d, False))
+        vT = tl.trans(load_rows_tma(desc_v, b, row0, h_kv, seqlen_k, block_n, block_d, False))
+    else:
+        kT = load_tile(
+            k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+        )  # fmt: skip
+        vT = load_tile(
+            v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
+            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+        )  # fmt: skip
     p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
@@ -220,7 +234,7 @@ def _dq_tile(
 @triton.jit
 def _dq_program(
     m_tile, h, b,
-    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -235,6 +249,7 @@ def _dq_program(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -277,16 +292,16 @@ def _dq_program(
     for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
         n_tile = tl.load(entries + it)
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
-            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, DescK, DescV, b, h_kv,
+            bounds_ptr, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, USE_TMA,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr, offs_n0, offs_d,
-            d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, DescK, DescV, b, h_kv,
+            bounds_ptr, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, USE_TMA,
         )  # fmt: skip
 
     dq = dq * softmax_scale
@@ -341,7 +356,7 @@ def flashmask_bwd_dkdv_kernel(
 
 @triton.jit
 def flashmask_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -356,6 +371,7 @@ def flashmask_bwd_dq_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -364,20 +380,20 @@ def flashmask_bwd_dq_kernel(
     """dQ pass alone; grid ``(query tiles, query heads, batch)``, heaviest tiles first."""
     _dq_program(
         num_m_tiles - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
+        Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
         num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
-        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D, USE_TMA,
         BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
 @triton.jit
 def flashmask_bwd_fused_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, DK, DV, Bounds,
+    Q, K, V, DO, Lse, Delta, DQ, DK, DV, DescK, DescV, Bounds,
     KvEntries, KvCounts, KvPartial, QEntries, QCounts, QPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -397,6 +413,7 @@ def flashmask_bwd_fused_kernel(
     KV_EVEN_N: tl.constexpr,
     Q_EVEN_M: tl.constexpr,
     Q_EVEN_N: tl.constexpr,
+    Q_TMA: tl.constexpr,
     EVEN_D: tl.constexpr,
     KV_BLOCK_M: tl.constexpr,
     KV_BLOCK_N: tl.constexpr,
@@ -436,13 +453,13 @@ def flashmask_bwd_fused_kernel(
         h = h_kv * heads_per_kv + r % heads_per_kv
         _dq_program(
             m_tile, h, b,
-            Q, K, V, DO, Lse, Delta, DQ, Bounds, QEntries, QCounts, QPartial,
+            Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, QEntries, QCounts, QPartial,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dqb, stride_dqs, stride_dqh,
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
             q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D, Q_TMA,
             Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
         )  # fmt: skip
 
