@@ -4,9 +4,11 @@
   one (batch, kv head), loops over the query heads that share it (GQA reduced in registers, no
   atomics) and over the listed query tiles (partial ones, then unmasked ones in a second loop
   free of mask code), and accumulates dK and dV. With ``ACCUMULATE_DQ`` it also adds every
-  tile's dQ contribution into an fp32 buffer with atomics (not bit-reproducible).
+  tile's dQ contribution into an fp32 buffer with atomics (not bit-reproducible): one per
+  element, or with ``DQ_TMA`` one TMA bulk reduce-add per tile.
 * ``flashmask_bwd_dq_kernel``: query-tile stationary, walks the row-major lists in the same two
-  loops and writes dQ with no atomics (the deterministic path).
+  loops and writes dQ with no atomics (the deterministic path); with ``USE_TMA`` its K/V tiles
+  come through TMA descriptors.
 * ``flashmask_bwd_fused_kernel``: both passes in one grid (the default): the first programs of
   each (kv head, batch) run the dK/dV program, the rest the dQ program, so neither pass's last
   wave leaves the GPU idle. Bitwise equal to the two launches.
