@@ -634,8 +634,9 @@ def backward(
 
     dQ comes from a separate query-stationary pass (bit-reproducible). Only when
     ``deterministic=False`` and ``config.atomic_dq`` does the key-stationary pass add dQ with fp32
-    atomics instead (not bit-reproducible; slower on the H200, kept for measurement). The tiles
-    are chosen as in :func:`forward`.
+    atomics instead (not bit-reproducible): per element, or one TMA reduce-add per tile with
+    ``config.atomic_dq_tma`` on Hopper; both measured slower on the H200 than the separate pass
+    and kept for measurement. The tiles are chosen as in :func:`forward`.
     """
     if config is None:
         return _with_fitting_config(
