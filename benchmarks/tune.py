@@ -90,12 +90,19 @@ def _launch_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
     return [("fwd", label, cfg) for label, cfg in fwd] + [("bwd", "bwd default", base)]
 
 
-def _dq_set(base: TileConfig) -> list[tuple[str, str, TileConfig]]:
+def _dq_set(base: TileConfig, head_dim: int) -> list[tuple[str, str, TileConfig]]:
     """``--set dq``: the default backward (deterministic, separate dQ pass), the same with the dQ
     pass's K/V tiles loaded through TMA (``dq_tma``), and dQ added inside the dK/dV pass
     (``atomic_dq``: five matmuls per tile instead of seven), per element or by TMA reduce-add, at
-    several dK/dV tile shapes."""
+    several dK/dV tile shapes. At hd256 (where the atomic forms spill heavily offline) the
+    candidates are instead one-grid backwards at 8 warps (benchmarks/NOTES.md, plan)."""
     cands = [("bwd", "bwd default", base), ("bwd", "dq pass tma", replace(base, dq_tma=True))]
+    if head_dim > 128:
+        one_grid = replace(base, dq_warps=8)
+        cands.append(("bwd", "one grid, dq 64x64/8w", one_grid))
+        cands.append(("bwd", "one grid, dq 64x64/8w, dq tma", replace(one_grid, dq_tma=True)))
+        cands.append(("bwd", "one grid, dkdv 32x64/8w", replace(one_grid, bwd_m=32)))
+        return cands
     atomic = replace(base, atomic_dq=True)
     cands.append(("bwd", "atomic element", replace(atomic, atomic_dq_tma=False)))
     cands.append(("bwd", "atomic tma", atomic))
@@ -193,7 +200,7 @@ def main() -> None:
             elif args.set == "launch":
                 cands = _launch_set(base)
             else:
-                cands = _dq_set(base)
+                cands = _dq_set(base, d)
             for _ in range(args.rounds):
                 for kind, key, cfg in cands:
                     try:

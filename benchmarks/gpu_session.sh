@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One device call, several measurement steps: each step runs under its own time limit and writes
+# its files to $OUT, so a step that overruns loses only itself. Run from the repository root:
+#
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh check-quick bench-hd128 tune-dq
+#
+# Steps:
+#   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~200 s cold)
+#   check-full    the same without --quick (all head dims)
+#   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~250 s)
+#   bench-hd256   flashmask bench, 32K, hd256 (~140 s)
+#   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
+#   tma-check     tma_check.py at 8K for hd64 and hd128
+# STEP_TIMEOUT (seconds, default 280) bounds each step.
+set -uo pipefail
+: "${OUT:?set OUT to the folder that receives the results}"
+export PYTHONPATH=src
+limit=${STEP_TIMEOUT:-280}
+
+run_step() {
+    local name=$1
+    shift
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc, $((SECONDS - start)) s"
+    grep -v -i warn "$OUT/$name.log" | tail -n 8
+}
+
+check() {
+    local quick=$1 tag=$2
+    # Two processes compile in parallel; wait for exactly these two (a pattern match on the
+    # process table would also match this shell's own command line).
+    timeout "$limit" python benchmarks/gpu_check.py $quick --part masks --out "$OUT/$tag-masks.json" \
+        >"$OUT/$tag-masks.log" 2>&1 &
+    local masks=$!
+    timeout "$limit" python benchmarks/gpu_check.py $quick --part shapes \
+        --out "$OUT/$tag-shapes.json" >"$OUT/$tag-shapes.log" 2>&1 &
+    local shapes=$!
+    wait "$masks" "$shapes"
+    python benchmarks/gpu_check.py --merge "$OUT/$tag-masks.json" "$OUT/$tag-shapes.json" \
+        --out "$OUT/$tag.json" | tail -n 14
+    grep -h FAIL "$OUT/$tag-masks.log" "$OUT/$tag-shapes.log" | head -n 5 | cut -c1-400
+}
+
+for step in "$@"; do
+    case $step in
+    check-quick) check --quick gpu_check_quick ;;
+    check-full) check "" gpu_check_full ;;
+    bench-hd128)
+        run_step bench_hd128 python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128"
+        ;;
+    bench-hd256)
+        run_step bench_hd256_32k python -m flashmask bench --seqlens 32768 --head-dims 256 \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_32k"
+        ;;
+    tune-dq)
+        run_step tune_dq python benchmarks/tune.py --set dq --seqlen 8192 --head-dims 128,256 \
+            --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
+        ;;
+    tma-check)
+        run_step tma_check python benchmarks/tma_check.py --head-dims 64,128 \
+            --masks full,causal,causal_document
+        ;;
+    *)
+        echo "unknown step: $step" >&2
+        exit 2
+        ;;
+    esac
+done
