@@ -474,6 +474,29 @@ def test_atomic_dq_backward_matches_reference(case, dtype):
     check_against_reference(actual, x, case.causal, case.id + "-atomic-dq")
 
 
+@pytest.mark.parametrize("per_tile", [True, False], ids=["tma-reduce", "element-atomics"])
+def test_atomic_dq_forms_agree_with_the_deterministic_pass(per_tile, monkeypatch):
+    """Both forms of the atomic dQ (one TMA reduce-add per tile, ``atomic_dq_tma``, where the
+    GPU has TMA; one atomic per element otherwise and under the interpreter, which has no
+    descriptor reductions) are within tolerance of the reference, change nothing but dQ, and
+    the reduce-add form builds its descriptor exactly where it can run."""
+    case = Case("causal-C2", 37, 50, 4, 2, 2, 64, batch=2)
+    x = make_inputs(case, torch.float16)
+    base = kernels.tile_config(case.head_dim)
+    built = _count_descriptors(monkeypatch)
+    atomic = run_kernels(
+        x, case.causal, config=replace(base, atomic_dq=True, atomic_dq_tma=per_tile),
+        deterministic=False,
+    )  # fmt: skip
+    reduce_runs = per_tile and not kernels._interpreting() and TMA_AVAILABLE
+    assert len(built) == (1 if reduce_runs else 0)
+    check_against_reference(atomic, x, case.causal, case.id + "-atomic-dq")
+    # Only dQ's summation order changes: everything else is bit for bit the deterministic result.
+    exact = run_kernels(x, case.causal, config=base)
+    for i, name in ((0, "out"), (1, "lse"), (3, "dk"), (4, "dv")):
+        assert torch.equal(atomic[i], exact[i]), name
+
+
 DLSE_CASES = [
     Case("causal-C1", 37, 50, 2, 2, 2, 40),
     Case("causal-C2", 50, 37, 4, 1, 1, 64),
