@@ -11,6 +11,7 @@
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s)
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
+#   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -62,6 +63,9 @@ for step in "$@"; do
     tma-check)
         run_step tma_check python benchmarks/tma_check.py --head-dims 64,128 \
             --masks full,causal,causal_document
+        ;;
+    gluon-forward)
+        run_step gluon_forward python benchmarks/gluon_forward.py --seqlens 8192,32768
         ;;
     *)
         echo "unknown step: $step" >&2
