@@ -1,4 +1,4 @@
-"""Experiment: a warp-specialised FlashMask forward in Gluon (Hopper), full and causal attention.
+"""Experiment: a warp-specialised FlashMask forward in Gluon (Hopper).
 
 Not part of the library. The Triton forward (``flashmask.kernels.forward``) cannot split its
 loop into a TMA-issuing warp and compute warpgroups on sm_90 with Triton 3.6 (NOTES.md, change
@@ -10,19 +10,20 @@ loop into a TMA-issuing warp and compute warpgroups on sm_90 with Triton 3.6 (NO
 * the default partition (``num_warps`` warps, 64 query rows per warpgroup) computes
   ``S = Q K^T`` and ``O += P V`` with asynchronous ``warpgroup_mma``, the online softmax in
   between (the same exp2 / max-on-unscaled-scores arithmetic as the Triton forward), applies
-  the causal mask on the list's partial tiles, and releases each slot after its P V product.
+  the element mask on the list's partial tiles, and releases each slot after its P V product.
 
-Descriptors are 2-D over ``[B * S, H * D]``, so the experiment requires ``S`` divisible by the
-tiles and ``D`` in {64, 128} (no padding); interval masks (``startend_row_indices``) are not
-handled yet.
+Partial tiles (the first group of each list) get the element mask from the normalised column
+bounds, as in the Triton forward. Descriptors are 2-D over ``[B * S, H * D]``, so the
+experiment requires ``S`` divisible by the tiles and ``D`` in {64, 128} (no padding).
 
 Usage:
 * ``python benchmarks/gluon_forward.py --compile-only`` (no GPU): compile for sm_90 and print
   one JSON line per variant: registers, spills, shared memory, ``setmaxnreg``, HGMMA and TMA
   counts;
 * ``PYTHONPATH=src python benchmarks/gluon_forward.py`` (H200): compare out and lse with the
-  Triton forward (max abs difference; exact equality is not expected, the accumulation order of
-  the two kernels' matmuls differs) and time both, full and causal, 8K and 32K.
+  Triton forward (max abs difference; exact equality is not expected, the two kernels' tiles
+  and accumulation orders differ) and time both, at 8K and 32K, on full, causal and four
+  interval masks (TFLOP/s over visible pairs, as ``flashmask bench`` counts them).
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def _load_partition(
 
 @gluon.jit
 def _compute_partition(
-    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count,
+    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds_ptr,
     out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -115,11 +118,22 @@ def _compute_partition(
 
         qk = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk,))
-        if CAUSAL:
-            # Bottom-right aligned causality; only the list's partial tiles (entry >= 0) hold
-            # hidden pairs, so unmasked tiles skip the select through the entry test.
+        if entry >= 0:
+            # A partial tile (the list's first group): apply the element mask, as the Triton
+            # forward's element_mask does (Sk divides the tiles here, so no column is past Sk).
             cols = n_tile * BLOCK_N + offs_n
-            hidden = (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q)) & (entry >= 0)
+            hidden = gl.zeros([BLOCK_M, BLOCK_N], gl.int1, s_layout)
+            if HAS_MASK:
+                lts = gl.load(bounds_ptr + cols)
+                lte = gl.load(bounds_ptr + seqlen_k + cols)
+                hidden = hidden | ((rows[:, None] >= lts[None, :]) & (rows[:, None] < lte[None, :]))
+                if HAS_UPPER:
+                    uts = gl.load(bounds_ptr + 2 * seqlen_k + cols)
+                    ute = gl.load(bounds_ptr + 3 * seqlen_k + cols)
+                    upper = (rows[:, None] >= uts[None, :]) & (rows[:, None] < ute[None, :])
+                    hidden = hidden | upper
+            if CAUSAL:
+                hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
             qk = gl.where(hidden, float("-inf"), qk)
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -146,10 +160,13 @@ def _compute_partition(
 
 @gluon.jit
 def gluon_fwd_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, entries_ptr, counts_ptr,
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
     stride_ob, stride_os, stride_oh,
-    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, num_m_tiles, num_n_tiles, qk_scale,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, qk_scale,
     CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -160,7 +177,9 @@ def gluon_fwd_kernel(
     h = gl.program_id(1)
     b = gl.program_id(2)
     h_kv = h // heads_per_kv
-    list_row = b * num_m_tiles + m_tile  # no mask: one list per batch row
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    list_row = mask_head * num_m_tiles + m_tile
+    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
     count = gl.load(counts_ptr + list_row)
     entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
 
@@ -184,9 +203,9 @@ def gluon_fwd_kernel(
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count,
+                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds,
                     out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
-                    seqlen_k, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
                 ),
             ),
             (
@@ -213,9 +232,9 @@ def _layout(rows: int, head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
 
 
-def gluon_forward(q, k, v, causal: bool, softmax_scale: float):
-    """``(out, lse)`` like ``flashmask.kernels.forward`` for full/causal attention (no mask),
-    bf16, ``S`` divisible by 128, ``D`` in {64, 128}, contiguous ``[B, S, H, D]`` inputs."""
+def gluon_forward(q, k, v, startend_row_indices, causal: bool, softmax_scale: float):
+    """``(out, lse)`` like ``flashmask.kernels.forward``: bf16, ``S`` divisible by 128, ``D`` in
+    {64, 128}, contiguous ``[B, S, H, D]`` inputs, any FlashMask (or none)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashmask import kernels
@@ -224,7 +243,9 @@ def gluon_forward(q, k, v, causal: bool, softmax_scale: float):
     sk, hk = k.shape[1], k.shape[2]
     if sq % BLOCK_M or sk % BLOCK_N or d not in (64, 128) or q.dtype != torch.bfloat16:
         raise ValueError("gluon_forward: needs bf16, S divisible by 128 and D in {64, 128}")
-    _, (lists,) = kernels.prepare(None, causal, sq, sk, b, q.device, [(BLOCK_M, BLOCK_N, True)])
+    sri = startend_row_indices
+    bounds, (lists,) = kernels.prepare(sri, causal, sq, sk, b, q.device, [(BLOCK_M, BLOCK_N, True)])
+    hm = 1 if sri is None else sri.shape[1]
     tm, tn = lists.entries.shape[-2:]
     q2, k2, v2 = (x.reshape(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
     q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], _layout(BLOCK_M, d))
@@ -233,16 +254,20 @@ def gluon_forward(q, k, v, causal: bool, softmax_scale: float):
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     gluon_fwd_kernel[(tm, hq, b)](
-        q_desc, k_desc, v_desc, out, lse, lists.entries, lists.counts,
-        out.stride(0), out.stride(1), out.stride(2),
-        sq, sk, hq, hq // hk, tm, tn, softmax_scale * LOG2E_VALUE,
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
+        q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
+        lists.entries, lists.counts, out.stride(0), out.stride(1), out.stride(2),
+        sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, softmax_scale * LOG2E_VALUE,
+        CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
 
 
-def compile_only(head_dim: int, causal: bool) -> dict:
+OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
+
+
+def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -253,12 +278,14 @@ def compile_only(head_dim: int, causal: bool) -> dict:
 
     signature = {
         "q_desc": desc_type(BLOCK_M), "k_desc": desc_type(BLOCK_N), "v_desc": desc_type(BLOCK_N),
-        "out_ptr": "*bf16", "lse_ptr": "*fp32", "entries_ptr": "*i32", "counts_ptr": "*i32",
-        "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32", "seqlen_q": "i32",
-        "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32", "num_m_tiles": "i32",
+        "out_ptr": "*bf16", "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
+        "counts_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
+        "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32",
     }  # fmt: skip
-    values = {"CAUSAL": causal, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim,
+    values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
+              "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": NUM_BUFFERS}  # fmt: skip
     names = [p.name for p in gluon_fwd_kernel.params]
     signature.update({name: "constexpr" for name in values})
@@ -277,39 +304,53 @@ def compile_only(head_dim: int, causal: bool) -> dict:
     return {
         "head_dim": head_dim,
         "causal": causal,
+        "has_mask": has_mask,
         "warps": compiled.metadata.num_warps,
         "registers": int(fields.get("REG", -1)),
         "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
         "shared_kb": compiled.metadata.shared / 1024,
         "setmaxnreg": compiled.asm["ptx"].count("setmaxnreg"),
-        **{
-            op: len(re.findall(r"\b" + op + r"\b", sass)) for op in ("HGMMA", "UTMALDG", "MUFU.EX2")
-        },
+        **{op: len(re.findall(r"\b" + op + r"\b", sass)) for op in OPCODES},
     }
 
 
-def check_and_time(seqlens: list[int], tokens: int, hidden: int) -> None:
-    from flashmask import kernels
+def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
+    """Out/lse against the Triton forward and both timed, per sequence length and mask."""
+    from flashmask import bench, kernels, masks
 
+    d = 128
     for s in seqlens:
-        for causal in (False, True):
-            b, h, d = max(1, tokens // s), hidden // 128, 128
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
-            scale = d**-0.5
-            ref_out, ref_lse = kernels.forward(q, k, v, None, causal, scale)
-            out, lse = gluon_forward(q, k, v, causal, scale)
+        b, h = max(1, tokens // s), hidden // d
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+        scale = d**-0.5
+        for name in mask_names:
+            if name in ("full", "causal"):
+                mask, sri, causal = None, None, name == "causal"
+            else:
+                gen = torch.Generator().manual_seed(0)
+                mask = masks.example(name, s, batch_size=b, generator=gen)
+                sri, causal = mask.startend_row_indices.to("cuda"), mask.causal
+            pairs = bench.visible_pairs(mask, causal, s, s)
+            flop = 4.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])
+            ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale)
+            try:
+                out, lse = gluon_forward(q, k, v, sri, causal, scale)
+            except Exception as exc:  # report and go on to the next case
+                print(f"S={s} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            live = torch.isfinite(ref_lse)
             err = float((out.float() - ref_out.float()).abs().max())
-            lse_err = float((lse - ref_lse).abs().max())
+            lse_err = float((lse - ref_lse)[live].abs().max())
+            same_dead = bool((lse[~live] == float("-inf")).all())
             ms_triton = triton.testing.do_bench(
-                lambda: kernels.forward(q, k, v, None, causal, scale), rep=100
+                lambda: kernels.forward(q, k, v, sri, causal, scale), rep=100
             )
             ms_gluon = triton.testing.do_bench(
-                lambda: gluon_forward(q, k, v, causal, scale), rep=100
+                lambda: gluon_forward(q, k, v, sri, causal, scale), rep=100
             )
-            flop = 4.0 * d * b * h * (s * (s + 1) / 2 if causal else s * s)
             print(
-                f"S={s} {'causal' if causal else 'full':6s} max|out diff| {err:.2e} "
-                f"max|lse diff| {lse_err:.2e}  triton {ms_triton:.3f} ms "
+                f"S={s} {name:16s} max|out diff| {err:.2e} max|lse diff| {lse_err:.2e} "
+                f"empty rows agree {same_dead}  triton {ms_triton:.3f} ms "
                 f"({flop / ms_triton / 1e9:.0f} TF/s)  gluon {ms_gluon:.3f} ms "
                 f"({flop / ms_gluon / 1e9:.0f} TF/s)",
                 flush=True,
@@ -320,15 +361,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--seqlens", default="8192,32768")
+    parser.add_argument(
+        "--masks", default="full,causal,causal_document,share_question,document,sliding_window"
+    )
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     if args.compile_only:
         for d in (64, 128):
             for causal in (False, True):
-                print(json.dumps(compile_only(d, causal)), flush=True)
+                for has_mask in (False, True):
+                    print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         return
-    check_and_time([int(x) for x in args.seqlens.split(",")], args.tokens, args.hidden)
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden)
 
 
 if __name__ == "__main__":
