@@ -86,8 +86,13 @@ def _compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    PIPELINE: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: online softmax over the listed key tiles, then O and lse."""
+    """Consumer warpgroups: online softmax over the listed key tiles, then O and lse.
+
+    ``PIPELINE``: issue the next tile's ``Q K^T`` before this tile's softmax, so the tensor
+    cores work while the warps exponentiate (FA3's intra-warpgroup overlap). The last iteration
+    recomputes its own tile's scores (discarded) instead of branching on "is there a next"."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -108,16 +113,30 @@ def _compute_partition(
     offs_n = gl.arange(0, BLOCK_N, col_layout)
 
     mbarrier.wait(q_bar, 0)
+    qk_next = zero_s
+    # Nested, not `PIPELINE and count > 0`: a constexpr and a runtime value do not mix in `and`.
+    if PIPELINE:  # noqa: SIM102
+        if count > 0:
+            mbarrier.wait(kv_ready.index(0), 0)
+            qk_next = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
     for it in range(count):
         entry = gl.load(entries + it)
         n_tile = gl.where(entry >= 0, entry, -entry - 1)
         slot = it % num_buffers
-        mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
         k_smem = k_bufs.index(slot)
         v_smem = v_bufs.index(slot)
-
-        qk = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=(qk,))
+        if PIPELINE:
+            qk = qk_next
+            nxt = gl.minimum(it + 1, count - 1)
+            next_slot = nxt % num_buffers
+            mbarrier.wait(kv_ready.index(next_slot), (nxt // num_buffers) & 1)
+            s_token = warpgroup_mma(
+                q_smem, k_bufs.index(next_slot).permute((1, 0)), zero_s,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+        else:
+            mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
+            qk = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False)
         if entry >= 0:
             # A partial tile (the list's first group): apply the element mask, as the Triton
             # forward's element_mask does (Sk divides the tiles here, so no column is past Sk).
@@ -142,8 +161,11 @@ def _compute_partition(
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        acc = warpgroup_mma(p_op, v_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc_token = warpgroup_mma(p_op, v_smem, acc, is_async=True)
+        if PIPELINE:
+            qk_next, acc = warpgroup_mma_wait(0, deps=(s_token, acc_token))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc_token,))
         mbarrier.arrive(kv_empty.index(slot), count=1)
         m_i = m_new
 
@@ -171,6 +193,7 @@ def gluon_fwd_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first."""
     m_tile = num_m_tiles - 1 - gl.program_id(0)
@@ -206,6 +229,7 @@ def gluon_fwd_kernel(
                     q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds,
                     out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
                     seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    PIPELINE,
                 ),
             ),
             (
@@ -232,7 +256,9 @@ def _layout(rows: int, head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
 
 
-def gluon_forward(q, k, v, startend_row_indices, causal: bool, softmax_scale: float):
+def gluon_forward(
+    q, k, v, startend_row_indices, causal: bool, softmax_scale: float, pipeline: bool = False
+):
     """``(out, lse)`` like ``flashmask.kernels.forward``: bf16, ``S`` divisible by 128, ``D`` in
     {64, 128}, contiguous ``[B, S, H, D]`` inputs, any FlashMask (or none)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -258,7 +284,7 @@ def gluon_forward(q, k, v, startend_row_indices, causal: bool, softmax_scale: fl
         lists.entries, lists.counts, out.stride(0), out.stride(1), out.stride(2),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS, PIPELINE=pipeline,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
@@ -267,7 +293,7 @@ def gluon_forward(q, k, v, startend_row_indices, causal: bool, softmax_scale: fl
 OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
 
 
-def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
+def compile_only(head_dim: int, causal: bool, has_mask: bool, pipeline: bool) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -285,7 +311,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
         "num_n_tiles": "i32", "qk_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim,
+              "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim, "PIPELINE": pipeline,
               "NUM_BUFFERS": NUM_BUFFERS}  # fmt: skip
     names = [p.name for p in gluon_fwd_kernel.params]
     signature.update({name: "constexpr" for name in values})
@@ -305,6 +331,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
+        "pipeline": pipeline,
         "warps": compiled.metadata.num_warps,
         "registers": int(fields.get("REG", -1)),
         "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
@@ -333,28 +360,29 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             pairs = bench.visible_pairs(mask, causal, s, s)
             flop = 4.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])
             ref_out, ref_lse = kernels.forward(q, k, v, sri, causal, scale)
-            try:
-                out, lse = gluon_forward(q, k, v, sri, causal, scale)
-            except Exception as exc:  # report and go on to the next case
-                print(f"S={s} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            live = torch.isfinite(ref_lse)
-            err = float((out.float() - ref_out.float()).abs().max())
-            lse_err = float((lse - ref_lse)[live].abs().max())
-            same_dead = bool((lse[~live] == float("-inf")).all())
             ms_triton = triton.testing.do_bench(
                 lambda: kernels.forward(q, k, v, sri, causal, scale), rep=100
             )
-            ms_gluon = triton.testing.do_bench(
-                lambda: gluon_forward(q, k, v, sri, causal, scale), rep=100
-            )
-            print(
-                f"S={s} {name:16s} max|out diff| {err:.2e} max|lse diff| {lse_err:.2e} "
-                f"empty rows agree {same_dead}  triton {ms_triton:.3f} ms "
-                f"({flop / ms_triton / 1e9:.0f} TF/s)  gluon {ms_gluon:.3f} ms "
-                f"({flop / ms_gluon / 1e9:.0f} TF/s)",
-                flush=True,
-            )
+            line = f"S={s} {name:16s} triton {ms_triton:.3f} ms ({flop / ms_triton / 1e9:.0f} TF/s)"
+            for pipeline in (False, True):
+                label = "gluon+overlap" if pipeline else "gluon"
+                try:
+                    out, lse = gluon_forward(q, k, v, sri, causal, scale, pipeline)
+                except Exception as exc:  # report and go on to the next case
+                    line += f" | {label}: {type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                live = torch.isfinite(ref_lse)
+                err = float((out.float() - ref_out.float()).abs().max())
+                lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
+                dead_ok = bool((lse[~live] == float("-inf")).all())
+                ms = triton.testing.do_bench(
+                    lambda p=pipeline: gluon_forward(q, k, v, sri, causal, scale, p), rep=100
+                )
+                line += (
+                    f" | {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) max|out diff| "
+                    f"{err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
+                )
+            print(line, flush=True)
 
 
 def main() -> None:
@@ -371,7 +399,9 @@ def main() -> None:
         for d in (64, 128):
             for causal in (False, True):
                 for has_mask in (False, True):
-                    print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
+                    for pipeline in (False, True):
+                        report = compile_only(d, causal, has_mask, pipeline)
+                        print(json.dumps(report), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
     check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden)

@@ -1,7 +1,7 @@
 """The Gluon forward experiment (``benchmarks/gluon_forward.py``) compiles for Hopper without a
 GPU into a warp-specialised kernel: register reallocation between its partitions, warpgroup MMAs,
 TMA loads, bounds loads where there is a mask. Spills are reported by the script, not asserted:
-they depend on the Triton version (none with 3.6, the H200's; 8 bytes in one variant with 3.9).
+they depend on the Triton version and variant (0-8 bytes).
 Whether the kernel computes the right result is for the GPU session to check."""
 
 import json
@@ -23,8 +23,8 @@ def test_gluon_forward_compiles_warp_specialised_for_sm90():
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    variants = {(r["head_dim"], r["causal"], r["has_mask"]) for r in reports}
-    assert len(variants) == 8 and {d for d, _, _ in variants} == {64, 128}
+    variants = {(r["head_dim"], r["causal"], r["has_mask"], r["pipeline"]) for r in reports}
+    assert len(variants) == 16 and {v[0] for v in variants} == {64, 128}
     for report in reports:
         assert report["setmaxnreg"] > 0, report  # producer and consumers hold different registers
         assert report["warps"] == 12, report  # 8 compute warps + the producer's warpgroup
