@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
-import tempfile
 
 import torch
 import triton
+from cubin import inspect_cubin
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -320,24 +318,18 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, pipeline: bool) ->
     options = make_backend(target).parse_options({"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS})
     src = GluonASTSource(gluon_fwd_kernel, signature, constexprs, {})
     compiled = triton.compile(src, target=target, options=options.__dict__)
-    cuobjdump = triton.knobs.nvidia.cuobjdump.path
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.check_output([cuobjdump, "-res-usage", f.name], text=True)
-        sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    dump = inspect_cubin(compiled, OPCODES)
     return {
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
         "pipeline": pipeline,
         "warps": compiled.metadata.num_warps,
-        "registers": int(fields.get("REG", -1)),
-        "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+        "registers": dump["registers"],
+        "spill_bytes": dump["local_bytes"],
         "shared_kb": compiled.metadata.shared / 1024,
         "setmaxnreg": compiled.asm["ptx"].count("setmaxnreg"),
-        **{op: len(re.findall(r"\b" + op + r"\b", sass)) for op in OPCODES},
+        **{op: dump[op] for op in OPCODES},
     }
 
 

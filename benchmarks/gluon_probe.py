@@ -11,11 +11,8 @@ Usage: ``python benchmarks/gluon_probe.py`` (seconds on a CPU). Nothing runs on 
 the kernel computes the right product is for a GPU session to check.
 """
 
-import re
-import subprocess
-import tempfile
-
 import triton
+from cubin import inspect_cubin
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.experimental import gluon
@@ -103,18 +100,14 @@ target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
 opts = backend.parse_options({"num_warps": 4})
 c = triton.compile(src, target=target, options=opts.__dict__)
-ptx = c.asm["ptx"]
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(c.asm["cubin"])
-    f.flush()
-    sass = subprocess.check_output([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], text=True)
+dump = inspect_cubin(c, ("HGMMA", "UTMALDG"))
 print(
     "setmaxnreg in PTX:",
-    ptx.count("setmaxnreg"),
+    c.asm["ptx"].count("setmaxnreg"),
     "| HGMMA in SASS:",
-    len(re.findall(r"\bHGMMA", sass)),
+    dump["HGMMA"],
     "| UTMALDG:",
-    len(re.findall(r"\bUTMALDG", sass)),
+    dump["UTMALDG"],
     "| warps:",
     c.metadata.num_warps,
 )

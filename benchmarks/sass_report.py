@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real, never interpret
 
 import torch
 import triton
+from cubin import inspect_cubin
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import mangle_type
@@ -145,14 +143,8 @@ def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
     src, opts = _specialise(fn, args, kwargs)
     options = backend.parse_options(opts)
     compiled = triton.compile(src, target=TARGET, options=options.__dict__)
-    cuobjdump = triton.knobs.nvidia.cuobjdump.path
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.check_output([cuobjdump, "-res-usage", f.name], text=True)
-        sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
-    registers = int(fields.get("REG", -1))
+    dump = inspect_cubin(compiled, OPCODES)
+    registers = dump["registers"]
     return {
         "kernel": fn.__name__,
         "num_warps": options.num_warps,
@@ -160,14 +152,14 @@ def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
         "blocks_per_sm": blocks_per_sm(
             TARGET.arch, registers, options.num_warps, compiled.metadata.shared
         ),
-        "local_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+        "local_bytes": dump["local_bytes"],
         "shared_bytes": compiled.metadata.shared,
         "constexprs": {
             fn.params[k[0]].name: v
             for k, v in src.constants.items()
             if fn.params[k[0]].name.isupper()
         },
-        **{op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in OPCODES},
+        **{op: dump[op] for op in OPCODES},
     }
 
 
