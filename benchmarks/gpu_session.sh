@@ -12,6 +12,8 @@
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
+#   gluon-backward gluon_backward.py: the warp-specialised Gluon dK/dV (+ atomic dQ) backward
+#   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -66,6 +68,13 @@ for step in "$@"; do
         ;;
     gluon-forward)
         run_step gluon_forward python benchmarks/gluon_forward.py --seqlens 8192,32768
+        ;;
+    gluon-backward)
+        run_step gluon_backward python benchmarks/gluon_backward.py --seqlens 8192,32768
+        ;;
+    bench-hd128-re32k)
+        run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
+            --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
     *)
         echo "unknown step: $step" >&2
