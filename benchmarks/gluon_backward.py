@@ -64,6 +64,29 @@ def _list_of(g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_hea
 
 
 @gluon.jit
+def _add_dq_vec4(dq, dq_head, row0, stride_dqs, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Add a dQ tile with one 16-byte ``red.global.v4.f32.add`` per four columns: the tile is
+    first laid out so that each thread holds four adjacent columns and a warp whole rows (Triton
+    emits one scalar atomic per element, scattered over the MMA layout's row pairs)."""
+    warps: gl.constexpr = gl.num_warps()
+    lanes_d: gl.constexpr = HEAD_DIM // 4
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
+    values = gl.convert_layout(dq, layout)
+    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    addresses = (dq_head + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]).to(gl.int64)
+    gl.inline_asm_elementwise(
+        "red.global.v4.f32.add [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+        [addresses, values],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@gluon.jit
 def _bwd_load_partition(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
     entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
@@ -109,6 +132,7 @@ def _bwd_compute_partition(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr,
+    DQ_VEC4: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -125,9 +149,10 @@ def _bwd_compute_partition(
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # dQ [BLOCK_M, HEAD_DIM]: 64 rows are one warpgroup's M, so the warpgroups split the columns.
+    groups: gl.constexpr = warps // 4
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, warps // 4], instr_shape=[16, HEAD_DIM // (warps // 4), 16]
-    )  # fmt: skip
+        version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, HEAD_DIM // groups, 16]
+    )
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
@@ -212,12 +237,16 @@ def _bwd_compute_partition(
                     0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
                 )
                 mbarrier.arrive(empty.index(slot), count=1)
-                dq_ptrs = (
-                    dq_head
-                    + (m_tile * BLOCK_M + dq_rows)[:, None].to(gl.int64) * stride_dqs
-                    + dq_cols[None, :]
-                )
-                gl.atomic_add(dq_ptrs, dq * softmax_scale, sem="relaxed")
+                dq = dq * softmax_scale
+                if DQ_VEC4:
+                    _add_dq_vec4(dq, dq_head, m_tile * BLOCK_M, stride_dqs, BLOCK_M, HEAD_DIM)
+                else:
+                    dq_ptrs = (
+                        dq_head
+                        + (m_tile * BLOCK_M + dq_rows)[:, None].to(gl.int64) * stride_dqs
+                        + dq_cols[None, :]
+                    )
+                    gl.atomic_add(dq_ptrs, dq, sem="relaxed")
             else:
                 dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv_token, dk_token, pt_op, dst_op))
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -245,6 +274,7 @@ def gluon_bwd_kernel(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr,
+    DQ_VEC4: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -281,7 +311,7 @@ def gluon_bwd_kernel(
                     n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
                     num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, ACCUMULATE_DQ, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    HAS_UPPER, ACCUMULATE_DQ, DQ_VEC4, BLOCK_M, BLOCK_N, HEAD_DIM,
                 ),
             ),
             (
@@ -309,7 +339,7 @@ def _layout(rows: int, head_dim: int):
 
 def gluon_backward(
     dout, q, k, v, out, lse, startend_row_indices, causal: bool, softmax_scale: float,
-    accumulate_dq: bool = True, num_buffers: int = NUM_BUFFERS,
+    accumulate_dq: bool = True, dq_vec4: bool = True, num_buffers: int = NUM_BUFFERS,
 ):  # fmt: skip
     """``(dq, dk, dv)`` like ``flashmask.kernels.backward`` (``dq`` is None without
     ``accumulate_dq``): bf16, ``S`` divisible by 128, ``D`` in {64, 128}, contiguous
@@ -349,17 +379,19 @@ def gluon_backward(
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
-        ACCUMULATE_DQ=accumulate_dq, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
+        ACCUMULATE_DQ=accumulate_dq, DQ_VEC4=dq_vec4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
         NUM_BUFFERS=num_buffers, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     dq = dq_accum.to(q.dtype) if accumulate_dq else None
     return dq, dk, dv
 
 
-OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "RED", "BAR")
+OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
-def compile_only(head_dim: int, causal: bool, has_mask: bool, accumulate_dq: bool) -> dict:
+def compile_only(
+    head_dim: int, causal: bool, has_mask: bool, accumulate_dq: bool, dq_vec4: bool
+) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -379,8 +411,8 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, accumulate_dq: boo
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "ACCUMULATE_DQ": accumulate_dq, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
-              "HEAD_DIM": head_dim, "NUM_BUFFERS": NUM_BUFFERS}  # fmt: skip
+              "ACCUMULATE_DQ": accumulate_dq, "DQ_VEC4": dq_vec4, "BLOCK_M": BLOCK_M,
+              "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim, "NUM_BUFFERS": NUM_BUFFERS}  # fmt: skip
     names = [p.name for p in gluon_bwd_kernel.params]
     signature.update({name: "constexpr" for name in values})
     constexprs = {(names.index(name),): value for name, value in values.items()}
@@ -394,6 +426,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, accumulate_dq: boo
         "causal": causal,
         "has_mask": has_mask,
         "accumulate_dq": accumulate_dq,
+        "dq_vec4": dq_vec4,
         "warps": compiled.metadata.num_warps,
         "registers": dump["registers"],
         "spill_bytes": dump["local_bytes"],
@@ -404,7 +437,9 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, accumulate_dq: boo
 
 
 def _setmaxnreg_values(ptx: str) -> list[str]:
-    return [line.split()[0] + " " + line.split()[1] for line in ptx.splitlines() if "setmaxnreg" in line]
+    return [
+        line.split()[0] + " " + line.split()[1] for line in ptx.splitlines() if "setmaxnreg" in line
+    ]
 
 
 def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
@@ -458,30 +493,43 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             ref = triton_bwd()
             ms = triton.testing.do_bench(triton_bwd, rep=100)
             line = f"S={s} {name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
-            cfg = kernels.tile_config(d, has_mask=sri is not None)
+            unfused = replace(
+                kernels.tile_config(d, has_mask=sri is not None), fused_backward=False
+            )
             split = _kernel_times(
-                lambda c=replace(cfg, fused_backward=False): triton_bwd(c),
+                lambda c=unfused: triton_bwd(c),
                 ("dkdv_kernel", "dq_kernel", "delta_kernel"),
             )
             line += " [unfused: " + ", ".join(f"{n} {t:.3f}" for n, t in split.items()) + "]"
-            for acc_dq in (True, False):
-                label = "gluon dkdv+atomic dq" if acc_dq else "gluon dkdv"
+            variants = (
+                ("gluon +atomic dq v4", True, True),
+                ("gluon +atomic dq", True, False),
+                ("gluon dkdv", False, False),
+            )
+            for label, acc_dq, vec4 in variants:
                 try:
-                    grads = gluon_backward(dout, q, k, v, out, lse, sri, causal, scale, acc_dq)
+                    grads = gluon_backward(
+                        dout, q, k, v, out, lse, sri, causal, scale, acc_dq, vec4
+                    )
                 except Exception as exc:  # report and go on
                     line += f" | {label}: {type(exc).__name__}: {str(exc)[:300]}"
                     continue
                 errs = []
-                for got, want, n in zip(grads, ref, "qkv"):
+                for got, want, n in zip(grads, ref, "qkv", strict=True):
                     if got is None:
                         continue
                     scale_ref = float(want.float().abs().max()) or 1.0
-                    errs.append(f"d{n} {float((got.float() - want.float()).abs().max()) / scale_ref:.1e}")
+                    errs.append(
+                        f"d{n} {float((got.float() - want.float()).abs().max()) / scale_ref:.1e}"
+                    )
                 g_ms = triton.testing.do_bench(
-                    lambda a=acc_dq: gluon_backward(dout, q, k, v, out, lse, sri, causal, scale, a),
+                    lambda a=acc_dq, v4=vec4: gluon_backward(
+                        dout, q, k, v, out, lse, sri, causal, scale, a, v4
+                    ),
                     rep=100,
                 )
-                line += f" | {label} {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
+                tflops = flop / g_ms / 1e9
+                line += f" | {label} {g_ms:.3f} ms ({tflops:.0f} TF/s) rel err {' '.join(errs)}"
                 if not acc_dq:
                     kt = _kernel_times(
                         lambda: gluon_backward(dout, q, k, v, out, lse, sri, causal, scale, False),
@@ -505,8 +553,8 @@ def main() -> None:
         for d in (64, 128):
             for causal in (False, True):
                 for has_mask in (False, True):
-                    for accumulate_dq in (True, False):
-                        report = compile_only(d, causal, has_mask, accumulate_dq)
+                    for accumulate_dq, dq_vec4 in ((True, True), (True, False), (False, False)):
+                        report = compile_only(d, causal, has_mask, accumulate_dq, dq_vec4)
                         print(json.dumps(report), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
