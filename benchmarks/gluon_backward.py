@@ -18,7 +18,15 @@ sm_90 (NOTES.md, change 12). This kernel takes FA3's backward shape:
   per tile suffices), ``dQ = dS K`` runs as one more ``warpgroup_mma`` split over the head dim
   between the two warpgroups, and is added to an fp32 buffer with atomics (FA2/FA3's scheme:
   five matmuls per tile instead of the separate dQ pass's seven; not bit-reproducible).
-  Without it, dQ comes from the Triton dQ pass.
+  Without it, dQ comes from the Triton dQ pass. The consumers issue the atomics themselves:
+  Triton's scalar ``atomic_add`` or (``DQ_VEC4``) one ``red.global.v4.f32.add`` per four columns;
+* ``DQ_WRITER`` (FA3's scheme, with ``ACCUMULATE_DQ``): the consumers only store the scaled fp32
+  dQ tile into a ring of two shared buffers and arrive on its "dq_full" mbarrier; a third
+  partition of ``WRITER_WARPS`` warps walks the same tile sequence, waits on "dq_full", issues
+  the ``red.global.v4.f32.add`` atomics from shared memory and arrives on "dq_empty", which the
+  consumers wait on before reusing the buffer. With 4 writer warps the launch has 16 warps (the
+  workers padded to two warpgroups), so the launch registers drop to 128 per thread and
+  ``setmaxnreg`` moves the workers' surplus to the consumers (232; producer and writer 24).
 
 Descriptors are 2-D over ``[B * S, H * D]``, so the experiment needs bf16, ``S`` divisible by
 128 and ``D`` in {64, 128}.
@@ -28,8 +36,9 @@ Usage:
   registers, spills, shared memory, ``setmaxnreg``, HGMMA/TMA counts per variant;
 * ``PYTHONPATH=src python benchmarks/gluon_backward.py`` (H200): dQ/dK/dV against the Triton
   backward (max abs difference over max abs value), and times: the Triton backward, the Gluon
-  kernel with atomic dQ, the Gluon dK/dV kernel plus the Triton dQ pass, and a profiler split of
-  the Triton backward's kernels, at 8K and 32K on full, causal and four interval masks.
+  kernel with atomic dQ (vector and scalar atomics, and with the dQ writer partition), the Gluon
+  dK/dV kernel plus the Triton dQ pass, and a profiler split of the Triton backward's kernels,
+  at 8K and 32K on full, causal and four interval masks.
 """
 
 from __future__ import annotations
@@ -63,17 +72,22 @@ def _list_of(g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_hea
     return h, mask_head, mask_head * num_n_tiles + n_tile
 
 
+@gluon.constexpr_function
+def _vec4_layout(head_dim, warps):
+    """Each thread four adjacent dQ columns, a warp whole rows (``32 * 4 // head_dim`` of them)."""
+    lanes_d = head_dim // 4
+    return gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
+
+
 @gluon.jit
-def _add_dq_vec4(dq, dq_head, row0, stride_dqs, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Add a dQ tile with one 16-byte ``red.global.v4.f32.add`` per four columns: the tile is
-    first laid out so that each thread holds four adjacent columns and a warp whole rows (Triton
-    emits one scalar atomic per element, scattered over the MMA layout's row pairs)."""
-    warps: gl.constexpr = gl.num_warps()
-    lanes_d: gl.constexpr = HEAD_DIM // 4
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
-    values = gl.convert_layout(dq, layout)
-    rows = row0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+def _red_add_v4(dq_head, row0, stride_dqs, values):
+    """Add ``values`` (a ``_vec4_layout`` tile of dQ rows ``row0 ...``) with one 16-byte
+    ``red.global.v4.f32.add`` per four columns."""
+    layout: gl.constexpr = values.type.layout
+    num_rows: gl.constexpr = values.type.shape[0]
+    num_cols: gl.constexpr = values.type.shape[1]
+    rows = row0 + gl.arange(0, num_rows, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, num_cols, gl.SliceLayout(0, layout))
     addresses = (dq_head + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]).to(gl.int64)
     gl.inline_asm_elementwise(
         "red.global.v4.f32.add [$4], {$8, $9, $10, $11};\n"
@@ -84,6 +98,15 @@ def _add_dq_vec4(dq, dq_head, row0, stride_dqs, BLOCK_M: gl.constexpr, HEAD_DIM:
         is_pure=False,
         pack=4,
     )
+
+
+@gluon.jit
+def _add_dq_vec4(dq, dq_head, row0, stride_dqs, HEAD_DIM: gl.constexpr):
+    """Add a dQ tile from the consumers' registers with ``_red_add_v4``: the tile is first laid
+    out so that each thread holds four adjacent columns and a warp whole rows (Triton emits one
+    scalar atomic per element, scattered over the MMA layout's row pairs)."""
+    layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
+    _red_add_v4(dq_head, row0, stride_dqs, gl.convert_layout(dq, layout))
 
 
 @gluon.jit
@@ -123,21 +146,60 @@ def _bwd_load_partition(
 
 
 @gluon.jit
+def _bwd_dq_writer_partition(
+    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv, n_tile, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
+    stride_dqh,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """dQ writer warps (``DQ_WRITER``): walk the producer's tile sequence and add each tile's
+    scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer."""
+    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+    layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
+    # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
+    step: gl.constexpr = 8
+    it = 0
+    for g in range(heads_per_kv):
+        h, _, list_row = _list_of(
+            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
+        )
+        count = gl.load(counts_ptr + list_row)
+        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        dq_head = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            buf = it % num_dq_buffers
+            dq_smem = dq_bufs.index(buf)
+            mbarrier.wait(dq_full.index(buf), (it // num_dq_buffers) & 1)
+            for r in gl.static_range(0, BLOCK_M, step):
+                values = dq_smem.slice(r, step).load(layout)
+                _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
+            # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
+            mbarrier.arrive(dq_empty.index(buf), count=1)
+            it += 1
+
+
+@gluon.jit
 def _bwd_compute_partition(
-    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, entries_ptr, counts_ptr,
-    bounds_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k,
-    num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
+    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
+    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv,
+    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
+    qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr,
     DQ_VEC4: gl.constexpr,
+    DQ_WRITER: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: dK and dV of the program's keys (and dQ by atomics)."""
+    """Consumer warpgroups: dK and dV of the program's keys (and dQ by atomics, or handed to the
+    dQ writer warps through ``dq_bufs`` with ``DQ_WRITER``)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -238,8 +300,17 @@ def _bwd_compute_partition(
                 )
                 mbarrier.arrive(empty.index(slot), count=1)
                 dq = dq * softmax_scale
-                if DQ_VEC4:
-                    _add_dq_vec4(dq, dq_head, m_tile * BLOCK_M, stride_dqs, BLOCK_M, HEAD_DIM)
+                if DQ_WRITER:
+                    dq_buf = it % dq_bufs.type.shape[0]
+                    dq_smem = dq_bufs.index(dq_buf)
+                    # Wait until the writer has read what was left here two tiles ago.
+                    mbarrier.wait(dq_empty.index(dq_buf), ((it // dq_bufs.type.shape[0]) & 1) ^ 1)
+                    dq_smem.store(dq)
+                    # Lowered as a barrier of the consumer warps (both warpgroups' columns are
+                    # stored), then one arrive.
+                    mbarrier.arrive(dq_full.index(dq_buf), count=1)
+                elif DQ_VEC4:
+                    _add_dq_vec4(dq, dq_head, m_tile * BLOCK_M, stride_dqs, HEAD_DIM)
                 else:
                     dq_ptrs = (
                         dq_head
@@ -275,12 +346,17 @@ def gluon_bwd_kernel(
     HAS_UPPER: gl.constexpr,
     ACCUMULATE_DQ: gl.constexpr,
     DQ_VEC4: gl.constexpr,
+    DQ_WRITER: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
+    WRITER_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(key tiles, kv heads, batch)``; dK, dV (``dk_ptr``/``dv_ptr`` share K's strides)."""
+    """Grid ``(key tiles, kv heads, batch)``; dK, dV (``dk_ptr``/``dv_ptr`` share K's strides).
+    ``DQ_WRITER`` (with ``ACCUMULATE_DQ``) adds a partition of ``WRITER_WARPS`` warps with
+    ``WRITER_REGISTERS`` registers that issues the dQ atomics."""
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
     b = gl.program_id(2)
@@ -300,37 +376,97 @@ def gluon_bwd_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-
-    gl.warp_specialize(
-        [
-            (
-                _bwd_compute_partition,
+    if DQ_WRITER:
+        # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
+        # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
+        # minimum number of shared-memory wavefronts.
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        # The dQ writer is a second worker (hence two warp_specialize calls).
+        gl.warp_specialize(
+            [
                 (
-                    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, kv_bar, ready, empty, entries_ptr,
-                    counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv,
-                    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
-                    num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, ACCUMULATE_DQ, DQ_VEC4, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    _bwd_compute_partition,
+                    (
+                        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
+                        dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
+                        delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k,
+                        num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, stride_kb,
+                        stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
+                        HAS_UPPER, ACCUMULATE_DQ, DQ_VEC4, DQ_WRITER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ),
                 ),
-            ),
-            (
-                _bwd_load_partition,
                 (
-                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k,
-                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    BLOCK_M, BLOCK_N, HEAD_DIM,
+                    _bwd_load_partition,
+                    (
+                        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                        ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                        seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ),
                 ),
-            ),
-        ],
-        [1],
-        [24],
-    )  # fmt: skip
+                (
+                    _bwd_dq_writer_partition,
+                    (
+                        dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv,
+                        n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
+                    ),
+                ),
+            ],
+            [1, WRITER_WARPS],
+            [24, WRITER_REGISTERS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _bwd_compute_partition,
+                    (
+                        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, None, kv_bar, ready, empty,
+                        None, None, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr,
+                        dq_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
+                        heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks,
+                        stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK, HAS_UPPER,
+                        ACCUMULATE_DQ, DQ_VEC4, DQ_WRITER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ),
+                ),
+                (
+                    _bwd_load_partition,
+                    (
+                        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                        ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                        seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ),
+                ),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
 
 
 BLOCK_M, BLOCK_N, NUM_BUFFERS, NUM_WARPS = 64, 128, 2, 8
-MAX_REGISTERS = 168
+WRITER_WARPS, WRITER_REGISTERS = 4, 24
+
+
+def _max_registers(writer_warps: int) -> int:
+    """Launch registers per thread: the 64K registers over the consumer warps and the workers'
+    warpgroups (the producer warp, plus the dQ writer warps, padded to whole warpgroups);
+    ``setmaxnreg`` then gives the workers' surplus to the consumers."""
+    worker_warps = 1 + writer_warps
+    warps = NUM_WARPS + 4 * -(-worker_warps // 4)
+    return 65536 // (32 * warps) // 8 * 8
+
+
+MAX_REGISTERS = _max_registers(0)
 
 
 def _layout(rows: int, head_dim: int):
@@ -340,15 +476,19 @@ def _layout(rows: int, head_dim: int):
 def gluon_backward(
     dout, q, k, v, out, lse, startend_row_indices, causal: bool, softmax_scale: float,
     accumulate_dq: bool = True, dq_vec4: bool = True, num_buffers: int = NUM_BUFFERS,
+    dq_writer: int = 0,
 ):  # fmt: skip
     """``(dq, dk, dv)`` like ``flashmask.kernels.backward`` (``dq`` is None without
     ``accumulate_dq``): bf16, ``S`` divisible by 128, ``D`` in {64, 128}, contiguous
-    ``[B, S, H, D]`` inputs, any FlashMask (or none)."""
+    ``[B, S, H, D]`` inputs, any FlashMask (or none). ``dq_writer`` > 0 (implies
+    ``accumulate_dq``; ``dq_vec4`` is then unused) leaves the dQ atomics to a dQ writer partition
+    of that many warps."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashmask import kernels
     from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
 
+    accumulate_dq = accumulate_dq or dq_writer > 0
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if sq % BLOCK_N or sk % BLOCK_N or d not in (64, 128) or q.dtype != torch.bfloat16:
@@ -379,8 +519,10 @@ def gluon_backward(
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
-        ACCUMULATE_DQ=accumulate_dq, DQ_VEC4=dq_vec4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
-        NUM_BUFFERS=num_buffers, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        ACCUMULATE_DQ=accumulate_dq, DQ_VEC4=dq_vec4, DQ_WRITER=dq_writer > 0,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
+        WRITER_WARPS=dq_writer or WRITER_WARPS,
+        WRITER_REGISTERS=WRITER_REGISTERS, num_warps=NUM_WARPS, maxnreg=_max_registers(dq_writer),
     )  # fmt: skip
     dq = dq_accum.to(q.dtype) if accumulate_dq else None
     return dq, dk, dv
@@ -390,7 +532,12 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def compile_only(
-    head_dim: int, causal: bool, has_mask: bool, accumulate_dq: bool, dq_vec4: bool
+    head_dim: int,
+    causal: bool,
+    has_mask: bool,
+    accumulate_dq: bool,
+    dq_vec4: bool,
+    dq_writer: int = 0,
 ) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
@@ -411,13 +558,18 @@ def compile_only(
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "ACCUMULATE_DQ": accumulate_dq, "DQ_VEC4": dq_vec4, "BLOCK_M": BLOCK_M,
-              "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim, "NUM_BUFFERS": NUM_BUFFERS}  # fmt: skip
+              "ACCUMULATE_DQ": accumulate_dq or dq_writer > 0, "DQ_VEC4": dq_vec4,
+              "DQ_WRITER": dq_writer > 0, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N,
+              "HEAD_DIM": head_dim, "NUM_BUFFERS": NUM_BUFFERS,
+              "WRITER_WARPS": dq_writer or WRITER_WARPS,
+              "WRITER_REGISTERS": WRITER_REGISTERS}  # fmt: skip
     names = [p.name for p in gluon_bwd_kernel.params]
     signature.update({name: "constexpr" for name in values})
     constexprs = {(names.index(name),): value for name, value in values.items()}
     target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options({"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS})
+    options = make_backend(target).parse_options(
+        {"num_warps": NUM_WARPS, "maxnreg": _max_registers(dq_writer)}
+    )
     src = GluonASTSource(gluon_bwd_kernel, signature, constexprs, {})
     compiled = triton.compile(src, target=target, options=options.__dict__)
     dump = inspect_cubin(compiled, OPCODES)
@@ -425,8 +577,9 @@ def compile_only(
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
-        "accumulate_dq": accumulate_dq,
+        "accumulate_dq": accumulate_dq or dq_writer > 0,
         "dq_vec4": dq_vec4,
+        "dq_writer": dq_writer,
         "warps": compiled.metadata.num_warps,
         "registers": dump["registers"],
         "spill_bytes": dump["local_bytes"],
@@ -502,14 +655,15 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             )
             line += " [unfused: " + ", ".join(f"{n} {t:.3f}" for n, t in split.items()) + "]"
             variants = (
-                ("gluon +atomic dq v4", True, True),
-                ("gluon +atomic dq", True, False),
-                ("gluon dkdv", False, False),
+                ("gluon +atomic dq v4", True, True, 0),
+                ("gluon +dq writer 4w", True, False, 4),
+                ("gluon +dq writer 2w", True, False, 2),
+                ("gluon dkdv", False, False, 0),
             )
-            for label, acc_dq, vec4 in variants:
+            for label, acc_dq, vec4, writer in variants:
                 try:
                     grads = gluon_backward(
-                        dout, q, k, v, out, lse, sri, causal, scale, acc_dq, vec4
+                        dout, q, k, v, out, lse, sri, causal, scale, acc_dq, vec4, dq_writer=writer
                     )
                 except Exception as exc:  # report and go on
                     line += f" | {label}: {type(exc).__name__}: {str(exc)[:300]}"
@@ -523,8 +677,8 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
                         f"d{n} {float((got.float() - want.float()).abs().max()) / scale_ref:.1e}"
                     )
                 g_ms = triton.testing.do_bench(
-                    lambda a=acc_dq, v4=vec4: gluon_backward(
-                        dout, q, k, v, out, lse, sri, causal, scale, a, v4
+                    lambda a=acc_dq, v4=vec4, w=writer: gluon_backward(
+                        dout, q, k, v, out, lse, sri, causal, scale, a, v4, dq_writer=w
                     ),
                     rep=100,
                 )
@@ -553,8 +707,14 @@ def main() -> None:
         for d in (64, 128):
             for causal in (False, True):
                 for has_mask in (False, True):
-                    for accumulate_dq, dq_vec4 in ((True, True), (True, False), (False, False)):
-                        report = compile_only(d, causal, has_mask, accumulate_dq, dq_vec4)
+                    for acc_dq, vec4, writer in (
+                        (True, True, 0),
+                        (True, False, 0),
+                        (False, False, 0),
+                        (True, False, 4),
+                        (True, False, 2),
+                    ):
+                        report = compile_only(d, causal, has_mask, acc_dq, vec4, writer)
                         print(json.dumps(report), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]

@@ -14,6 +14,7 @@
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
 #   gluon-backward gluon_backward.py: the warp-specialised Gluon dK/dV (+ atomic dQ) backward
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
+#   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -75,6 +76,11 @@ for step in "$@"; do
     bench-hd128-re32k)
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
+        ;;
+    bench-hd128-nomask)
+        run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \
+            --head-dims 128 --masks full,causal --rep-ms 100 --dense-limit-gb 0.5 \
+            --out "$OUT/bench_hd128_nomask"
         ;;
     *)
         echo "unknown step: $step" >&2

@@ -91,6 +91,12 @@ class TileConfig:
     # ``fwd_tma``: a TMA GPU, aligned strides, no tile side equal to the padded head dim). Off by
     # default: not yet measured (TMA in both backward passes at once was 1.3x slower, change 9).
     dq_tma: bool = False
+    # The forward runs the warp-specialised Gluon kernel (``kernels.gluon_fwd``: a TMA producer
+    # warp and two wgmma warpgroups over 128x128 tiles) where it applies: Hopper, a positive
+    # scale, inputs ``gluon_forward_eligible`` accepts. On by default only without a mask at
+    # D = 128, where the H200 measured it 2-16% faster than the Triton forward; with interval
+    # masks it was slower (benchmarks/NOTES.md, sixth session).
+    fwd_gluon: bool = False
 
 
 def _interpreting() -> bool:
@@ -128,8 +134,12 @@ def tile_config(
         # pointer-loaded 128x128 tiles on full/causal at 8K/32K). Padded head dims (80, 96, 112)
         # keep pointer loads until checked on a GPU, and without a mask the 128x128 tiles.
         cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, fwd_tma=head_dim == 128)
-        if has_mask or cfg.fwd_tma:
+        if has_mask:
             return cfg
+        if cfg.fwd_tma:
+            # Without a mask the Gluon forward where it applies (7-16% faster on full, 2-7% on
+            # causal at 8K/32K), else these TMA tiles.
+            return replace(cfg, fwd_gluon=True)
         return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
@@ -485,6 +495,48 @@ def _tma_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
+# The Gluon forward (``kernels.gluon_fwd``): its square tile and the head dims it compiles for.
+GLUON_FWD_TILE = 128
+GLUON_FWD_HEAD_DIMS = (64, 128)
+
+
+def gluon_forward_eligible(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, capability: tuple[int, int]
+) -> bool:
+    """Whether the Gluon forward can take ``q [B, Sq, H, D]``, ``k``/``v [B, Sk, Hk, D]`` on a
+    GPU of compute capability ``capability``: Hopper (9.x: ``warpgroup_mma`` and TMA; Blackwell
+    has no wgmma), one fp16/bf16 dtype, ``D`` in :data:`GLUON_FWD_HEAD_DIMS`, both lengths
+    divisible by the tile (its 2-D descriptors over ``[B * S, H * D]`` must not cross a
+    sequence), contiguous tensors at 16-byte aligned addresses (TMA's requirement)."""
+    d = q.shape[-1]
+    return (
+        capability[0] == 9
+        and q.dtype in _KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and d in GLUON_FWD_HEAD_DIMS
+        and k.shape[-1] == d
+        and v.shape[-1] == d
+        and q.shape[1] % GLUON_FWD_TILE == 0
+        and k.shape[1] % GLUON_FWD_TILE == 0
+        and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
+    )
+
+
+def _use_gluon_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: TileConfig
+) -> bool:
+    """``config.fwd_gluon`` and inputs the Gluon forward takes, on a GPU (Gluon has no
+    interpreter) and with a positive scale (its row max is taken over unscaled scores)."""
+    return (
+        config.fwd_gluon
+        and softmax_scale > 0
+        and q.device.type == "cuda"
+        and not _interpreting()
+        and gluon_forward_eligible(q, k, v, _capability_of(_cuda_index(q.device)))
+    )
+
+
 def _tma_tiles_safe(block_m: int, block_n: int, block_d: int) -> bool:
     """Whether the forward's TMA tiles ``[block_m, block_d]`` (Q) and ``[block_n, block_d]``
     (K, V) avoid the shape Triton 3.6 miscompiles on the H200: with ``block_n == block_d``
@@ -558,11 +610,19 @@ def forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+    if _use_gluon_forward(q, k, v, softmax_scale, config):
+        from flashmask.kernels import gluon_fwd
+
+        bounds, (lists,) = prepare_cached(
+            startend_row_indices, causal, sq, sk, b, q.device,
+            [(GLUON_FWD_TILE, GLUON_FWD_TILE, True)], skip_tiles,
+        )  # fmt: skip
+        return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles)
     bounds, (lists,) = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
         skip_tiles,
     )  # fmt: skip
-    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     if bounds is None:
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]

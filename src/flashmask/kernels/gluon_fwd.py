@@ -1,0 +1,270 @@
+"""Warp-specialised forward for Hopper (sm_90), written in Gluon.
+
+Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpgroups on sm_90
+(``benchmarks/NOTES.md``, change 12); Gluon, which ships with Triton, does. This kernel:
+
+* one producer warp (24 registers after ``setmaxnreg``) loads the query tile once and then the
+  K/V tiles of the query tile's list (the row-major list ``kernels.prepare`` builds) into a ring
+  of ``NUM_BUFFERS`` shared-memory slots, each guarded by a "ready" and an "empty" mbarrier;
+* two consumer warpgroups (64 query rows each, 128-row query tiles, 128-key tiles) compute
+  ``S = Q K^T`` and ``O += P V`` with ``warpgroup_mma``, the Triton forward's online softmax in
+  between (hidden scores set to -inf, row max over unscaled scores, ``p = exp2(s * scale - m)``),
+  the element mask on the list's partial tiles (every tile in the dense ``skip_tiles=False``
+  mode, where a fully masked tile adds exact zeros), and release each slot after its ``P V``.
+
+Measured on the H200 (``benchmarks/results/gluon_forward_*.log``, hd128, bf16) it is 7-16%
+faster than the Triton forward on full attention and 2-7% on causal, but 5-30% slower on
+interval masks (the partial tiles gather their column bounds per thread), so the launcher uses it
+only without a mask (``TileConfig.fwd_gluon``). Descriptors are 2-D over ``[B * S, H * D]``, so it
+needs contiguous inputs, ``S`` divisible by 128 and ``D`` in {64, 128}
+(``kernels.gluon_forward_eligible``).
+
+Gluon has no CPU interpreter: the CPU suite compiles this kernel for sm_90 (``tests/kernels/
+test_gluon_fwd.py``) and the H200 check (``benchmarks/gpu_check.py``) proves its results. Import
+this module only where the interpreter is off (Gluon refuses to load under it).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashmask.kernels import GLUON_FWD_TILE
+
+# Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
+# async_load.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+LOG2E_VALUE = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E_VALUE)
+
+BLOCK_M = GLUON_FWD_TILE
+BLOCK_N = GLUON_FWD_TILE
+NUM_BUFFERS = 2
+NUM_WARPS = 8
+# 12 warps in all (8 compute + the producer's warpgroup): 168 registers each at launch; the
+# producer gives its registers back through setmaxnreg, so the compute warps can hold 240.
+MAX_REGISTERS = 168
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _load_partition(
+    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
+    entries, count, q_row0, kv_row_base, q_col, kv_col,
+    BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Producer warp: Q once, then each listed key tile's K and V into the next free slot."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row0, q_col], q_bar, q_smem)
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for it in range(count):
+        entry = gl.load(entries + it)
+        n_tile = gl.where(entry >= 0, entry, -entry - 1)
+        slot = it % num_buffers
+        # A slot's "empty" barrier starts in the completed phase, so the first round never waits.
+        mbarrier.wait(kv_empty.index(slot), ((it // num_buffers) & 1) ^ 1)
+        ready = kv_ready.index(slot)
+        mbarrier.expect(ready, kv_bytes)
+        row = kv_row_base + n_tile * BLOCK_N
+        _tma_load(k_desc, [row, kv_col], ready, k_bufs.index(slot))
+        _tma_load(v_desc, [row, kv_col], ready, v_bufs.index(slot))
+
+
+@gluon.jit
+def _compute_partition(
+    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds_ptr,
+    out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    MASK_FULL_TILES: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups: online softmax over the listed key tiles, then O and lse."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    rows = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
+    offs_n = gl.arange(0, BLOCK_N, col_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for it in range(count):
+        entry = gl.load(entries + it)
+        n_tile = gl.where(entry >= 0, entry, -entry - 1)
+        slot = it % num_buffers
+        mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False)
+        if MASK_FULL_TILES or entry >= 0:
+            # A partial tile (the list's first group), or every tile in the dense mode: the
+            # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
+            cols = n_tile * BLOCK_N + offs_n
+            hidden = gl.zeros([BLOCK_M, BLOCK_N], gl.int1, s_layout)
+            if HAS_MASK:
+                lts = gl.load(bounds_ptr + cols)
+                lte = gl.load(bounds_ptr + seqlen_k + cols)
+                hidden = hidden | ((rows[:, None] >= lts[None, :]) & (rows[:, None] < lte[None, :]))
+                if HAS_UPPER:
+                    uts = gl.load(bounds_ptr + 2 * seqlen_k + cols)
+                    ute = gl.load(bounds_ptr + 3 * seqlen_k + cols)
+                    upper = (rows[:, None] >= uts[None, :]) & (rows[:, None] < ute[None, :])
+                    hidden = hidden | upper
+            if CAUSAL:
+                hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+            qk = gl.where(hidden, float("-inf"), qk)
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(qk * qk_scale - m_shift[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_token = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_token,))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        m_i = m_new
+
+    visible = l_i > 0
+    l_safe = gl.where(visible, l_i, 1.0)
+    acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
+    gl.store(o_ptrs, acc.to(dtype))
+    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+    gl.store(lse_ptr + lse_row0 + gl.arange(0, BLOCK_M, row_layout), lse)
+
+
+@gluon.jit
+def gluon_fwd_kernel(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, qk_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    MASK_FULL_TILES: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first."""
+    m_tile = num_m_tiles - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    h_kv = h // heads_per_kv
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    list_row = mask_head * num_m_tiles + m_tile
+    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
+    count = gl.load(counts_ptr + list_row)
+    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+
+    q_row0 = b * seqlen_q + m_tile * BLOCK_M
+    out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
+    out_head = out_ptr + h * stride_oh
+    lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+    gl.warp_specialize(
+        [
+            (
+                _compute_partition,
+                (
+                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds,
+                    out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
+                    seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, BLOCK_M,
+                    BLOCK_N, HEAD_DIM,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
+                    entries, count, q_row0, b * seqlen_k, h * HEAD_DIM, h_kv * HEAD_DIM,
+                    BLOCK_N,
+                ),
+            ),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
+
+
+def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """The NVMMA (wgmma-operand) shared layout of a ``[rows, head_dim]`` tile."""
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists,
+    num_mask_heads: int,
+    causal: bool,
+    softmax_scale: float,
+    skip_tiles: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
+    ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
+
+    ``bounds`` (``[B, Hm, 4, Sk]`` normalised column bounds, ``None`` without a mask) and
+    ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at 128x128 tiles) come from
+    ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    tm, tn = lists.entries.shape[-2:]
+    q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
+    q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], shared_layout(BLOCK_M, d, q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, d], shared_layout(BLOCK_N, d, q.dtype))
+    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], shared_layout(BLOCK_N, d, q.dtype))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    gluon_fwd_kernel[(tm, hq, b)](
+        q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
+        lists.entries, lists.counts, out.stride(0), out.stride(1), out.stride(2),
+        sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
+        softmax_scale * LOG2E_VALUE,
+        CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
+        MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
+        NUM_BUFFERS=NUM_BUFFERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    return out, lse

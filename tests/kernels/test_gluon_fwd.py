@@ -1,0 +1,126 @@
+"""The Gluon forward (``flashmask.kernels.gluon_fwd``): where the launcher uses it, and that it
+compiles for Hopper into a warp-specialised kernel.
+
+Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
+runs the library's forward, which takes this kernel for unmasked hd128 inputs). Here: the routing
+rules (on the GPU only, positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper
+only) and an sm_90 compile of every variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from flashmask import kernels
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_forward.py"
+HOPPER = (9, 0)
+
+
+def _qkv(batch=2, seqlen_q=256, seqlen_k=384, heads=4, kv_heads=2, head_dim=128, **kwargs):
+    dtype = kwargs.get("dtype", torch.bfloat16)
+    q = torch.zeros(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = torch.zeros(batch, seqlen_k, kv_heads, head_dim, dtype=dtype)
+    return q, k, torch.zeros_like(k)
+
+
+def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples_contiguous():
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            assert kernels.gluon_forward_eligible(*_qkv(head_dim=head_dim, dtype=dtype), HOPPER)
+    q, k, v = _qkv()
+    assert kernels.gluon_forward_eligible(q, k, v, (9, 0))
+
+
+@pytest.mark.parametrize(
+    "why, args, capability",
+    [
+        ("Ampere has no wgmma/TMA", _qkv(), (8, 0)),
+        ("Blackwell has no wgmma", _qkv(), (10, 0)),
+        ("float32", _qkv(dtype=torch.float32), HOPPER),
+        ("head dim 96", _qkv(head_dim=96), HOPPER),
+        ("head dim 256", _qkv(head_dim=256), HOPPER),
+        ("Sq not a multiple of 128", _qkv(seqlen_q=200), HOPPER),
+        ("Sk not a multiple of 128", _qkv(seqlen_k=1000), HOPPER),
+    ],
+)
+def test_ineligible_inputs(why, args, capability):
+    assert not kernels.gluon_forward_eligible(*args, capability), why
+
+
+def test_ineligible_layouts_mixed_dtypes_and_misaligned_addresses():
+    q, k, v = _qkv()
+    strided = torch.zeros(2, 4, 256, 128, dtype=q.dtype).transpose(1, 2)  # [B, S, H, D] view
+    assert not kernels.gluon_forward_eligible(strided, k, v, HOPPER)
+    assert not kernels.gluon_forward_eligible(q, k.half(), v, HOPPER)
+    # A contiguous tensor starting 2 bytes into its storage: TMA needs 16-byte aligned bases.
+    flat = torch.zeros(q.numel() + 1, dtype=q.dtype)
+    shifted = flat[1:].view(q.shape)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    assert not kernels.gluon_forward_eligible(shifted, k, v, HOPPER)
+
+
+def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeypatch):
+    q, k, v = _qkv()
+    cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    assert not kernels._use_gluon_forward(q, k, v, 0.1, cfg)  # CPU tensors
+    # As if on an H200: the device test is the only thing standing between CPU and the kernel.
+    monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
+    monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
+    on_gpu = [x.to("meta") for x in (q, k, v)]
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
+    assert kernels._use_gluon_forward(*on_gpu, 0.1, cfg)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.0, cfg)  # row max over unscaled scores
+    assert not kernels._use_gluon_forward(*on_gpu, -0.1, cfg)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.1, replace(cfg, fwd_gluon=False))
+    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.1, cfg)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_default_tiles_use_it_only_without_a_mask_at_head_dim_128(monkeypatch, head_dim):
+    """Measured faster on the H200 without a mask at hd128 only; slower with interval masks."""
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    assert kernels.tile_config(head_dim, has_mask=False).fwd_gluon == (head_dim == 128)
+    assert not kernels.tile_config(head_dim, has_mask=True).fwd_gluon
+    assert not kernels.compact_tile_config(head_dim).fwd_gluon
+    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
+    assert not kernels.tile_config(head_dim, has_mask=False).fwd_gluon
+
+
+def test_compiles_warp_specialised_for_sm90():
+    # A process of its own: Gluon cannot be imported where Triton's interpreter is on, as the
+    # kernel tests turn it on for the whole test process.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--compile-only"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    variants = {(r["head_dim"], r["causal"], r["has_mask"], r["dense"]) for r in reports}
+    assert len(variants) == 16 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    for report in reports:
+        assert report["setmaxnreg"] > 0, report  # producer and consumers hold different registers
+        assert report["warps"] == 12, report  # 8 compute warps + the producer's warpgroup
+        assert report["HGMMA"] > 0 and report["UTMALDG"] > 0, report
+        # None under Triton 3.6 (the H200's); 8 bytes in one masked variant under 3.9.
+        assert report["spill_bytes"] <= 16, report
+        if report["has_mask"]:  # partial tiles read the column bounds
+            assert report["LDG"] > 16, report
