@@ -97,6 +97,11 @@ class TileConfig:
     # D = 128, where the H200 measured it 2-16% faster than the Triton forward; with interval
     # masks it was slower (benchmarks/NOTES.md, sixth session).
     fwd_gluon: bool = False
+    # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
+    # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
+    # fp32 vector atomics) where it applies (Hopper, ``gluon_backward_eligible``). On by default
+    # at D = 128: 1.07-1.17x the Triton backward on the H200 (benchmarks/NOTES.md, sixth session).
+    bwd_gluon: bool = False
 
 
 def _interpreting() -> bool:
@@ -133,7 +138,10 @@ def tile_config(
         # measured and GPU-checked case: 7-21% faster on masks at 8K, and 4-11% faster than the
         # pointer-loaded 128x128 tiles on full/causal at 8K/32K). Padded head dims (80, 96, 112)
         # keep pointer loads until checked on a GPU, and without a mask the 128x128 tiles.
-        cfg = TileConfig(64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2, fwd_tma=head_dim == 128)
+        cfg = TileConfig(
+            64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2,
+            fwd_tma=head_dim == 128, bwd_gluon=head_dim == 128,
+        )  # fmt: skip
         if has_mask:
             return cfg
         if cfg.fwd_tma:
@@ -523,18 +531,62 @@ def gluon_forward_eligible(
     )
 
 
+# The Gluon backward (``kernels.gluon_bwd``): its query and key tiles.
+GLUON_BWD_QUERIES = 64
+GLUON_BWD_KEYS = 128
+
+
+def gluon_backward_eligible(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    capability: tuple[int, int],
+) -> bool:
+    """Whether the Gluon backward can take these inputs: those of :func:`gluon_forward_eligible`
+    (its tiles divide lengths divisible by 128 too) and a ``dout`` like ``q``."""
+    return (
+        gluon_forward_eligible(q, k, v, capability)
+        and dout.shape == q.shape
+        and dout.dtype == q.dtype
+        and dout.is_contiguous()
+        and dout.data_ptr() % 16 == 0
+    )
+
+
+def _on_hopper_gpu(q: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of ``q``'s GPU, or ``None`` off the GPU or under the interpreter."""
+    if q.device.type != "cuda" or _interpreting():
+        return None
+    return _capability_of(_cuda_index(q.device))
+
+
 def _use_gluon_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: TileConfig
 ) -> bool:
     """``config.fwd_gluon`` and inputs the Gluon forward takes, on a GPU (Gluon has no
     interpreter) and with a positive scale (its row max is taken over unscaled scores)."""
-    return (
-        config.fwd_gluon
-        and softmax_scale > 0
-        and q.device.type == "cuda"
-        and not _interpreting()
-        and gluon_forward_eligible(q, k, v, _capability_of(_cuda_index(q.device)))
-    )
+    if not config.fwd_gluon or softmax_scale <= 0:
+        return False
+    capability = _on_hopper_gpu(q)
+    return capability is not None and gluon_forward_eligible(q, k, v, capability)
+
+
+def _use_gluon_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    deterministic: bool,
+    skip_tiles: bool,
+    config: TileConfig,
+) -> bool:
+    """``config.bwd_gluon``, ``deterministic=False`` (its dQ atomics are not bit-reproducible),
+    the skipping mode, and inputs the Gluon backward takes, on a GPU."""
+    if not config.bwd_gluon or deterministic or not skip_tiles:
+        return False
+    capability = _on_hopper_gpu(q)
+    return capability is not None and gluon_backward_eligible(q, k, v, dout, capability)
 
 
 def _tma_tiles_safe(block_m: int, block_n: int, block_d: int) -> bool:
@@ -692,11 +744,14 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
 
-    dQ comes from a separate query-stationary pass (bit-reproducible). Only when
-    ``deterministic=False`` and ``config.atomic_dq`` does the key-stationary pass add dQ with fp32
-    atomics instead (not bit-reproducible): per element, or one TMA reduce-add per tile with
-    ``config.atomic_dq_tma`` on Hopper; both measured slower on the H200 than the separate pass
-    and kept for measurement. The tiles are chosen as in :func:`forward`.
+    With ``deterministic=False`` on Hopper, where ``config.bwd_gluon`` and
+    :func:`gluon_backward_eligible` allow, one warp-specialised Gluon pass computes dK, dV and dQ
+    (dQ through fp32 atomics: not bit-reproducible). Otherwise the Triton kernels: dQ from a
+    separate query-stationary pass (bit-reproducible); only when ``deterministic=False`` and
+    ``config.atomic_dq`` does the key-stationary pass add dQ with fp32 atomics instead: per
+    element, or one TMA reduce-add per tile with ``config.atomic_dq_tma`` on Hopper; both
+    measured slower on the H200 than the separate pass and kept for measurement. The tiles are
+    chosen as in :func:`forward`.
     """
     if config is None:
         return _with_fitting_config(
@@ -717,6 +772,18 @@ def backward(
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, config):
+        from flashmask.kernels import gluon_bwd
+
+        hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+        bounds, (lists,) = prepare_cached(
+            startend_row_indices, causal, sq, sk, b, q.device,
+            [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)],
+        )  # fmt: skip
+        return gluon_bwd.backward(
+            dout, dlse, q, k, v, _last_dim_contiguous(out), lse, bounds, lists, hm, causal,
+            softmax_scale,
+        )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     shapes = [(config.bwd_m, config.bwd_n, False)]
     if not use_atomics:

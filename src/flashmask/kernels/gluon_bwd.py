@@ -1,0 +1,444 @@
+"""Warp-specialised backward for Hopper (sm_90), written in Gluon: dK, dV and dQ in one pass, dQ
+added with fp32 atomics (not bit-reproducible: the launcher uses it only for
+``deterministic=False``).
+
+FlashAttention-3's backward shape; see ``benchmarks/NOTES.md`` (sixth session) for how it was
+measured and why each part is there:
+
+* grid ``(key tiles, kv heads, batch)``; one program owns ``BLOCK_N = 128`` keys, which its two
+  consumer warpgroups split (64 keys each), and walks the column-major tile list of every query
+  head that shares the kv head (GQA summed in registers, as the Triton dK/dV pass does);
+* one producer warp loads K and V once, then each listed query tile's Q and dO into a ring of
+  ``NUM_BUFFERS`` shared slots guarded by "ready"/"empty" mbarriers;
+* the consumers compute, per 64-row query tile, ``S^T = K Q^T`` and ``dP^T = V dO^T``
+  (asynchronous ``warpgroup_mma``, both issued before the first is awaited), ``P^T`` from the
+  forward's lse, the element mask on the list's partial tiles (the column bounds belong to the
+  program's keys, so they are loaded once per head), ``dV += P^T dO`` and ``dK += dS^T Q`` with
+  ``P^T`` / ``dS^T`` as register operands, and ``dQ = dS K`` from ``dS^T`` stored in shared
+  memory (two buffers alternate, one barrier per tile): five matmuls per tile where the Triton
+  backward's separate dQ pass needs seven;
+* the consumers leave each scaled fp32 dQ tile in a ring of two shared buffers ("dq_full" /
+  "dq_empty" mbarriers); two writer warps add it to the fp32 dQ buffer with one 16-byte
+  ``red.global.v4.f32.add`` per four columns (inline PTX: Triton emits scalar atomics, scattered
+  over the MMA layout; Gluon 3.6 has no TMA reduce). The producer and writer warps make one
+  warpgroup, so the consumers keep 240 registers through ``setmaxnreg``.
+
+Measured on the H200 (hd128, bf16, 32K): 1.07-1.17x the Triton backward on full, causal and
+document masks, equal on share_question (``results/gluon_backward_s6c.log``). Descriptors are 2-D
+over ``[B * S, H * D]``, so it needs the inputs ``kernels.gluon_backward_eligible`` accepts.
+Gluon has no CPU interpreter: the CPU suite compiles it for sm_90, the H200 check
+(``benchmarks/gpu_check.py``, its ``det=False`` cases) proves its results. Import this module
+only where the interpreter is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
+from flashmask.kernels.gluon_fwd import LOG2E_VALUE, shared_layout
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_LOG2E = gl.constexpr(LOG2E_VALUE)
+
+BLOCK_M = GLUON_BWD_QUERIES
+BLOCK_N = GLUON_BWD_KEYS
+NUM_BUFFERS = 2
+NUM_WARPS = 8
+WRITER_WARPS = 2
+WRITER_REGISTERS = 24
+# 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
+MAX_REGISTERS = 168
+
+
+@gluon.jit
+def _list_of(g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles):
+    """Query head, mask head and list row of the ``g``-th query head sharing kv head ``h_kv``."""
+    h = h_kv * heads_per_kv + g
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    return h, mask_head, mask_head * num_n_tiles + n_tile
+
+
+@gluon.constexpr_function
+def _vec4_layout(head_dim, warps):
+    """Each thread four adjacent dQ columns, a warp whole rows (``32 * 4 // head_dim`` of them)."""
+    lanes_d = head_dim // 4
+    return gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _red_add_v4(dq_head, row0, stride_dqs, values):
+    """Add ``values`` (a ``_vec4_layout`` tile of dQ rows ``row0 ...``) with one 16-byte
+    ``red.global.v4.f32.add`` per four columns."""
+    layout: gl.constexpr = values.type.layout
+    num_rows: gl.constexpr = values.type.shape[0]
+    num_cols: gl.constexpr = values.type.shape[1]
+    rows = row0 + gl.arange(0, num_rows, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, num_cols, gl.SliceLayout(0, layout))
+    addresses = (dq_head + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]).to(gl.int64)
+    gl.inline_asm_elementwise(
+        "red.global.v4.f32.add [$4], {$8, $9, $10, $11};\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r",
+        [addresses, values],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _bwd_load_partition(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+    entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Producer warp: K and V once, then Q and dO of every listed query tile of every head."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    kv_row = b * seqlen_k + n_tile * BLOCK_N
+    _tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
+    _tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
+    tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    it = 0
+    for g in range(heads_per_kv):
+        h, _, list_row = _list_of(
+            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
+        )
+        count = gl.load(counts_ptr + list_row)
+        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            slot = it % num_buffers
+            mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, tile_bytes)
+            row = b * seqlen_q + m_tile * BLOCK_M
+            _tma_load(q_desc, [row, h * HEAD_DIM], bar, q_bufs.index(slot))
+            _tma_load(do_desc, [row, h * HEAD_DIM], bar, do_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _bwd_dq_writer_partition(
+    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv, n_tile, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
+    stride_dqh,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """dQ writer warps (``DQ_WRITER``): walk the producer's tile sequence and add each tile's
+    scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer."""
+    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+    layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
+    # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
+    step: gl.constexpr = 8
+    it = 0
+    for g in range(heads_per_kv):
+        h, _, list_row = _list_of(
+            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
+        )
+        count = gl.load(counts_ptr + list_row)
+        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        dq_head = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            buf = it % num_dq_buffers
+            dq_smem = dq_bufs.index(buf)
+            mbarrier.wait(dq_full.index(buf), (it // num_dq_buffers) & 1)
+            for r in gl.static_range(0, BLOCK_M, step):
+                values = dq_smem.slice(r, step).load(layout)
+                _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
+            # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
+            mbarrier.arrive(dq_empty.index(buf), count=1)
+            it += 1
+
+
+@gluon.jit
+def _bwd_compute_partition(
+    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
+    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
+    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
+    qk_scale, softmax_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
+    warps through ``dq_bufs``."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = k_smem.dtype
+    # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # dQ [BLOCK_M, HEAD_DIM]: 64 rows are one warpgroup's M, so the warpgroups split the columns.
+    groups: gl.constexpr = warps // 4
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, HEAD_DIM // groups, 16]
+    )
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    keys = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+    offs_m = gl.arange(0, BLOCK_M, query_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    lts = keys
+    lte = keys
+    uts = keys
+    ute = keys
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(heads_per_kv):
+        h, mask_head, list_row = _list_of(
+            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
+        )
+        if HAS_MASK:
+            # This program's keys are fixed, so their bounds are loaded once per head.
+            bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
+            lts = gl.load(bounds + keys)
+            lte = gl.load(bounds + seqlen_k + keys)
+            if HAS_UPPER:
+                uts = gl.load(bounds + 2 * seqlen_k + keys)
+                ute = gl.load(bounds + 3 * seqlen_k + keys)
+        count = gl.load(counts_ptr + list_row)
+        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            slot = it % num_buffers
+            q_smem = q_bufs.index(slot)
+            do_smem = do_bufs.index(slot)
+            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+            st_token = warpgroup_mma(
+                k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+            )
+            dpt_token = warpgroup_mma(
+                v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+            )
+            rows = m_tile * BLOCK_M + offs_m
+            lse = gl.load(lse_ptr + row_base + rows)
+            # A fully masked row's lse is -inf; +inf makes its P zero.
+            lse = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+            delta = gl.load(delta_ptr + row_base + rows)
+            st = warpgroup_mma_wait(1, deps=(st_token,))
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+            if entry >= 0:
+                hidden = gl.zeros([BLOCK_N, BLOCK_M], gl.int1, st_layout)
+                if HAS_MASK:
+                    hidden = (rows[None, :] >= lts[:, None]) & (rows[None, :] < lte[:, None])
+                    if HAS_UPPER:
+                        upper = (rows[None, :] >= uts[:, None]) & (rows[None, :] < ute[:, None])
+                        hidden = hidden | upper
+                if CAUSAL:
+                    hidden = hidden | (keys[:, None] > rows[None, :] + (seqlen_k - seqlen_q))
+                pt = gl.where(hidden, 0.0, pt)
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dst_op = gl.convert_layout(dst, a_layout)
+            dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+            ds_smem = ds_bufs.index(it % 2)
+            ds_smem.store(dst)
+            fence_async_shared()
+            # Both warpgroups' halves of dS^T are in place (and the buffer written here was last
+            # read two tiles ago, before the previous tile's barrier).
+            gl.thread_barrier()
+            dq_token = warpgroup_mma(
+                ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
+            )
+            dv, dk, dq, _, _ = warpgroup_mma_wait(
+                0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
+            )
+            mbarrier.arrive(empty.index(slot), count=1)
+            num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+            dq_buf = it % num_dq_buffers
+            # Wait until the writer has read what was left here two tiles ago.
+            mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
+            dq_bufs.index(dq_buf).store(dq * softmax_scale)
+            # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored),
+            # then one arrive.
+            mbarrier.arrive(dq_full.index(dq_buf), count=1)
+            it += 1
+
+    out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+    offs = (
+        b.to(gl.int64) * stride_kb
+        + h_kv * stride_kh
+        + out_rows[:, None].to(gl.int64) * stride_ks
+        + out_cols[None, :]
+    )
+    gl.store(dk_ptr + offs, (dk * softmax_scale).to(dtype))
+    gl.store(dv_ptr + offs, dv.to(dtype))
+
+
+@gluon.jit
+def gluon_bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bounds_ptr,
+    entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
+    WRITER_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
+    strides) and dQ added to the fp32 ``dq_ptr``."""
+    dtype: gl.constexpr = q_desc.dtype
+    n_tile = gl.program_id(0)
+    h_kv = gl.program_id(1)
+    b = gl.program_id(2)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
+    # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
+    # minimum number of shared-memory wavefronts.
+    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    # The dQ writer is a second worker (hence two warp_specialize calls).
+    gl.warp_specialize(
+        [
+            (
+                _bwd_compute_partition,
+                (
+                    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
+                    dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
+                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
+                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                ),
+            ),
+            (
+                _bwd_load_partition,
+                (
+                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                    num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                ),
+            ),
+            (
+                _bwd_dq_writer_partition,
+                (
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv,
+                    n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                    num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
+                ),
+            ),
+        ],
+        [1, WRITER_WARPS],
+        [24, WRITER_REGISTERS],
+    )  # fmt: skip
+
+
+def backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists,
+    num_mask_heads: int,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts.
+
+    ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
+    :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
+    ``kernels.prepare_cached``; ``lse`` is the forward's ``[B, H, Sq]`` float32."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    tn, tm = lists.entries.shape[-2:]
+    lse = lse.float().contiguous()
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    dlse_arg = delta if dlse is None else dlse.float().contiguous()
+    flashmask_bwd_delta_kernel[(triton.cdiv(sq, 64), hq, b)](
+        out, dout, dlse_arg, delta, *out.stride()[:3], *dout.stride()[:3], sq, hq, d,
+        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=d,
+    )  # fmt: skip
+    q2, k2, v2, do2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v, dout))
+    q_layout = shared_layout(BLOCK_M, d, q.dtype)
+    kv_layout = shared_layout(BLOCK_N, d, q.dtype)
+    q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], kv_layout)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    gluon_bwd_kernel[(tn, hk, b)](
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dk, dv,
+        lists.counts if bounds is None else bounds, lists.entries, lists.counts,
+        dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
+        softmax_scale * LOG2E_VALUE, softmax_scale,
+        CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
+        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    return dq_accum.to(q.dtype), dk, dv

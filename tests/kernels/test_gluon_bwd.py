@@ -1,0 +1,96 @@
+"""The Gluon backward (``flashmask.kernels.gluon_bwd``): where the launcher uses it, and that it
+compiles for Hopper into a warp-specialised kernel.
+
+Its dQ goes through fp32 atomics, so it serves ``deterministic=False`` only; the bit-exact
+guarantees (skip == dense, repeat == repeat) stay with the Triton kernels. Gluon has no CPU
+interpreter: the H200 check (``benchmarks/gpu_check.py``, its ``det=False`` cases) proves its
+results; here the routing rules and an sm_90 compile of every variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from flashmask import kernels
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_backward.py"
+HOPPER = (9, 0)
+
+
+def _inputs(seqlen_q=256, seqlen_k=384, head_dim=128, dtype=torch.bfloat16):
+    q = torch.zeros(2, seqlen_q, 4, head_dim, dtype=dtype)
+    k = torch.zeros(2, seqlen_k, 2, head_dim, dtype=dtype)
+    return q, k, torch.zeros_like(k), torch.zeros_like(q)
+
+
+def test_eligible_inputs_are_the_forward_s_with_a_matching_contiguous_dout():
+    q, k, v, dout = _inputs()
+    assert kernels.gluon_backward_eligible(q, k, v, dout, HOPPER)
+    assert not kernels.gluon_backward_eligible(q, k, v, dout, (8, 0))
+    assert not kernels.gluon_backward_eligible(*_inputs(seqlen_q=200), HOPPER)
+    assert not kernels.gluon_backward_eligible(*_inputs(head_dim=96), HOPPER)
+    assert not kernels.gluon_backward_eligible(q, k, v, dout.half(), HOPPER)
+    strided = torch.zeros(2, 4, 256, 128, dtype=q.dtype).transpose(1, 2)
+    assert not kernels.gluon_backward_eligible(q, k, v, strided, HOPPER)
+
+
+def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
+    q, k, v, dout = _inputs()
+    cfg = kernels.tile_config(128)
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    cfg = replace(cfg, bwd_gluon=True)
+    assert not kernels._use_gluon_backward(q, k, v, dout, False, True, cfg)  # CPU tensors
+    monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
+    monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
+    on_gpu = [x.to("meta") for x in (q, k, v, dout)]
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
+    assert kernels._use_gluon_backward(*on_gpu, False, True, cfg)
+    assert not kernels._use_gluon_backward(*on_gpu, True, True, cfg)  # atomics: not reproducible
+    assert not kernels._use_gluon_backward(*on_gpu, False, False, cfg)  # dense mode: Triton's
+    assert not kernels._use_gluon_backward(*on_gpu, False, True, replace(cfg, bwd_gluon=False))
+    monkeypatch.setattr(kernels, "_capability_of", lambda index: (10, 0))
+    assert not kernels._use_gluon_backward(*on_gpu, False, True, cfg)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_default_tiles_use_it_at_head_dim_128_with_or_without_a_mask(monkeypatch, head_dim):
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    for has_mask in (True, False):
+        assert kernels.tile_config(head_dim, has_mask=has_mask).bwd_gluon == (head_dim == 128)
+    assert not kernels.compact_tile_config(head_dim).bwd_gluon
+    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
+    assert not kernels.tile_config(head_dim).bwd_gluon
+
+
+def test_compiles_warp_specialised_for_sm90():
+    # A process of its own: Gluon cannot be imported where Triton's interpreter is on.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--compile-only"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    variants = {(r["head_dim"], r["causal"], r["has_mask"]) for r in reports}
+    assert len(variants) == 8 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    for report in reports:
+        # Producer + dQ writers in one warpgroup: 12 warps, the consumers raised to 240.
+        assert report["warps"] == 12, report
+        assert any("inc.sync.aligned.u32 240" in s for s in report["setmaxnreg"]), report
+        assert report["UTMALDG"] > 0 and report["REDG"] > 0, report
+        assert report["HGMMA"] >= 5 * 4, report  # five matmuls, at least four k-steps each
