@@ -49,6 +49,9 @@ from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
 from flashmask.kernels.gluon_fwd import LOG2E_VALUE, shared_layout
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
+# in later versions (what CI installs).
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_BWD_QUERIES
@@ -273,7 +276,7 @@ def _bwd_compute_partition(
             fence_async_shared()
             # Both warpgroups' halves of dS^T are in place (and the buffer written here was last
             # read two tiles ago, before the previous tile's barrier).
-            gl.thread_barrier()
+            _partition_barrier()
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
