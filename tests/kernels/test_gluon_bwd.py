@@ -51,18 +51,20 @@ def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
     cfg = kernels.tile_config(128)
     monkeypatch.setattr(kernels, "_interpreting", lambda: False)
     cfg = replace(cfg, bwd_gluon=True)
-    assert not kernels._use_gluon_backward(q, k, v, dout, False, True, cfg)  # CPU tensors
+    assert not kernels._use_gluon_backward(q, k, v, dout, False, True, 1, cfg)  # CPU tensors
     monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
     monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
     on_gpu = [x.to("meta") for x in (q, k, v, dout)]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
-    assert kernels._use_gluon_backward(*on_gpu, False, True, cfg)
-    assert not kernels._use_gluon_backward(*on_gpu, True, True, cfg)  # atomics: not reproducible
-    assert not kernels._use_gluon_backward(*on_gpu, False, False, cfg)  # dense mode: Triton's
-    assert not kernels._use_gluon_backward(*on_gpu, False, True, replace(cfg, bwd_gluon=False))
+    assert kernels._use_gluon_backward(*on_gpu, False, True, 1, cfg)
+    assert not kernels._use_gluon_backward(*on_gpu, True, True, 1, cfg)  # atomics: not reproducible
+    assert not kernels._use_gluon_backward(*on_gpu, False, False, 1, cfg)  # dense mode: Triton's
+    # A mask per head group: not yet run through this kernel on a GPU.
+    assert not kernels._use_gluon_backward(*on_gpu, False, True, 2, cfg)
+    assert not kernels._use_gluon_backward(*on_gpu, False, True, 1, replace(cfg, bwd_gluon=False))
     monkeypatch.setattr(kernels, "_capability_of", lambda index: (10, 0))
-    assert not kernels._use_gluon_backward(*on_gpu, False, True, cfg)
+    assert not kernels._use_gluon_backward(*on_gpu, False, True, 1, cfg)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])

@@ -579,11 +579,13 @@ def _use_gluon_backward(
     dout: torch.Tensor,
     deterministic: bool,
     skip_tiles: bool,
+    num_mask_heads: int,
     config: TileConfig,
 ) -> bool:
     """``config.bwd_gluon``, ``deterministic=False`` (its dQ atomics are not bit-reproducible),
-    the skipping mode, and inputs the Gluon backward takes, on a GPU."""
-    if not config.bwd_gluon or deterministic or not skip_tiles:
+    the skipping mode, one mask head (masks with one per head group have not yet run on a GPU
+    through this kernel), and inputs the Gluon backward takes, on a GPU."""
+    if not config.bwd_gluon or deterministic or not skip_tiles or num_mask_heads != 1:
         return False
     capability = _on_hopper_gpu(q)
     return capability is not None and gluon_backward_eligible(q, k, v, dout, capability)
@@ -772,10 +774,10 @@ def backward(
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, config):
+    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, hm, config):
         from flashmask.kernels import gluon_bwd
 
-        hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
         bounds, (lists,) = prepare_cached(
             startend_row_indices, causal, sq, sk, b, q.device,
             [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)],
@@ -791,7 +793,6 @@ def backward(
     bounds, lists = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
-    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     if bounds is None:
         bounds = lists[0].counts  # never read without a mask
     lse = lse.float().contiguous()
