@@ -9,12 +9,8 @@ only) and an sm_90 compile of every variant.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -24,8 +20,8 @@ if not torch.cuda.is_available():  # before anything imports triton
 import pytest
 
 from flashmask import kernels
+from tests.kernels.sm90_compile import compile_reports
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_forward.py"
 HOPPER = (9, 0)
 
 
@@ -103,17 +99,7 @@ def test_default_tiles_use_it_only_without_a_mask_at_head_dim_128(monkeypatch, h
 
 
 def test_compiles_warp_specialised_for_sm90():
-    # A process of its own: Gluon cannot be imported where Triton's interpreter is on, as the
-    # kernel tests turn it on for the whole test process.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--compile-only"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    reports = compile_reports("gluon_forward.py")
     variants = {(r["head_dim"], r["causal"], r["has_mask"], r["dense"]) for r in reports}
     assert len(variants) == 16 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
     for report in reports:

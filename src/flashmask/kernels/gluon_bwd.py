@@ -47,7 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
-from flashmask.kernels.gluon_fwd import LOG2E_VALUE, shared_layout
+from flashmask.kernels.gluon_fwd import (
+    LOG2E_VALUE,
+    hide_pairs,
+    load_column_bounds,
+    shared_layout,
+)
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
@@ -214,10 +219,6 @@ def _bwd_compute_partition(
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    lts = keys
-    lte = keys
-    uts = keys
-    ute = keys
 
     mbarrier.wait(kv_bar, 0)
     it = 0
@@ -225,14 +226,10 @@ def _bwd_compute_partition(
         h, mask_head, list_row = _list_of(
             g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
         )
-        if HAS_MASK:
-            # This program's keys are fixed, so their bounds are loaded once per head.
-            bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
-            lts = gl.load(bounds + keys)
-            lte = gl.load(bounds + seqlen_k + keys)
-            if HAS_UPPER:
-                uts = gl.load(bounds + 2 * seqlen_k + keys)
-                ute = gl.load(bounds + 3 * seqlen_k + keys)
+        # This program's keys are fixed, so their bounds are loaded once per head.
+        lts, lte, uts, ute = load_column_bounds(
+            bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
+        )
         count = gl.load(counts_ptr + list_row)
         entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
@@ -257,14 +254,11 @@ def _bwd_compute_partition(
             st = warpgroup_mma_wait(1, deps=(st_token,))
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if entry >= 0:
-                hidden = gl.zeros([BLOCK_N, BLOCK_M], gl.int1, st_layout)
-                if HAS_MASK:
-                    hidden = (rows[None, :] >= lts[:, None]) & (rows[None, :] < lte[:, None])
-                    if HAS_UPPER:
-                        upper = (rows[None, :] >= uts[:, None]) & (rows[None, :] < ute[:, None])
-                        hidden = hidden | upper
-                if CAUSAL:
-                    hidden = hidden | (keys[:, None] > rows[None, :] + (seqlen_k - seqlen_q))
+                hidden = hide_pairs(
+                    gl.zeros([BLOCK_N, BLOCK_M], gl.int1, st_layout), rows[None, :],
+                    keys[:, None], lts[:, None], lte[:, None], uts[:, None], ute[:, None],
+                    seqlen_k - seqlen_q, HAS_MASK, HAS_UPPER, CAUSAL,
+                )  # fmt: skip
                 pt = gl.where(hidden, 0.0, pt)
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)

@@ -55,6 +55,44 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
+def load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK: gl.constexpr, HAS_UPPER: gl.constexpr):
+    """``(LTS, LTE, UTS, UTE)`` of key columns ``cols`` from one mask head's normalised bounds
+    ``[4, Sk]`` (``cols`` itself stands in for the intervals a mask does not have)."""
+    lts = cols
+    lte = cols
+    uts = cols
+    ute = cols
+    if HAS_MASK:
+        lts = gl.load(bounds_ptr + cols)
+        lte = gl.load(bounds_ptr + seqlen_k + cols)
+        if HAS_UPPER:
+            uts = gl.load(bounds_ptr + 2 * seqlen_k + cols)
+            ute = gl.load(bounds_ptr + 3 * seqlen_k + cols)
+    return lts, lte, uts, ute
+
+
+@gluon.jit
+def hide_pairs(
+    hidden, query, key, lts, lte, uts, ute, causal_offset,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """``hidden`` (bool, the tile's shape) or-ed with the element mask: query row ``query`` is
+    hidden from key column ``key`` when it lies in the column's lower interval ``[lts, lte)``,
+    its upper one ``[uts, ute)``, or (causal) when ``key > query + causal_offset``. The index and
+    bound operands come broadcast to the tile, in either orientation (forward: queries down;
+    backward: keys down)."""
+    if HAS_MASK:
+        hidden = hidden | ((query >= lts) & (query < lte))
+        if HAS_UPPER:
+            hidden = hidden | ((query >= uts) & (query < ute))
+    if CAUSAL:
+        hidden = hidden | (key > query + causal_offset)
+    return hidden
+
+
+@gluon.jit
 def _load_partition(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
     entries, count, q_row0, kv_row_base, q_col, kv_col,
@@ -122,18 +160,12 @@ def _compute_partition(
             # A partial tile (the list's first group), or every tile in the dense mode: the
             # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
             cols = n_tile * BLOCK_N + offs_n
-            hidden = gl.zeros([BLOCK_M, BLOCK_N], gl.int1, s_layout)
-            if HAS_MASK:
-                lts = gl.load(bounds_ptr + cols)
-                lte = gl.load(bounds_ptr + seqlen_k + cols)
-                hidden = hidden | ((rows[:, None] >= lts[None, :]) & (rows[:, None] < lte[None, :]))
-                if HAS_UPPER:
-                    uts = gl.load(bounds_ptr + 2 * seqlen_k + cols)
-                    ute = gl.load(bounds_ptr + 3 * seqlen_k + cols)
-                    upper = (rows[:, None] >= uts[None, :]) & (rows[:, None] < ute[None, :])
-                    hidden = hidden | upper
-            if CAUSAL:
-                hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+            lts, lte, uts, ute = load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK, HAS_UPPER)
+            hidden = hide_pairs(
+                gl.zeros([BLOCK_M, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
+                lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
+                HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
             qk = gl.where(hidden, float("-inf"), qk)
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -1,0 +1,27 @@
+"""Compile reports of the Gluon kernels for sm_90, without a GPU (shared by their tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compile_reports(script: str) -> list[dict]:
+    """Run ``benchmarks/<script> --compile-only`` and return its JSON lines (one per variant).
+
+    A process of its own: Gluon cannot be imported where Triton's interpreter is on, as the
+    kernel tests turn it on for the whole test process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--compile-only"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if run.returncode != 0:
+        raise AssertionError(run.stderr[-2000:])
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
