@@ -132,7 +132,9 @@ def test_freed_masks_are_forgotten_and_few_are_kept():
     for sri in held:
         kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
     assert len(kernels._PREPARED) == kernels.PREPARED_CAPACITY
-    assert list(kernels._PREPARED) == [id(t) for t in held[-kernels.PREPARED_CAPACITY :]]
+    assert list(kernels._PREPARED.tensor_ids()) == [
+        id(t) for t in held[-kernels.PREPARED_CAPACITY :]
+    ]
 
 
 def test_no_mask_is_not_cached(monkeypatch):

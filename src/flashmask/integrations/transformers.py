@@ -53,14 +53,11 @@ image tokens) get only the masks above, as with FlashAttention. Because the name
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.attention import flashmask_attention
 from flashmask.compose import intersect
 from flashmask.integrations.policy import layer_policy_mask, policy_of
@@ -393,44 +390,13 @@ def _derived_mask(
 
 
 # ---------------------------------------------------------------------- helpers
-class _PerForwardMemo:
-    """Values derived from tensors, reused while a tensor is alive and unchanged.
-
-    transformers hands every layer of a forward the same ``position_ids`` / ``cu_seq_lens_q`` /
-    padding-mask object, so the mask (whose derivation may need a host sync) is derived once per
-    forward instead of once per layer, and all layers share its ``startend_row_indices`` tensor
-    (which lets the kernels reuse their preparation of it). The key is the tensor's identity,
-    through a weak reference (a freed tensor whose memory is reused can never match), its
-    ``_version`` (in-place edits invalidate) and the call's parameters. A few entries are kept
-    (layers of one model may differ in window), shared by all threads (activation checkpointing
-    recomputes in the backward's); nothing is memoised while ``torch.compile`` traces.
-    """
-
-    CAPACITY = 8
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple, tuple[weakref.ref, int, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, tensor: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
-        if torch.compiler.is_compiling():
-            return compute()
-        full_key = (id(tensor), key)
-        with self._lock:
-            entry = self._entries.get(full_key)
-            if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
-                self._entries.move_to_end(full_key)
-                return entry[2]
-        value = compute()
-        with self._lock:
-            self._entries[full_key] = (weakref.ref(tensor), tensor._version, value)
-            self._entries.move_to_end(full_key)
-            while len(self._entries) > self.CAPACITY:
-                self._entries.popitem(last=False)
-        return value
-
-
-_LAYER_MEMO = _PerForwardMemo()
+# Values derived from the tensors transformers hands every layer of a forward (the same
+# ``position_ids`` / ``cu_seq_lens_q`` / padding-mask object): the mask, whose derivation may need
+# a host sync, is derived once per forward instead of once per layer, and all layers share its
+# ``startend_row_indices`` tensor (which lets the kernels reuse their preparation of it). A few
+# entries are kept (layers of one model may differ in window), shared by all threads (activation
+# checkpointing recomputes in the backward's).
+_LAYER_MEMO: TensorKeyedCache[Any] = TensorKeyedCache(8)
 
 
 def _explicit_mask(

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
+from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.kernels import tiles
 
 __all__ = [
@@ -403,35 +401,21 @@ def _build_lists(
 class _Prepared:
     """What one mask tensor has been prepared into so far (see :func:`prepare_cached`)."""
 
-    ref: weakref.ref
-    version: int
-    params: tuple
     bounds: torch.Tensor
     summaries: dict[int, torch.Tensor]
     lists: dict[tuple[int, int, bool], tiles.TileLists]
 
 
-# Recently prepared masks, most recent last; a few suffice (one per training step is typical)
-# and a bound keeps masks a caller holds on to (a dataset on the GPU) from pinning their lists.
-_PREPARED: OrderedDict[int, _Prepared] = OrderedDict()
-# Reentrant: a mask tensor's weakref callback (below) may fire inside the locked section.
-_PREPARED_LOCK = threading.RLock()
+# Recently prepared masks; a few suffice (one per training step is typical) and a bound keeps
+# masks a caller holds on to (a dataset on the GPU) from pinning their lists.
 PREPARED_CAPACITY = 4
-
-
-def _forget(ref: weakref.ref, key: int) -> None:
-    """Drop the entry of a mask tensor that was freed (its lists' memory goes with it)."""
-    with _PREPARED_LOCK:
-        entry = _PREPARED.get(key)
-        if entry is not None and entry.ref is ref:
-            del _PREPARED[key]
+_PREPARED: TensorKeyedCache[_Prepared] = TensorKeyedCache(PREPARED_CAPACITY)
 
 
 def clear_prepared() -> None:
     """Forget every cached preparation (:func:`prepare_cached`); the next call of each mask
     prepares it again. For benchmarks that time a call with its preparation."""
-    with _PREPARED_LOCK:
-        _PREPARED.clear()
+    _PREPARED.clear()
 
 
 def prepare_cached(
@@ -448,11 +432,10 @@ def prepare_cached(
 
     Every layer of a model, and the backward of each, gets the same ``startend_row_indices``
     object, so the bounds, summaries and lists are built on the mask's first use and reused
-    while that tensor is alive and unchanged: the key is its identity (a weak reference, so a
-    freed tensor whose memory is reused never matches), its ``_version`` (in-place edits
-    invalidate), the call's lengths, batch, device, current stream and mode. Lists of shapes not
-    seen yet are added to the entry. Nothing is cached without a mask (one launch per call),
-    during CUDA graph capture, or while ``torch.compile`` traces.
+    while that tensor is alive and unchanged (:class:`~flashmask._tensor_cache.TensorKeyedCache`:
+    the tensor's identity and ``_version``), for the same lengths, batch, device, current stream
+    and mode. Lists of shapes not seen yet are added to the entry. Nothing is cached without a
+    mask (one launch per call), during CUDA graph capture, or while ``torch.compile`` traces.
     """
     sri = startend_row_indices
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -460,21 +443,13 @@ def prepare_cached(
         return prepare(sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     params = (causal, seqlen_q, seqlen_k, batch, device, stream, skip_tiles)
-    with _PREPARED_LOCK:
-        entry = _PREPARED.get(id(sri))
-        if (
-            entry is None
-            or entry.ref() is not sri
-            or entry.version != sri._version
-            or entry.params != params
-        ):
-            bounds = torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device)
-            ref = weakref.ref(sri, functools.partial(_forget, key=id(sri)))
-            entry = _Prepared(ref, sri._version, params, bounds, {}, {})
-            _PREPARED[id(sri)] = entry
-        _PREPARED.move_to_end(id(sri))
-        while len(_PREPARED) > PREPARED_CAPACITY:
-            _PREPARED.popitem(last=False)
+    entry = _PREPARED.get(
+        sri,
+        params,
+        lambda: _Prepared(
+            torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device), {}, {}
+        ),
+    )
     _add_lists(
         sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles,
         entry.bounds, entry.summaries, entry.lists,
