@@ -103,11 +103,12 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
     return times
 
 
-def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
+def check_and_time(
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
+) -> None:
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
     from flashmask import bench, masks
 
-    d = 128
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
         q, k, v, dout = (
@@ -124,7 +125,8 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             pairs = bench.visible_pairs(mask, causal, s, s)
             flop = 10.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])  # 5 matmuls
             out, lse = kernels.forward(q, k, v, sri, causal, scale)
-            base = kernels.tile_config(d, has_mask=sri is not None)
+            # The Gluon backward forced on (the defaults use it at D = 128 only).
+            base = replace(kernels.tile_config(d, has_mask=sri is not None), bwd_gluon=True)
 
             def run(deterministic, cfg, sri=sri, causal=causal):
                 return kernels.backward(
@@ -162,6 +164,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
     args = parser.parse_args()
     if args.compile_only:
         for d in kernels.GLUON_FWD_HEAD_DIMS:
@@ -170,7 +173,7 @@ def main() -> None:
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden)
+    check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from flashmask.kernels import gluon_fwd
 OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
 
 
-def compile_only(head_dim: int, causal: bool, has_mask: bool, dense: bool) -> dict:
+def compile_only(
+    head_dim: int, causal: bool, has_mask: bool, dense: bool, block_n: int = gluon_fwd.BLOCK_N
+) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -40,12 +42,12 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, dense: bool) -> di
 
     block = gluon_fwd.BLOCK_M
 
-    def desc_type():
-        layout = gluon_fwd.shared_layout(block, head_dim, torch.bfloat16)
-        return f"tensordesc<bf16[{block}, {head_dim}],{layout!r}>"
+    def desc_type(rows=block):
+        layout = gluon_fwd.shared_layout(rows, head_dim, torch.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
 
     signature = {
-        "q_desc": desc_type(), "k_desc": desc_type(), "v_desc": desc_type(),
+        "q_desc": desc_type(), "k_desc": desc_type(block_n), "v_desc": desc_type(block_n),
         "out_ptr": "*bf16", "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
         "counts_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -53,7 +55,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, dense: bool) -> di
         "num_n_tiles": "i32", "qk_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "MASK_FULL_TILES": dense, "BLOCK_M": block, "BLOCK_N": gluon_fwd.BLOCK_N,
+              "MASK_FULL_TILES": dense, "BLOCK_M": block, "BLOCK_N": block_n,
               "HEAD_DIM": head_dim, "NUM_BUFFERS": gluon_fwd.NUM_BUFFERS}  # fmt: skip
     kernel = gluon_fwd.gluon_fwd_kernel
     names = [p.name for p in kernel.params]
@@ -72,6 +74,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, dense: bool) -> di
         "causal": causal,
         "has_mask": has_mask,
         "dense": dense,
+        "block_n": block_n,
         "warps": compiled.metadata.num_warps,
         "registers": dump["registers"],
         "spill_bytes": dump["local_bytes"],
@@ -81,22 +84,24 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, dense: bool) -> di
     }
 
 
-def _gluon(q, k, v, sri, causal, scale):
+def _gluon(q, k, v, sri, causal, scale, block_n=gluon_fwd.BLOCK_N):
     """The Gluon forward on any mask (the library routes only unmasked calls to it)."""
     b, sq = q.shape[:2]
-    tile = gluon_fwd.BLOCK_M
     bounds, (lists,) = kernels.prepare_cached(
-        sri, causal, sq, k.shape[1], b, q.device, [(tile, tile, True)]
+        sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
     )
     hm = 1 if sri is None else sri.shape[1]
-    return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, scale, True)
+    return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, scale, True, block_n)
 
 
-def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
-    """Out/lse against the Triton forward and both timed, per sequence length and mask."""
+def check_and_time(
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
+    block_ns: list[int],
+) -> None:  # fmt: skip
+    """Out/lse against the Triton forward and both timed, per sequence length and mask; the
+    Gluon forward once per key tile in ``block_ns``."""
     from flashmask import bench, masks
 
-    d = 128
     triton_only = replace(kernels.tile_config(d, has_mask=False), fwd_gluon=False)
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
@@ -120,16 +125,19 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             ref_out, ref_lse = run_triton()
             ms_triton = triton.testing.do_bench(run_triton, rep=100)
             line = f"S={s} {name:16s} triton {ms_triton:.3f} ms ({flop / ms_triton / 1e9:.0f} TF/s)"
-            out, lse = _gluon(q, k, v, sri, causal, scale)
-            live = torch.isfinite(ref_lse)
-            err = float((out.float() - ref_out.float()).abs().max())
-            lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
-            dead_ok = bool((lse[~live] == float("-inf")).all())
-            ms = triton.testing.do_bench(lambda sri=sri, c=causal: _gluon(q, k, v, sri, c, scale))
-            line += (
-                f" | gluon {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) max|out diff| "
-                f"{err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
-            )
+            for bn in block_ns:
+                out, lse = _gluon(q, k, v, sri, causal, scale, bn)
+                live = torch.isfinite(ref_lse)
+                err = float((out.float() - ref_out.float()).abs().max())
+                lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
+                dead_ok = bool((lse[~live] == float("-inf")).all())
+                ms = triton.testing.do_bench(
+                    lambda sri=sri, c=causal, bn=bn: _gluon(q, k, v, sri, c, scale, bn)
+                )
+                line += (
+                    f" | gluon 128x{bn} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) max|out diff| "
+                    f"{err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
+                )
             print(line, flush=True)
 
 
@@ -142,6 +150,8 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
+    parser.add_argument("--block-n", default="128", help="key tiles to time, e.g. 128,64")
     args = parser.parse_args()
     if args.compile_only:
         for d in kernels.GLUON_FWD_HEAD_DIMS:
@@ -149,9 +159,14 @@ def main() -> None:
                 for has_mask in (False, True):
                     for dense in (False, True):
                         print(json.dumps(compile_only(d, causal, has_mask, dense)), flush=True)
+                    if has_mask:  # the 64-key tiles measured for interval masks
+                        print(json.dumps(compile_only(d, causal, True, False, 64)), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden)
+    block_ns = [int(x) for x in args.block_n.split(",")]
+    check_and_time(
+        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, block_ns
+    )
 
 
 if __name__ == "__main__":

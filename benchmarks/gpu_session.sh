@@ -15,6 +15,8 @@
 #   gluon-backward gluon_backward.py: the warp-specialised Gluon dK/dV (+ atomic dQ) backward
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
+#   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)
+#   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -76,6 +78,16 @@ for step in "$@"; do
     bench-hd128-re32k)
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
+        ;;
+    gluon-forward-tiles)
+        run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
+            --block-n 128,64
+        ;;
+    gluon-hd64)
+        run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64 \
+            --hidden 1024
+        run_step gluon_backward_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
+            --hidden 1024
         ;;
     bench-hd128-nomask)
         run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \

@@ -100,8 +100,11 @@ def test_default_tiles_use_it_only_without_a_mask_at_head_dim_128(monkeypatch, h
 
 def test_compiles_warp_specialised_for_sm90():
     reports = compile_reports("gluon_forward.py")
-    variants = {(r["head_dim"], r["causal"], r["has_mask"], r["dense"]) for r in reports}
-    assert len(variants) == 16 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    variants = {
+        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"]) for r in reports
+    }
+    assert len(variants) == 20 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    assert {v[-1] for v in variants} == {64, 128}
     for report in reports:
         assert report["setmaxnreg"] > 0, report  # producer and consumers hold different registers
         assert report["warps"] == 12, report  # 8 compute warps + the producer's warpgroup

@@ -272,13 +272,16 @@ def forward(
     causal: bool,
     softmax_scale: float,
     skip_tiles: bool,
+    block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
     ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
 
     ``bounds`` (``[B, Hm, 4, Sk]`` normalised column bounds, ``None`` without a mask) and
-    ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at 128x128 tiles) come from
-    ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask)."""
+    ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
+    tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
+    ``block_n`` (128 or 64, dividing Sk) is the key tile; 64 is for measurement (finer skipping
+    and fewer bound loads per partial tile with interval masks)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -286,8 +289,9 @@ def forward(
     tm, tn = lists.entries.shape[-2:]
     q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
     q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], shared_layout(BLOCK_M, d, q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, d], shared_layout(BLOCK_N, d, q.dtype))
-    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], shared_layout(BLOCK_N, d, q.dtype))
+    kv_layout = shared_layout(block_n, d, q.dtype)
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     gluon_fwd_kernel[(tm, hq, b)](
@@ -296,7 +300,7 @@ def forward(
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
         softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
-        MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
+        MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d,
         NUM_BUFFERS=NUM_BUFFERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
