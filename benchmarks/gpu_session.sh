@@ -84,10 +84,8 @@ for step in "$@"; do
             --block-n 128,64
         ;;
     gluon-hd64)
-        run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64 \
-            --hidden 1024
-        run_step gluon_backward_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
-            --hidden 1024
+        run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64
+        run_step gluon_backward_hd64 python benchmarks/gluon_backward.py --head-dim 64
         ;;
     bench-hd128-nomask)
         run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \
