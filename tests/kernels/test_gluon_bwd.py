@@ -50,6 +50,7 @@ def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
     assert not kernels._use_gluon_backward(q, k, v, dout, False, True, 1, cfg)  # CPU tensors
     monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
     monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
+    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
     on_gpu = [x.to("meta") for x in (q, k, v, dout)]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)

@@ -10,6 +10,7 @@ only) and an sm_90 compile of every variant.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 
 import torch
@@ -76,6 +77,7 @@ def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeyp
     # As if on an H200: the device test is the only thing standing between CPU and the kernel.
     monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
     monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
+    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
     on_gpu = [x.to("meta") for x in (q, k, v)]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
@@ -85,6 +87,23 @@ def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeyp
     assert not kernels._use_gluon_forward(*on_gpu, 0.1, replace(cfg, fwd_gluon=False))
     monkeypatch.setattr(kernels, "_interpreting", lambda: True)
     assert not kernels._use_gluon_forward(*on_gpu, 0.1, cfg)
+
+
+def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypatch):
+    """An older Triton (no Gluon Hopper API): the modules fail to import; the launchers must
+    then take the Triton kernels, not fail."""
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_fwd", None)  # import fails
+    kernels.gluon_available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Gluon kernels are unavailable"):
+            assert not kernels.gluon_available()
+        q, k, v = _qkv()
+        cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
+        monkeypatch.setattr(kernels, "_on_hopper_gpu", lambda q: HOPPER)
+        assert kernels.gluon_forward_eligible(q, k, v, HOPPER)
+        assert not kernels._use_gluon_forward(q, k, v, 0.1, cfg)
+    finally:
+        kernels.gluon_available.cache_clear()
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -536,6 +537,24 @@ def _on_hopper_gpu(q: torch.Tensor) -> tuple[int, int] | None:
     return _capability_of(_cuda_index(q.device))
 
 
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton ships the Gluon Hopper API the Gluon kernels are written against
+    (Triton 3.6 and later; checked by importing the kernels' modules once). Without it the
+    Triton kernels run, with one warning."""
+    try:
+        from flashmask.kernels import gluon_bwd, gluon_fwd  # noqa: F401
+    except (ImportError, AttributeError) as exc:
+        warnings.warn(
+            f"flashmask: the Gluon kernels are unavailable with this Triton ({exc}); using the "
+            "Triton kernels",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def _use_gluon_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: TileConfig
 ) -> bool:
@@ -544,7 +563,9 @@ def _use_gluon_forward(
     if not config.fwd_gluon or softmax_scale <= 0:
         return False
     capability = _on_hopper_gpu(q)
-    return capability is not None and gluon_forward_eligible(q, k, v, capability)
+    return (
+        capability is not None and gluon_forward_eligible(q, k, v, capability) and gluon_available()
+    )
 
 
 def _use_gluon_backward(
@@ -563,7 +584,11 @@ def _use_gluon_backward(
     if not config.bwd_gluon or deterministic or not skip_tiles or num_mask_heads != 1:
         return False
     capability = _on_hopper_gpu(q)
-    return capability is not None and gluon_backward_eligible(q, k, v, dout, capability)
+    return (
+        capability is not None
+        and gluon_backward_eligible(q, k, v, dout, capability)
+        and gluon_available()
+    )
 
 
 def _tma_tiles_safe(block_m: int, block_n: int, block_d: int) -> bool:
