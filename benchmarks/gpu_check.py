@@ -198,6 +198,13 @@ def main() -> int:
         "--variant-max-head-dim)",
     )
     parser.add_argument("--variant-max-head-dim", type=int, default=128)
+    parser.add_argument(
+        "--gluon-bwd-mask-heads",
+        type=int,
+        default=None,
+        help="let masks with up to this many mask heads take the Gluon backward (the library "
+        "keeps them on the Triton backward until checked)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -213,6 +220,8 @@ def main() -> int:
         return report(args.out, results, exact, seconds, env, variant)
     if args.variant:
         _override_defaults(args.variant, args.variant_max_head_dim)
+    if args.gluon_bwd_mask_heads is not None:
+        kernels.GLUON_BWD_MAX_MASK_HEADS = args.gluon_bwd_mask_heads
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)

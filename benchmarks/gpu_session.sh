@@ -17,6 +17,8 @@
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
+#   check-mask-heads gpu_check.py --quick --part masks with the Gluon backward on masks with a
+#                 mask per head group (random_eviction)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -78,6 +80,10 @@ for step in "$@"; do
     bench-hd128-re32k)
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
+        ;;
+    check-mask-heads)
+        run_step gpu_check_mask_heads python benchmarks/gpu_check.py --quick --part masks \
+            --gluon-bwd-mask-heads 64 --out "$OUT/gpu_check_mask_heads.json"
         ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \

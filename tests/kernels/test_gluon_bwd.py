@@ -59,6 +59,8 @@ def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
     assert not kernels._use_gluon_backward(*on_gpu, False, False, 1, cfg)  # dense mode: Triton's
     # A mask per head group: not yet run through this kernel on a GPU.
     assert not kernels._use_gluon_backward(*on_gpu, False, True, 2, cfg)
+    monkeypatch.setattr(kernels, "GLUON_BWD_MAX_MASK_HEADS", 4)  # gpu_check's override
+    assert kernels._use_gluon_backward(*on_gpu, False, True, 2, cfg)
     assert not kernels._use_gluon_backward(*on_gpu, False, True, 1, replace(cfg, bwd_gluon=False))
     monkeypatch.setattr(kernels, "_capability_of", lambda index: (10, 0))
     assert not kernels._use_gluon_backward(*on_gpu, False, True, 1, cfg)

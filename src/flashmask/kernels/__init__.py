@@ -510,6 +510,10 @@ def gluon_forward_eligible(
 # The Gluon backward (``kernels.gluon_bwd``): its query and key tiles.
 GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
+# Masks with more mask heads than this take the Triton backward: one mask per head group (as
+# random_eviction builds) has not yet run through the Gluon backward on a GPU
+# (``benchmarks/gpu_check.py --gluon-bwd-mask-heads`` lifts it for that check).
+GLUON_BWD_MAX_MASK_HEADS = 1
 
 
 def gluon_backward_eligible(
@@ -581,7 +585,9 @@ def _use_gluon_backward(
     """``config.bwd_gluon``, ``deterministic=False`` (its dQ atomics are not bit-reproducible),
     the skipping mode, one mask head (masks with one per head group have not yet run on a GPU
     through this kernel), and inputs the Gluon backward takes, on a GPU."""
-    if not config.bwd_gluon or deterministic or not skip_tiles or num_mask_heads != 1:
+    if not config.bwd_gluon or deterministic or not skip_tiles:
+        return False
+    if num_mask_heads > GLUON_BWD_MAX_MASK_HEADS:
         return False
     capability = _on_hopper_gpu(q)
     return (
