@@ -288,6 +288,9 @@ def main() -> int:
         (1023, 1024),
         (1024, 1023),
         (2048, 1999),
+        # Multiples of 128 with Sq != Sk: the Gluon backward's shapes (and its causal offset).
+        (256, 384),
+        (384, 256),
     ]
     for causal, c in FORMS if args.part != "masks" else ():
         for sq, sk in shapes:
@@ -302,6 +305,15 @@ def main() -> int:
         exact.append(
             bit_exact_case(f"random/causal={causal}/C={c}", q, k, v, sri, causal, launch_check=True)
         )
+
+    # No mask with Sq != Sk at multiples of 128: the Gluon forward and backward, causal offset
+    # included (the masks part runs them at Sq = Sk only).
+    for sq, sk in ((256, 384), (384, 256)) if args.part != "masks" else ():
+        for causal in (False, True):
+            for hq, hk in ((4, 4), (8, 2)):
+                q, k, v = inputs(2, sq, sk, hq, hk, 128, torch.bfloat16)
+                name = f"no-mask/causal={causal}/{sq}x{sk}/H{hq}:{hk}"
+                results.append(check_case(name, q, k, v, None, causal, deterministic=hk == 4))
 
     # More (batch x head) programs than one grid axis may hold (65535): the grid keeps heads and
     # batch on separate axes, so this must run and be right.
