@@ -52,6 +52,7 @@ from flashmask.kernels.gluon_fwd import (
     hide_pairs,
     load_column_bounds,
     shared_layout,
+    wgmma_layout,
 )
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -71,11 +72,17 @@ MAX_REGISTERS = 168
 
 
 @gluon.jit
-def _list_of(g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles):
-    """Query head, mask head and list row of the ``g``-th query head sharing kv head ``h_kv``."""
+def _head_list(
+    g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles,
+):  # fmt: skip
+    """``(query head, mask head, count, entries)`` of the ``g``-th query head sharing kv head
+    ``h_kv``: the column-major list of query tiles that key tile ``n_tile`` visits for it."""
     h = h_kv * heads_per_kv + g
     mask_head = b * num_mask_heads + h // heads_per_mask_head
-    return h, mask_head, mask_head * num_n_tiles + n_tile
+    list_row = mask_head * num_n_tiles + n_tile
+    count = gl.load(counts_ptr + list_row)
+    return h, mask_head, count, entries_ptr + list_row.to(gl.int64) * num_m_tiles
 
 
 @gluon.constexpr_function
@@ -124,11 +131,10 @@ def _bwd_load_partition(
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     it = 0
     for g in range(heads_per_kv):
-        h, _, list_row = _list_of(
-            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
-        )
-        count = gl.load(counts_ptr + list_row)
-        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        h, _, count, entries = _head_list(
+            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
+            num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
         for j in range(count):
             entry = gl.load(entries + j)
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
@@ -158,11 +164,10 @@ def _bwd_dq_writer_partition(
     step: gl.constexpr = 8
     it = 0
     for g in range(heads_per_kv):
-        h, _, list_row = _list_of(
-            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
-        )
-        count = gl.load(counts_ptr + list_row)
-        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
+        h, _, count, entries = _head_list(
+            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
+            num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
         dq_head = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh
         for j in range(count):
             entry = gl.load(entries + j)
@@ -198,12 +203,8 @@ def _bwd_compute_partition(
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    st_layout: gl.constexpr = wgmma_layout(warps, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(warps, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # dQ [BLOCK_M, HEAD_DIM]: 64 rows are one warpgroup's M, so the warpgroups split the columns.
     groups: gl.constexpr = warps // 4
@@ -223,15 +224,14 @@ def _bwd_compute_partition(
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(heads_per_kv):
-        h, mask_head, list_row = _list_of(
-            g, b, h_kv, n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_n_tiles
-        )
+        h, mask_head, count, entries = _head_list(
+            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
+            num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
         # This program's keys are fixed, so their bounds are loaded once per head.
         lts, lte, uts, ute = load_column_bounds(
             bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
         )
-        count = gl.load(counts_ptr + list_row)
-        entries = entries_ptr + list_row.to(gl.int64) * num_m_tiles
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
         for j in range(count):
             entry = gl.load(entries + j)

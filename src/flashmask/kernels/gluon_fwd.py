@@ -54,6 +54,15 @@ MAX_REGISTERS = 168
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@gluon.constexpr_function
+def wgmma_layout(warps, n):
+    """The register layout of a ``warpgroup_mma`` result ``[rows, n]`` whose rows split over
+    ``warps`` warps (64 rows per warpgroup)."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16]
+    )
+
+
 @gluon.jit
 def load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK: gl.constexpr, HAS_UPPER: gl.constexpr):
     """``(LTS, LTE, UTS, UTE)`` of key columns ``cols`` from one mask head's normalised bounds
@@ -132,12 +141,8 @@ def _compute_partition(
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
+    s_layout: gl.constexpr = wgmma_layout(warps, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
