@@ -199,11 +199,11 @@ def main() -> int:
     )
     parser.add_argument("--variant-max-head-dim", type=int, default=128)
     parser.add_argument(
-        "--gluon-bwd-mask-heads",
-        type=int,
-        default=None,
-        help="let masks with up to this many mask heads take the Gluon backward (the library "
-        "keeps them on the Triton backward until checked)",
+        "--gluon-bwd-everywhere",
+        action="store_true",
+        help="route every eligible deterministic=False case to the Gluon backward, lifting the "
+        "library's limits (masks with one mask head and at least 16K keys): the check covers "
+        "its masked path at this script's short lengths and masks with a mask per head group",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -220,8 +220,9 @@ def main() -> int:
         return report(args.out, results, exact, seconds, env, variant)
     if args.variant:
         _override_defaults(args.variant, args.variant_max_head_dim)
-    if args.gluon_bwd_mask_heads is not None:
-        kernels.GLUON_BWD_MAX_MASK_HEADS = args.gluon_bwd_mask_heads
+    if args.gluon_bwd_everywhere:
+        kernels.GLUON_BWD_MAX_MASK_HEADS = 1 << 30
+        kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)

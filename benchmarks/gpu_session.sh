@@ -17,8 +17,9 @@
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
-#   check-mask-heads gpu_check.py --quick --part masks with the Gluon backward on masks with a
-#                 mask per head group (random_eviction)
+#   check-gluon-bwd gpu_check.py --quick (both parts) with every eligible non-deterministic case
+#                 on the Gluon backward (--gluon-bwd-everywhere: short masked lengths, a mask per
+#                 head group)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -36,13 +37,13 @@ run_step() {
 }
 
 check() {
-    local quick=$1 tag=$2
+    local flags=$1 tag=$2  # gpu_check.py options, split into words on purpose
     # Two processes compile in parallel; wait for exactly these two (a pattern match on the
     # process table would also match this shell's own command line).
-    timeout "$limit" python benchmarks/gpu_check.py $quick --part masks --out "$OUT/$tag-masks.json" \
+    timeout "$limit" python benchmarks/gpu_check.py $flags --part masks --out "$OUT/$tag-masks.json" \
         >"$OUT/$tag-masks.log" 2>&1 &
     local masks=$!
-    timeout "$limit" python benchmarks/gpu_check.py $quick --part shapes \
+    timeout "$limit" python benchmarks/gpu_check.py $flags --part shapes \
         --out "$OUT/$tag-shapes.json" >"$OUT/$tag-shapes.log" 2>&1 &
     local shapes=$!
     wait "$masks" "$shapes"
@@ -81,10 +82,7 @@ for step in "$@"; do
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
-    check-mask-heads)
-        run_step gpu_check_mask_heads python benchmarks/gpu_check.py --quick --part masks \
-            --gluon-bwd-mask-heads 64 --out "$OUT/gpu_check_mask_heads.json"
-        ;;
+    check-gluon-bwd) check "--quick --gluon-bwd-everywhere" gpu_check_gluon_bwd ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64

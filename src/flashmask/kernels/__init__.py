@@ -512,8 +512,14 @@ GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
 # Masks with more mask heads than this take the Triton backward: one mask per head group (as
 # random_eviction builds) has not yet run through the Gluon backward on a GPU
-# (``benchmarks/gpu_check.py --gluon-bwd-mask-heads`` lifts it for that check).
+# (``benchmarks/gpu_check.py --gluon-bwd-everywhere`` lifts it and the length limit below).
 GLUON_BWD_MAX_MASK_HEADS = 1
+# With an interval mask, the Gluon backward only from this many keys: at 8K its 128-key tiles
+# skip less finely than the Triton backward's 64-key ones, and sparse masks lost (sliding_window
+# 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 32K it was 0.98-1.13x
+# (benchmarks/results/gluon_backward_s6d.log). Without a mask it is used at every length
+# (full/causal 1.15x at 8K).
+GLUON_BWD_MIN_MASKED_SEQLEN = 16384
 
 
 def gluon_backward_eligible(
@@ -579,15 +585,18 @@ def _use_gluon_backward(
     dout: torch.Tensor,
     deterministic: bool,
     skip_tiles: bool,
-    num_mask_heads: int,
+    mask_heads: int | None,
     config: TileConfig,
 ) -> bool:
     """``config.bwd_gluon``, ``deterministic=False`` (its dQ atomics are not bit-reproducible),
-    the skipping mode, one mask head (masks with one per head group have not yet run on a GPU
-    through this kernel), and inputs the Gluon backward takes, on a GPU."""
+    the skipping mode, inputs the Gluon backward takes, on a GPU; with a mask (``mask_heads``
+    mask heads; ``None`` without one) also at most :data:`GLUON_BWD_MAX_MASK_HEADS` of them and
+    at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
         return False
-    if num_mask_heads > GLUON_BWD_MAX_MASK_HEADS:
+    if mask_heads is not None and (
+        mask_heads > GLUON_BWD_MAX_MASK_HEADS or k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN
+    ):
         return False
     capability = _on_hopper_gpu(q)
     return (
@@ -781,7 +790,8 @@ def backward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, hm, config):
+    mask_heads = None if startend_row_indices is None else hm
+    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, mask_heads, config):
         from flashmask.kernels import gluon_bwd
 
         bounds, (lists,) = prepare_cached(
