@@ -17,6 +17,7 @@
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
+#   gluon-pingpong gluon_forward_pingpong.py: FA3's ping-pong forward against the library's
 #   check-gluon-bwd gpu_check.py --quick (both parts) with every eligible non-deterministic case
 #                 on the Gluon backward (--gluon-bwd-everywhere: short masked lengths, a mask per
 #                 head group)
@@ -86,6 +87,9 @@ for step in "$@"; do
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64
+        ;;
+    gluon-pingpong)
+        run_step gluon_pingpong python benchmarks/gluon_forward_pingpong.py
         ;;
     gluon-hd64)
         run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64
