@@ -98,6 +98,22 @@ def _bench(fn: Callable[[], object], rep_ms: int) -> float:
     )
 
 
+def _kernel_names(fn: Callable[[], object], limit: int = 8, width: int = 80) -> list[str]:
+    """The distinct GPU kernels one call of ``fn`` launches (names cut to ``width``, at most
+    ``limit`` of them, by GPU time): which backend an implementation ran (SDPA's flash / cuDNN /
+    efficient kernels, FlashMask's Gluon or Triton ones) goes into each row's ``extra``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [e.key[:width] for e in events[:limit]]
+
+
 def _cuda_time(fn: Callable[[], object], repeats: int = 5) -> float:
     """Median wall time (ms) of a host-synchronous call such as mask construction."""
     times = []
@@ -223,6 +239,10 @@ def run_case(
         row.fwd_tflops = fwd_flop / row.fwd_ms / 1e9
         row.total_tflops = 3.5 * fwd_flop / row.total_ms / 1e9
         row.bwd_tflops = 2.5 * fwd_flop / row.bwd_ms / 1e9
+        try:
+            row.extra["kernels"] = _kernel_names(total)
+        except Exception as exc:  # a profiler problem must not cost the timings
+            row.extra["kernels"] = [f"unavailable: {type(exc).__name__}: {exc}"[:120]]
         return row
 
     def base(impl: str) -> Row:
