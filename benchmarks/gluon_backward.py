@@ -31,21 +31,25 @@ from flashmask.kernels.gluon_fwd import shared_layout
 OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
-def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
+def compile_only(
+    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16
+) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
     def desc_type(rows):
-        layout = shared_layout(rows, head_dim, torch.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+        layout = shared_layout(rows, head_dim, dtype)
+        return f"tensordesc<{short}[{rows}, {head_dim}],{layout!r}>"
 
     rows_q, rows_k = gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N
     signature = {
         "q_desc": desc_type(rows_q), "k_desc": desc_type(rows_k), "v_desc": desc_type(rows_k),
         "do_desc": desc_type(rows_q), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-        "dq_ptr": "*fp32", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "bounds_ptr": "*i32",
+        "dq_ptr": "*fp32", "dk_ptr": f"*{short}", "dv_ptr": f"*{short}", "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -73,6 +77,7 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
+        "dtype": short,
         "warps": compiled.metadata.num_warps,
         "registers": dump["registers"],
         "spill_bytes": dump["local_bytes"],
@@ -109,6 +114,10 @@ def check_and_time(
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
     from flashmask import bench, masks
 
+    # Every case through the Gluon backward: lift the library's routing limits (with a mask it
+    # takes the Gluon backward only from 16K keys and with one mask head).
+    kernels.GLUON_BWD_MAX_MASK_HEADS = 1 << 30
+    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
         q, k, v, dout = (
@@ -171,6 +180,8 @@ def main() -> None:
             for causal in (False, True):
                 for has_mask in (False, True):
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
+        # fp16 (the launcher takes it as well as bf16), one variant
+        print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
     check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim)

@@ -46,15 +46,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashmask import kernels
 from flashmask.kernels import gluon_fwd
 from flashmask.kernels.gluon_fwd import (
+    LOG2E,
     LOG2E_VALUE,
-    _load_partition,
     hide_pairs,
     load_column_bounds,
+    load_partition,
     shared_layout,
     wgmma_layout,
 )
 
-_LOG2E = gl.constexpr(LOG2E_VALUE)
 BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 4
 # 12 warps at launch: the two compute warpgroups and the producer's (padded) one.
 MAX_REGISTERS = 168
@@ -142,7 +142,7 @@ def _pingpong_compute(
     o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
     gl.store(o_ptrs, acc.to(dtype))
-    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
     gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
 
 
@@ -213,7 +213,7 @@ def pingpong_fwd_kernel(
                 ),
             ),
             (
-                _load_partition,
+                load_partition,
                 (
                     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
                     entries, count, q_row0, b * seqlen_k, h * HEAD_DIM, h_kv * HEAD_DIM,

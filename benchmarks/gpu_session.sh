@@ -12,7 +12,7 @@
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
-#   gluon-backward gluon_backward.py: the warp-specialised Gluon dK/dV (+ atomic dQ) backward
+#   gluon-backward gluon_backward.py: the Gluon backward (dK/dV/dQ in one pass) against Triton's
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from dataclasses import replace
 
 import torch
@@ -20,8 +21,9 @@ if not torch.cuda.is_available():  # before anything imports triton
 
 import pytest
 
-from flashmask import kernels
+from flashmask import kernels, masks
 from tests.kernels.sm90_compile import compile_reports
+from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
 
@@ -33,12 +35,11 @@ def _qkv(batch=2, seqlen_q=256, seqlen_k=384, heads=4, kv_heads=2, head_dim=128,
     return q, k, torch.zeros_like(k)
 
 
-def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples_contiguous():
+def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples():
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 128):
             assert kernels.gluon_forward_eligible(*_qkv(head_dim=head_dim, dtype=dtype), HOPPER)
-    q, k, v = _qkv()
-    assert kernels.gluon_forward_eligible(q, k, v, (9, 0))
+    assert kernels.gluon_forward_eligible(*_qkv(), (9, 0))
 
 
 @pytest.mark.parametrize(
@@ -57,16 +58,24 @@ def test_ineligible_inputs(why, args, capability):
     assert not kernels.gluon_forward_eligible(*args, capability), why
 
 
-def test_ineligible_layouts_mixed_dtypes_and_misaligned_addresses():
+def test_any_layout_is_eligible_and_reaches_the_kernel_contiguous_and_aligned():
+    """transformers passes ``[B, H, S, D]`` tensors transposed to ``[B, S, H, D]``: the kernel's
+    2-D TMA descriptors need contiguous, 16-byte aligned tensors, which ``tma_ready`` makes
+    (copying only what is not already so)."""
     q, k, v = _qkv()
-    strided = torch.zeros(2, 4, 256, 128, dtype=q.dtype).transpose(1, 2)  # [B, S, H, D] view
-    assert not kernels.gluon_forward_eligible(strided, k, v, HOPPER)
-    assert not kernels.gluon_forward_eligible(q, k.half(), v, HOPPER)
+    transposed = torch.randn(2, 4, 256, 128).to(q.dtype).transpose(1, 2)  # [B, S, H, D] view
+    assert not transposed.is_contiguous()
+    assert kernels.gluon_forward_eligible(transposed, k, v, HOPPER)
+    assert not kernels.gluon_forward_eligible(q, k.half(), v, HOPPER)  # one dtype
+    ready = kernels.tma_ready(transposed)
+    assert ready.is_contiguous() and ready.data_ptr() % 16 == 0
+    assert torch.equal(ready, transposed)
+    assert kernels.tma_ready(q) is q  # already contiguous and aligned: no copy
     # A contiguous tensor starting 2 bytes into its storage: TMA needs 16-byte aligned bases.
-    flat = torch.zeros(q.numel() + 1, dtype=q.dtype)
-    shifted = flat[1:].view(q.shape)
+    shifted = torch.arange(q.numel() + 1, dtype=torch.float32).to(q.dtype)[1:].view(q.shape)
     assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
-    assert not kernels.gluon_forward_eligible(shifted, k, v, HOPPER)
+    ready = kernels.tma_ready(shifted)
+    assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)
 
 
 def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeypatch):
@@ -99,7 +108,7 @@ def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypat
             assert not kernels.gluon_available()
         q, k, v = _qkv()
         cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
-        monkeypatch.setattr(kernels, "_on_hopper_gpu", lambda q: HOPPER)
+        monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
         assert kernels.gluon_forward_eligible(q, k, v, HOPPER)
         assert not kernels._use_gluon_forward(q, k, v, 0.1, cfg)
     finally:
@@ -120,10 +129,12 @@ def test_default_tiles_use_it_only_without_a_mask_at_head_dim_128(monkeypatch, h
 def test_compiles_warp_specialised_for_sm90():
     reports = compile_reports("gluon_forward.py")
     variants = {
-        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"]) for r in reports
+        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"])
+        for r in reports
     }
-    assert len(variants) == 20 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
-    assert {v[-1] for v in variants} == {64, 128}
+    assert len(variants) == 21 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    assert {v[-2] for v in variants} == {64, 128}
+    assert {v[-1] for v in variants} == {"bf16", "fp16"}
     for report in reports:
         assert report["setmaxnreg"] > 0, report  # producer and consumers hold different registers
         assert report["warps"] == 12, report  # 8 compute warps + the producer's warpgroup
@@ -132,3 +143,33 @@ def test_compiles_warp_specialised_for_sm90():
         assert report["spill_bytes"] <= 16, report
         if report["has_mask"]:  # partial tiles read the column bounds
             assert report["LDG"] > 16, report
+
+
+@pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
+def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
+    """What ``kernels.forward`` passes the Gluon forward (a stand-in records it; the kernel
+    itself needs a GPU): contiguous aligned q/k/v equal to the caller's, the bounds and
+    row-major lists at its 128x128 tiles, the mask head count, causal, scale and mode."""
+    seen = {}
+
+    def fake_forward(q, k, v, bounds, lists, hm, causal, scale, skip_tiles):
+        seen.update(q=q, k=k, bounds=bounds, lists=lists, hm=hm, causal=causal, scale=scale)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    fake = types.SimpleNamespace(forward=fake_forward)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_fwd", fake)
+    monkeypatch.setattr(kernels, "gluon_fwd", fake, raising=False)
+    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: True)
+    cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
+    q = torch.randn(1, 4, 256, 128, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
+    k = torch.randn(1, 384, 2, 128, dtype=torch.float16)
+    kernels.forward(q, k, k, None, True, 0.125, config=cfg)
+    assert seen["q"].is_contiguous() and torch.equal(seen["q"], q)
+    assert seen["bounds"] is None and seen["hm"] == 1
+    assert seen["lists"].entries.shape[-2:] == (2, 3)  # 256 / 128 query tiles, 384 / 128 keys
+    assert (seen["causal"], seen["scale"]) == (True, 0.125)
+    mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
+    q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
+    kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
+    assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
+    assert seen["lists"].entries.shape[-2:] == (3, 3)

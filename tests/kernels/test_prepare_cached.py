@@ -143,3 +143,17 @@ def test_no_mask_is_not_cached(monkeypatch):
         kernels.prepare_cached(None, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
     assert counts == {"summarize_kernel": 0, "tile_list_kernel": 2}
     assert not kernels._PREPARED
+
+
+def test_one_mask_used_with_two_call_parameter_sets_keeps_an_entry_for_each(monkeypatch):
+    """Entries are per (mask tensor, call parameters): alternating between two (here the
+    dense and the skipping mode) re-prepares neither."""
+    sri = _mask()
+    call = dict(causal=True, seqlen_q=SQ, seqlen_k=SK, batch=2, device=DEVICE)
+    for skip_tiles in (True, False):
+        kernels.prepare_cached(sri, shapes=[(16, 16, True)], skip_tiles=skip_tiles, **call)
+    assert len(kernels._PREPARED) == 2
+    counts = _count_launches(monkeypatch)
+    for skip_tiles in (True, False, True):
+        kernels.prepare_cached(sri, shapes=[(16, 16, True)], skip_tiles=skip_tiles, **call)
+    assert counts == {"summarize_kernel": 0, "tile_list_kernel": 0}

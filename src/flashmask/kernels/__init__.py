@@ -98,8 +98,9 @@ class TileConfig:
     fwd_gluon: bool = False
     # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
     # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
-    # fp32 vector atomics) where it applies (Hopper, ``gluon_backward_eligible``). On by default
-    # at D = 128: 1.07-1.17x the Triton backward on the H200 (benchmarks/NOTES.md, sixth session).
+    # fp32 vector atomics) where it applies (Hopper, ``gluon_backward_eligible``, and the limits
+    # of ``_use_gluon_backward``). On by default at D = 128: on the H200 1.15-1.19x the Triton
+    # backward without a mask, 0.98-1.13x with masks at 32K (benchmarks/NOTES.md, sixth session).
     bwd_gluon: bool = False
 
 
@@ -491,7 +492,9 @@ def gluon_forward_eligible(
     GPU of compute capability ``capability``: Hopper (9.x: ``warpgroup_mma`` and TMA; Blackwell
     has no wgmma), one fp16/bf16 dtype, ``D`` in :data:`GLUON_FWD_HEAD_DIMS`, both lengths
     divisible by the tile (its 2-D descriptors over ``[B * S, H * D]`` must not cross a
-    sequence), contiguous tensors at 16-byte aligned addresses (TMA's requirement)."""
+    sequence). Any layout: the launcher hands the kernel contiguous, 16-byte aligned copies of
+    tensors that are not (:func:`tma_ready`; e.g. the ``[B, H, S, D]`` transposes that
+    transformers passes)."""
     d = q.shape[-1]
     return (
         capability[0] == 9
@@ -503,8 +506,14 @@ def gluon_forward_eligible(
         and v.shape[-1] == d
         and q.shape[1] % GLUON_FWD_TILE == 0
         and k.shape[1] % GLUON_FWD_TILE == 0
-        and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
     )
+
+
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous at a 16-byte aligned address (what the Gluon kernels' 2-D TMA
+    descriptors need): ``x`` itself when it is, else a copy."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 # The Gluon backward (``kernels.gluon_bwd``): its query and key tiles.
@@ -535,12 +544,10 @@ def gluon_backward_eligible(
         gluon_forward_eligible(q, k, v, capability)
         and dout.shape == q.shape
         and dout.dtype == q.dtype
-        and dout.is_contiguous()
-        and dout.data_ptr() % 16 == 0
     )
 
 
-def _on_hopper_gpu(q: torch.Tensor) -> tuple[int, int] | None:
+def _gpu_capability(q: torch.Tensor) -> tuple[int, int] | None:
     """The compute capability of ``q``'s GPU, or ``None`` off the GPU or under the interpreter."""
     if q.device.type != "cuda" or _interpreting():
         return None
@@ -572,7 +579,7 @@ def _use_gluon_forward(
     interpreter) and with a positive scale (its row max is taken over unscaled scores)."""
     if not config.fwd_gluon or softmax_scale <= 0:
         return False
-    capability = _on_hopper_gpu(q)
+    capability = _gpu_capability(q)
     return (
         capability is not None and gluon_forward_eligible(q, k, v, capability) and gluon_available()
     )
@@ -588,17 +595,20 @@ def _use_gluon_backward(
     mask_heads: int | None,
     config: TileConfig,
 ) -> bool:
-    """``config.bwd_gluon``, ``deterministic=False`` (its dQ atomics are not bit-reproducible),
-    the skipping mode, inputs the Gluon backward takes, on a GPU; with a mask (``mask_heads``
+    """``config.bwd_gluon``, ``deterministic=False`` and no
+    ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
+    skipping mode, inputs the Gluon backward takes, on a GPU; with a mask (``mask_heads``
     mask heads; ``None`` without one) also at most :data:`GLUON_BWD_MAX_MASK_HEADS` of them and
     at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
+        return False
+    if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
     if mask_heads is not None and (
         mask_heads > GLUON_BWD_MAX_MASK_HEADS or k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN
     ):
         return False
-    capability = _on_hopper_gpu(q)
+    capability = _gpu_capability(q)
     return (
         capability is not None
         and gluon_backward_eligible(q, k, v, dout, capability)
@@ -687,6 +697,7 @@ def forward(
             startend_row_indices, causal, sq, sk, b, q.device,
             [(GLUON_FWD_TILE, GLUON_FWD_TILE, True)], skip_tiles,
         )  # fmt: skip
+        q, k, v = (tma_ready(x) for x in (q, k, v))
         return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles)
     bounds, (lists,) = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
@@ -743,6 +754,24 @@ def forward(
     return out, lse
 
 
+def backward_delta(
+    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+) -> torch.Tensor:
+    """``delta = rowsum(dO * O) - dlse``, float32 ``[B, H, Sq]`` (``out``/``dout``
+    ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term."""
+    from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
+
+    out = _last_dim_contiguous(out)
+    b, sq, hq, d = out.shape
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=out.device)
+    dlse_arg = delta if dlse is None else dlse.float().contiguous()
+    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
+        out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
+        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
+    )  # fmt: skip
+    return delta
+
+
 def backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -779,7 +808,6 @@ def backward(
             q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip
     from flashmask.kernels.attention_bwd import (
-        flashmask_bwd_delta_kernel,
         flashmask_bwd_dkdv_kernel,
         flashmask_bwd_dq_kernel,
         flashmask_bwd_fused_kernel,
@@ -798,8 +826,10 @@ def backward(
             startend_row_indices, causal, sq, sk, b, q.device,
             [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)],
         )  # fmt: skip
+        q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
+        delta = backward_delta(out, dout, dlse)
         return gluon_bwd.backward(
-            dout, dlse, q, k, v, _last_dim_contiguous(out), lse, bounds, lists, hm, causal,
+            dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
             softmax_scale,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
@@ -812,13 +842,7 @@ def backward(
     if bounds is None:
         bounds = lists[0].counts  # never read without a mask
     lse = lse.float().contiguous()
-    out = _last_dim_contiguous(out)
-    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    dlse_arg = delta if dlse is None else dlse.float().contiguous()
-    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
-        out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
-        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
-    )  # fmt: skip
+    delta = backward_delta(out, dout, dlse)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     flags = dict(

@@ -23,7 +23,7 @@ measured and why each part is there:
   over the MMA layout; Gluon 3.6 has no TMA reduce). The producer and writer warps make one
   warpgroup, so the consumers keep 240 registers through ``setmaxnreg``.
 
-Measured on the H200 (hd128, bf16, 32K): 1.07-1.18x the Triton backward on full, causal and
+Measured on the H200 (hd128, bf16, 32K): 1.07-1.19x the Triton backward on full, causal and
 document masks, equal on share_question, 10% slower on sliding_window at 8K
 (``results/gluon_backward_s6c.log``, ``results/gluon_backward_s6d.log``). Descriptors are 2-D
 over ``[B * S, H * D]``, so it needs the inputs ``kernels.gluon_backward_eligible`` accepts.
@@ -35,31 +35,29 @@ only where the interpreter is off.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
 from flashmask.kernels.gluon_fwd import (
+    LOG2E,
     LOG2E_VALUE,
     hide_pairs,
     load_column_bounds,
     shared_layout,
+    tma_load,
     wgmma_layout,
 )
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
 # in later versions (what CI installs).
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-_LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_BWD_QUERIES
 BLOCK_N = GLUON_BWD_KEYS
@@ -126,8 +124,8 @@ def _bwd_load_partition(
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     kv_row = b * seqlen_k + n_tile * BLOCK_N
-    _tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
-    _tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
+    tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
+    tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     it = 0
     for g in range(heads_per_kv):
@@ -143,8 +141,8 @@ def _bwd_load_partition(
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
             row = b * seqlen_q + m_tile * BLOCK_M
-            _tma_load(q_desc, [row, h * HEAD_DIM], bar, q_bufs.index(slot))
-            _tma_load(do_desc, [row, h * HEAD_DIM], bar, do_bufs.index(slot))
+            tma_load(q_desc, [row, h * HEAD_DIM], bar, q_bufs.index(slot))
+            tma_load(do_desc, [row, h * HEAD_DIM], bar, do_bufs.index(slot))
             it += 1
 
 
@@ -156,7 +154,7 @@ def _bwd_dq_writer_partition(
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
 ):  # fmt: skip
-    """dQ writer warps (``DQ_WRITER``): walk the producer's tile sequence and add each tile's
+    """dQ writer warps: walk the producer's tile sequence and add each tile's
     scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
@@ -249,7 +247,7 @@ def _bwd_compute_partition(
             rows = m_tile * BLOCK_M + offs_m
             lse = gl.load(lse_ptr + row_base + rows)
             # A fully masked row's lse is -inf; +inf makes its P zero.
-            lse = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+            lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             delta = gl.load(delta_ptr + row_base + rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
             pt = gl.exp2(st * qk_scale - lse[None, :])
@@ -386,37 +384,29 @@ def gluon_bwd_kernel(
 
 def backward(
     dout: torch.Tensor,
-    dlse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
     lse: torch.Tensor,
+    delta: torch.Tensor,
     bounds: torch.Tensor | None,
     lists,
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts.
+    """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts,
+    contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
 
+    ``lse`` (the forward's) and ``delta`` (``kernels.backward_delta``) are float32 ``[B, H, Sq]``;
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
-    ``kernels.prepare_cached``; ``lse`` is the forward's ``[B, H, Sq]`` float32."""
+    ``kernels.prepare_cached``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
 
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     tn, tm = lists.entries.shape[-2:]
-    lse = lse.float().contiguous()
-    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    dlse_arg = delta if dlse is None else dlse.float().contiguous()
-    flashmask_bwd_delta_kernel[(triton.cdiv(sq, 64), hq, b)](
-        out, dout, dlse_arg, delta, *out.stride()[:3], *dout.stride()[:3], sq, hq, d,
-        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=d,
-    )  # fmt: skip
     q2, k2, v2, do2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v, dout))
     q_layout = shared_layout(BLOCK_M, d, q.dtype)
     kv_layout = shared_layout(BLOCK_N, d, q.dtype)

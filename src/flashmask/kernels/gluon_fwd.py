@@ -13,7 +13,7 @@ Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpg
   mode, where a fully masked tile adds exact zeros), and release each slot after its ``P V``.
 
 Measured on the H200 (``benchmarks/results/gluon_forward_*.log``, hd128, bf16) it is 7-16%
-faster than the Triton forward on full attention and 2-7% on causal, but 5-30% slower on
+faster than the Triton forward on full attention and 2-7% on causal, but 3-33% slower on
 interval masks (the partial tiles gather their column bounds per thread), so the launcher uses it
 only without a mask (``TileConfig.fwd_gluon``). Descriptors are 2-D over ``[B * S, H * D]``, so it
 needs contiguous inputs, ``S`` divisible by 128 and ``D`` in {64, 128}
@@ -40,9 +40,9 @@ from flashmask.kernels import GLUON_FWD_TILE
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
 # async_load.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 LOG2E_VALUE = 1.4426950408889634
-_LOG2E = gl.constexpr(LOG2E_VALUE)
+LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_FWD_TILE
 BLOCK_N = GLUON_FWD_TILE
@@ -102,7 +102,7 @@ def hide_pairs(
 
 
 @gluon.jit
-def _load_partition(
+def load_partition(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
     entries, count, q_row0, kv_row_base, q_col, kv_col,
     BLOCK_N: gl.constexpr,
@@ -110,7 +110,7 @@ def _load_partition(
     """Producer warp: Q once, then each listed key tile's K and V into the next free slot."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row0, q_col], q_bar, q_smem)
+    tma_load(q_desc, [q_row0, q_col], q_bar, q_smem)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     for it in range(count):
         entry = gl.load(entries + it)
@@ -121,8 +121,8 @@ def _load_partition(
         ready = kv_ready.index(slot)
         mbarrier.expect(ready, kv_bytes)
         row = kv_row_base + n_tile * BLOCK_N
-        _tma_load(k_desc, [row, kv_col], ready, k_bufs.index(slot))
-        _tma_load(v_desc, [row, kv_col], ready, v_bufs.index(slot))
+        tma_load(k_desc, [row, kv_col], ready, k_bufs.index(slot))
+        tma_load(v_desc, [row, kv_col], ready, v_bufs.index(slot))
 
 
 @gluon.jit
@@ -191,7 +191,7 @@ def _compute_partition(
     o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
     gl.store(o_ptrs, acc.to(dtype))
-    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
     gl.store(lse_ptr + lse_row0 + gl.arange(0, BLOCK_M, row_layout), lse)
 
 
@@ -249,7 +249,7 @@ def gluon_fwd_kernel(
                 ),
             ),
             (
-                _load_partition,
+                load_partition,
                 (
                     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
                     entries, count, q_row0, b * seqlen_k, h * HEAD_DIM, h_kv * HEAD_DIM,
