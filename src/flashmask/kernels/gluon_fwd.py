@@ -37,11 +37,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashmask.kernels import GLUON_FWD_TILE
+from flashmask.kernels.attention_fwd import LOG2E_VALUE
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
 # async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-LOG2E_VALUE = 1.4426950408889634
 LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_FWD_TILE
