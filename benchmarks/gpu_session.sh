@@ -5,9 +5,9 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh check-quick bench-hd128 tune-dq
 #
 # Steps:
-#   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~200 s cold)
+#   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~230 s cold)
 #   check-full    the same without --quick (all head dims)
-#   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~250 s)
+#   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s)
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
@@ -48,8 +48,15 @@ check() {
         --out "$OUT/$tag-shapes.json" >"$OUT/$tag-shapes.log" 2>&1 &
     local shapes=$!
     wait "$masks" "$shapes"
+    # A part that ran out of time wrote no JSON: say so instead of a merge traceback.
+    for part in masks shapes; do
+        [ -f "$OUT/$tag-$part.json" ] || echo "== $tag: the $part part did not finish (see its log)"
+    done
+    # The device returns at most 8 files: keep the merged JSON (it holds every case) and the
+    # logs, drop the parts once merged.
     python benchmarks/gpu_check.py --merge "$OUT/$tag-masks.json" "$OUT/$tag-shapes.json" \
-        --out "$OUT/$tag.json" | tail -n 14
+        --out "$OUT/$tag.json" | tail -n 14 &&
+        rm -f "$OUT/$tag-masks.json" "$OUT/$tag-shapes.json"
     grep -h FAIL "$OUT/$tag-masks.log" "$OUT/$tag-shapes.log" | head -n 5 | cut -c1-400
 }
 
