@@ -120,8 +120,9 @@ def test_compiles_warp_specialised_for_sm90():
         assert any("inc.sync.aligned.u32 240" in s for s in report["setmaxnreg"]), report
         assert report["UTMALDG"] > 0 and report["REDG"] > 0, report
         assert report["HGMMA"] >= 5 * 4, report  # five matmuls, at least four k-steps each
-        # None without a mask; 80 bytes in the masked hd128 variants (Triton 3.6, bf16 and fp16).
-        assert report["spill_bytes"] <= 96, report
+        # Version-dependent but small: at most 80 bytes under Triton 3.6 (the H200's; none
+        # without a mask), up to 152 under 3.9. A register blow-up would spill kilobytes.
+        assert report["spill_bytes"] <= 256, report
 
 
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
