@@ -34,7 +34,7 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dense: bool, block_n: int = gluon_fwd.BLOCK_N,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     from triton.backends.compiler import GPUTarget
@@ -58,7 +58,7 @@ def compile_only(
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "MASK_FULL_TILES": dense, "BLOCK_M": block, "BLOCK_N": block_n,
-              "HEAD_DIM": head_dim, "NUM_BUFFERS": gluon_fwd.NUM_BUFFERS}  # fmt: skip
+              "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers}  # fmt: skip
     kernel = gluon_fwd.gluon_fwd_kernel
     names = [p.name for p in kernel.params]
     signature.update({name: "constexpr" for name in values})
@@ -78,6 +78,7 @@ def compile_only(
         "dense": dense,
         "block_n": block_n,
         "dtype": short,
+        "num_buffers": num_buffers,
         "warps": compiled.metadata.num_warps,
         "registers": dump["registers"],
         "spill_bytes": dump["local_bytes"],
@@ -87,22 +88,22 @@ def compile_only(
     }
 
 
-def _gluon(q, k, v, sri, causal, scale, block_n=gluon_fwd.BLOCK_N):
+def _gluon(q, k, v, sri, causal, scale, block_n=gluon_fwd.BLOCK_N, buffers=gluon_fwd.NUM_BUFFERS):
     """The Gluon forward on any mask (the library routes only unmasked calls to it)."""
     b, sq = q.shape[:2]
     bounds, (lists,) = kernels.prepare_cached(
         sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
     )
     hm = 1 if sri is None else sri.shape[1]
-    return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, scale, True, block_n)
+    return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, scale, True, block_n, buffers)
 
 
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    block_ns: list[int],
+    block_ns: list[int], buffer_counts: list[int],
 ) -> None:  # fmt: skip
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
-    Gluon forward once per key tile in ``block_ns``."""
+    Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``."""
     from flashmask import bench, masks
 
     triton_only = replace(kernels.tile_config(d, has_mask=False), fwd_gluon=False)
@@ -128,18 +129,18 @@ def check_and_time(
             ref_out, ref_lse = run_triton()
             ms_triton = triton.testing.do_bench(run_triton, rep=100)
             line = f"S={s} {name:16s} triton {ms_triton:.3f} ms ({flop / ms_triton / 1e9:.0f} TF/s)"
-            for bn in block_ns:
-                out, lse = _gluon(q, k, v, sri, causal, scale, bn)
+            for bn, nb in ((bn, nb) for bn in block_ns for nb in buffer_counts):
+                out, lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
                 live = torch.isfinite(ref_lse)
                 err = float((out.float() - ref_out.float()).abs().max())
                 lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
                 dead_ok = bool((lse[~live] == float("-inf")).all())
                 ms = triton.testing.do_bench(
-                    lambda sri=sri, c=causal, bn=bn: _gluon(q, k, v, sri, c, scale, bn)
+                    lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(q, k, v, sri, c, scale, bn, nb)
                 )
                 line += (
-                    f" | gluon 128x{bn} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) max|out diff| "
-                    f"{err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
+                    f" | gluon 128x{bn}/{nb} buffers {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) "
+                    f"max|out diff| {err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
                 )
             print(line, flush=True)
 
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
     parser.add_argument("--block-n", default="128", help="key tiles to time, e.g. 128,64")
+    parser.add_argument("--buffers", default="2", help="K/V ring depths to time, e.g. 2,3")
     args = parser.parse_args()
     if args.compile_only:
         for d in kernels.GLUON_FWD_HEAD_DIMS:
@@ -166,12 +168,16 @@ def main() -> None:
                         print(json.dumps(compile_only(d, causal, True, False, 64)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, False, dtype=torch.float16)), flush=True)
+        # a three-slot K/V ring at the largest tiles (measured by the GPU script's --buffers)
+        print(json.dumps(compile_only(128, False, False, False, num_buffers=3)), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
     block_ns = [int(x) for x in args.block_n.split(",")]
+    buffer_counts = [int(x) for x in args.buffers.split(",")]
     check_and_time(
-        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, block_ns
-    )
+        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, block_ns,
+        buffer_counts,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@
 #   gluon-backward gluon_backward.py: the Gluon backward (dK/dV/dQ in one pass) against Triton's
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
-#   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles (interval masks)
+#   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
 #   gluon-pingpong gluon_forward_pingpong.py: FA3's ping-pong forward against the library's
 #   check-gluon-bwd gpu_check.py --quick (both parts) with every eligible non-deterministic case
@@ -93,7 +93,7 @@ for step in "$@"; do
     check-gluon-bwd) check "--quick --gluon-bwd-everywhere" gpu_check_gluon_bwd ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
-            --block-n 128,64
+            --block-n 128,64 --buffers 2,3
         ;;
     gluon-pingpong)
         run_step gluon_pingpong python benchmarks/gluon_forward_pingpong.py

@@ -278,6 +278,7 @@ def forward(
     softmax_scale: float,
     skip_tiles: bool,
     block_n: int = BLOCK_N,
+    num_buffers: int = NUM_BUFFERS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
     ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
@@ -286,7 +287,8 @@ def forward(
     ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
     tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
     ``block_n`` (128 or 64, dividing Sk) is the key tile; 64 is for measurement (finer skipping
-    and fewer bound loads per partial tile with interval masks)."""
+    and fewer bound loads per partial tile with interval masks). ``num_buffers`` K/V slots (3
+    fit at 128x128, hd128: 224 KB) is for measurement too."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -306,6 +308,6 @@ def forward(
         softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d,
-        NUM_BUFFERS=NUM_BUFFERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        NUM_BUFFERS=num_buffers, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
