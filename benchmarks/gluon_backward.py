@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 import triton
-from cubin import inspect_cubin
+from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
 from flashmask.kernels import gluon_bwd
@@ -35,10 +35,6 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16
 ) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -60,32 +56,16 @@ def compile_only(
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS}  # fmt: skip
-    kernel = gluon_bwd.gluon_bwd_kernel
-    names = [p.name for p in kernel.params]
-    signature.update({name: "constexpr" for name in values})
-    constexprs = {(names.index(name),): value for name, value in values.items()}
-    target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options(
-        {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS}
-    )
-    compiled = triton.compile(
-        GluonASTSource(kernel, signature, constexprs, {}), target=target, options=options.__dict__
-    )
-    dump = inspect_cubin(compiled, OPCODES)
-    ptx = compiled.asm["ptx"]
+    compiled = compile_gluon_sm90(
+        gluon_bwd.gluon_bwd_kernel, signature, values,
+        {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
+    )  # fmt: skip
     return {
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
         "dtype": short,
-        "warps": compiled.metadata.num_warps,
-        "registers": dump["registers"],
-        "spill_bytes": dump["local_bytes"],
-        "shared_kb": compiled.metadata.shared / 1024,
-        "setmaxnreg": sorted(
-            {" ".join(ln.split()[:2]) for ln in ptx.splitlines() if "setmaxnreg" in ln}
-        ),
-        **{op: dump[op] for op in OPCODES},
+        **warp_specialized_report(compiled, OPCODES),
     }
 
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 import triton
-from cubin import inspect_cubin
+from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
 from flashmask.kernels import gluon_fwd
@@ -37,10 +37,6 @@ def compile_only(
     dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     block = gluon_fwd.BLOCK_M
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -59,18 +55,10 @@ def compile_only(
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "MASK_FULL_TILES": dense, "BLOCK_M": block, "BLOCK_N": block_n,
               "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers}  # fmt: skip
-    kernel = gluon_fwd.gluon_fwd_kernel
-    names = [p.name for p in kernel.params]
-    signature.update({name: "constexpr" for name in values})
-    constexprs = {(names.index(name),): value for name, value in values.items()}
-    target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options(
-        {"num_warps": gluon_fwd.NUM_WARPS, "maxnreg": gluon_fwd.MAX_REGISTERS}
-    )
-    compiled = triton.compile(
-        GluonASTSource(kernel, signature, constexprs, {}), target=target, options=options.__dict__
-    )
-    dump = inspect_cubin(compiled, OPCODES)
+    compiled = compile_gluon_sm90(
+        gluon_fwd.gluon_fwd_kernel, signature, values,
+        {"num_warps": gluon_fwd.NUM_WARPS, "maxnreg": gluon_fwd.MAX_REGISTERS},
+    )  # fmt: skip
     return {
         "head_dim": head_dim,
         "causal": causal,
@@ -79,12 +67,7 @@ def compile_only(
         "block_n": block_n,
         "dtype": short,
         "num_buffers": num_buffers,
-        "warps": compiled.metadata.num_warps,
-        "registers": dump["registers"],
-        "spill_bytes": dump["local_bytes"],
-        "shared_kb": compiled.metadata.shared / 1024,
-        "setmaxnreg": compiled.asm["ptx"].count("setmaxnreg"),
-        **{op: dump[op] for op in OPCODES},
+        **warp_specialized_report(compiled, OPCODES),
     }
 
 

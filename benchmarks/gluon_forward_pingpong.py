@@ -34,7 +34,7 @@ import json
 
 import torch
 import triton
-from cubin import inspect_cubin
+from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -259,9 +259,6 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "SYNCS")
 
 def compile_only(head_dim: int, causal: bool, has_mask: bool, num_buffers: int) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc_type(rows):
         layout = shared_layout(rows, head_dim, torch.bfloat16)
@@ -278,30 +275,15 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, num_buffers: int) 
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": num_buffers, "COMPUTE_REGISTERS": COMPUTE_REGISTERS}  # fmt: skip
-    names = [p.name for p in pingpong_fwd_kernel.params]
-    signature.update({name: "constexpr" for name in values})
-    constexprs = {(names.index(name),): value for name, value in values.items()}
-    target = GPUTarget("cuda", 90, 32)
-    options = make_backend(target).parse_options({"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS})
-    compiled = triton.compile(
-        GluonASTSource(pingpong_fwd_kernel, signature, constexprs, {}),
-        target=target, options=options.__dict__,
-    )  # fmt: skip
-    dump = inspect_cubin(compiled, OPCODES)
-    ptx = compiled.asm["ptx"]
+    compiled = compile_gluon_sm90(
+        pingpong_fwd_kernel, signature, values, {"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS}
+    )
     return {
         "head_dim": head_dim,
         "causal": causal,
         "has_mask": has_mask,
         "num_buffers": num_buffers,
-        "warps": compiled.metadata.num_warps,
-        "registers": dump["registers"],
-        "spill_bytes": dump["local_bytes"],
-        "shared_kb": compiled.metadata.shared / 1024,
-        "setmaxnreg": sorted(
-            {" ".join(line.split()[:2]) for line in ptx.splitlines() if "setmaxnreg" in line}
-        ),
-        **{op: dump[op] for op in OPCODES},
+        **warp_specialized_report(compiled, OPCODES),
     }
 
 

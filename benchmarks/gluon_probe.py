@@ -11,13 +11,9 @@ Usage: ``python benchmarks/gluon_probe.py`` (seconds on a CPU). Nothing runs on 
 the kernel computes the right product is for a GPU session to check.
 """
 
-import triton
-from cubin import inspect_cubin
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
+from cubin import compile_gluon_sm90, inspect_cubin
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
@@ -89,17 +85,8 @@ sig = {
     "b_desc": f"tensordesc<bf16[{BK}, {BN}],{b_layout!r}>",
     "c_ptr": "*fp32",
     "k_tiles": "i32",
-    "BK": "constexpr",
-    "BN": "constexpr",
-    "NBUF": "constexpr",
 }
-names = [p.name for p in ws_gemm.params]
-constexprs = {(names.index("BK"),): BK, (names.index("BN"),): BN, (names.index("NBUF"),): NBUF}
-src = GluonASTSource(ws_gemm, sig, constexprs, {})
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-opts = backend.parse_options({"num_warps": 4})
-c = triton.compile(src, target=target, options=opts.__dict__)
+c = compile_gluon_sm90(ws_gemm, sig, {"BK": BK, "BN": BN, "NBUF": NBUF}, {"num_warps": 4})
 dump = inspect_cubin(c, ("HGMMA", "UTMALDG"))
 print(
     "setmaxnreg in PTX:",
