@@ -51,6 +51,8 @@ from flashmask.kernels.gluon_fwd import (
     hide_pairs,
     load_column_bounds,
     load_partition,
+    query_tile_program,
+    query_tile_rows,
     shared_layout,
     wgmma_layout,
 )
@@ -162,15 +164,10 @@ def pingpong_fwd_kernel(
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first (as the library's)."""
-    m_tile = num_m_tiles - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    h_kv = h // heads_per_kv
-    mask_head = b * num_mask_heads + h // heads_per_mask_head
-    list_row = mask_head * num_m_tiles + m_tile
-    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
-    count = gl.load(counts_ptr + list_row)
-    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
+        bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_kv, heads_per_mask_head,
+        num_mask_heads, num_m_tiles, num_n_tiles,
+    )  # fmt: skip
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -189,10 +186,9 @@ def pingpong_fwd_kernel(
     # Warpgroup 0 has the first turn.
     mbarrier.arrive(turns.index(0), count=1)
 
-    q_row0 = b * seqlen_q + m_tile * BLOCK_M
-    out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
-    out_head = out_ptr + h * stride_oh
-    lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+    q_row0, out_head, out_row0, lse_row0 = query_tile_rows(
+        m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q, BLOCK_M
+    )
     gl.warp_specialize(
         [
             # gluon.jit takes no argument spreading: the two warpgroups' lists differ in WG only.

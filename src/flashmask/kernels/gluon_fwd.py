@@ -196,6 +196,39 @@ def _compute_partition(
 
 
 @gluon.jit
+def query_tile_program(
+    bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles,
+):  # fmt: skip
+    """This program of the grid ``(query tiles, query heads, batch)``, heaviest query tiles
+    first: ``(query tile, query head, batch, kv head, its mask head's bounds, the tile's list
+    length and entries)``."""
+    m_tile = num_m_tiles - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    list_row = mask_head * num_m_tiles + m_tile
+    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
+    count = gl.load(counts_ptr + list_row)
+    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    return m_tile, h, b, h // heads_per_kv, bounds, count, entries
+
+
+@gluon.jit
+def query_tile_rows(
+    m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q,
+    BLOCK_M: gl.constexpr,
+):  # fmt: skip
+    """Where query tile ``m_tile`` of head ``h``, batch ``b`` lives: its first row in Q's 2-D
+    ``[B * Sq, H * D]`` view, its head's output pointer and first output row, its first lse
+    element."""
+    q_row0 = b * seqlen_q + m_tile * BLOCK_M
+    out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
+    lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+    return q_row0, out_ptr + h * stride_oh, out_row0, lse_row0
+
+
+@gluon.jit
 def gluon_fwd_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
     stride_ob, stride_os, stride_oh,
@@ -211,15 +244,10 @@ def gluon_fwd_kernel(
     NUM_BUFFERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first."""
-    m_tile = num_m_tiles - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    h_kv = h // heads_per_kv
-    mask_head = b * num_mask_heads + h // heads_per_mask_head
-    list_row = mask_head * num_m_tiles + m_tile
-    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
-    count = gl.load(counts_ptr + list_row)
-    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
+        bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_kv, heads_per_mask_head,
+        num_mask_heads, num_m_tiles, num_n_tiles,
+    )  # fmt: skip
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -233,10 +261,9 @@ def gluon_fwd_kernel(
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
 
-    q_row0 = b * seqlen_q + m_tile * BLOCK_M
-    out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
-    out_head = out_ptr + h * stride_oh
-    lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+    q_row0, out_head, out_row0, lse_row0 = query_tile_rows(
+        m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q, BLOCK_M
+    )
     gl.warp_specialize(
         [
             (
