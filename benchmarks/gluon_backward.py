@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 import triton
+from bench_cases import mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
@@ -92,7 +93,6 @@ def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
 ) -> None:
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
-    from flashmask import bench, masks
 
     # Every case through the Gluon backward: lift the library's routing limits (with a mask it
     # takes the Gluon backward only from 16K keys and with one mask head).
@@ -105,14 +105,8 @@ def check_and_time(
         )
         scale = d**-0.5
         for name in mask_names:
-            if name in ("full", "causal"):
-                mask, sri, causal = None, None, name == "causal"
-            else:
-                gen = torch.Generator().manual_seed(0)
-                mask = masks.example(name, s, batch_size=b, generator=gen)
-                sri, causal = mask.startend_row_indices.to("cuda"), mask.causal
-            pairs = bench.visible_pairs(mask, causal, s, s)
-            flop = 10.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])  # 5 matmuls
+            mask, sri, causal = mask_case(name, s, b)
+            flop = visible_flop(mask, causal, s, d, h, b, 10.0)  # 5 matmuls
             out, lse = kernels.forward(q, k, v, sri, causal, scale)
             # The Gluon backward forced on (the defaults use it at D = 128 only).
             base = replace(kernels.tile_config(d, has_mask=sri is not None), bwd_gluon=True)

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 import triton
+from bench_cases import forward_differences, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
@@ -87,7 +88,6 @@ def check_and_time(
 ) -> None:  # fmt: skip
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
     Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``."""
-    from flashmask import bench, masks
 
     triton_only = replace(kernels.tile_config(d, has_mask=False), fwd_gluon=False)
     for s in seqlens:
@@ -95,16 +95,9 @@ def check_and_time(
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
         scale = d**-0.5
         for name in mask_names:
-            if name in ("full", "causal"):
-                mask, sri, causal = None, None, name == "causal"
-                cfg = triton_only
-            else:
-                gen = torch.Generator().manual_seed(0)
-                mask = masks.example(name, s, batch_size=b, generator=gen)
-                sri, causal = mask.startend_row_indices.to("cuda"), mask.causal
-                cfg = kernels.tile_config(d, has_mask=True)
-            pairs = bench.visible_pairs(mask, causal, s, s)
-            flop = 4.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])
+            mask, sri, causal = mask_case(name, s, b)
+            cfg = triton_only if mask is None else kernels.tile_config(d, has_mask=True)
+            flop = visible_flop(mask, causal, s, d, h, b, 4.0)
 
             def run_triton(sri=sri, causal=causal, cfg=cfg):
                 return kernels.forward(q, k, v, sri, causal, scale, config=cfg)
@@ -114,10 +107,7 @@ def check_and_time(
             line = f"S={s} {name:16s} triton {ms_triton:.3f} ms ({flop / ms_triton / 1e9:.0f} TF/s)"
             for bn, nb in ((bn, nb) for bn in block_ns for nb in buffer_counts):
                 out, lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
-                live = torch.isfinite(ref_lse)
-                err = float((out.float() - ref_out.float()).abs().max())
-                lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
-                dead_ok = bool((lse[~live] == float("-inf")).all())
+                err, lse_err, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
                 ms = triton.testing.do_bench(
                     lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(q, k, v, sri, c, scale, bn, nb)
                 )

@@ -34,6 +34,7 @@ import json
 
 import torch
 import triton
+from bench_cases import forward_differences, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -285,7 +286,6 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool, num_buffers: int) 
 
 def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
     """Out/lse against the library's Gluon forward, both timed, per length, mask and ring depth."""
-    from flashmask import bench, masks
 
     d = 128
     for s in seqlens:
@@ -293,14 +293,8 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
         scale = d**-0.5
         for name in mask_names:
-            if name in ("full", "causal"):
-                mask, sri, causal = None, None, name == "causal"
-            else:
-                gen = torch.Generator().manual_seed(0)
-                mask = masks.example(name, s, batch_size=b, generator=gen)
-                sri, causal = mask.startend_row_indices.to("cuda"), mask.causal
-            pairs = bench.visible_pairs(mask, causal, s, s)
-            flop = 4.0 * d * int(pairs.sum()) * h * (b // pairs.shape[0])
+            mask, sri, causal = mask_case(name, s, b)
+            flop = visible_flop(mask, causal, s, d, h, b, 4.0)
             tile = gluon_fwd.BLOCK_M
             bounds, (lists,) = kernels.prepare_cached(
                 sri, causal, s, s, b, q.device, [(tile, tile, True)]
@@ -321,16 +315,14 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
                 except Exception as exc:  # report and go on
                     line += f" | {label}: {type(exc).__name__}: {str(exc)[:200]}"
                     continue
-                live = torch.isfinite(ref_lse)
                 same = torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-                err = float((out.float() - ref_out.float()).abs().max())
+                err, _, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
                 ms = triton.testing.do_bench(
                     lambda n=buffers, sri=sri, c=causal: pingpong_forward(
                         q, k, v, sri, c, scale, n
                     ),
                     rep=100,
                 )
-                dead_ok = bool((lse[~live] == float("-inf")).all())
                 line += (
                     f" | {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) bitwise {same} "
                     f"max|out diff| {err:.1e} empty rows ok {dead_ok}"
