@@ -23,6 +23,7 @@ run is compile-bound), run ``--part masks`` and ``--part shapes`` as two process
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -108,7 +109,12 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     ql, kl, vl = (x.detach().clone().requires_grad_() for x in (q, k, v))
     lo = lowp_attention(ql, kl, vl, dense, scale)
     lo.backward(do)
-    res = {"case": name, "shape": [b, sq, sk, hq, hk, d], "dtype": str(q.dtype).split(".")[-1]}
+    res = {
+        "case": name,
+        "shape": [b, sq, sk, hq, hk, d],
+        "dtype": str(q.dtype).split(".")[-1],
+        "kernels": _kernel_paths(q, k, v, do, sri, scale, deterministic, cfg),
+    }
     ok = True
     noise_scale = 2 * (torch.finfo(q.dtype).eps)
     pairs = [
@@ -144,6 +150,16 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     ok &= bool((lse[~finite] == float("-inf")).all()) and lse_err < 1e-2
     res["pass"] = bool(ok)
     return res
+
+
+def _kernel_paths(q, k, v, do, sri, scale, deterministic, bwd_config) -> str:
+    """Which forward and backward kernels the case ran (``gluon`` or ``triton``), by the
+    launchers' own routing rules, so a check of the Gluon paths shows that it reached them."""
+    fwd_config = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
+    fwd = kernels._use_gluon_forward(q, k, v, scale, fwd_config)
+    mask_heads = None if sri is None else sri.shape[1]
+    bwd = kernels._use_gluon_backward(q, k, v, do, deterministic, True, mask_heads, bwd_config)
+    return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
 
 
 def _bitwise_equal(a, b) -> bool:
@@ -327,7 +343,10 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    return report(args.out, results, exact, time.time() - t0, variant=args.variant)
+    variant = " ".join(
+        filter(None, [args.variant, args.gluon_bwd_everywhere and "gluon-bwd-everywhere"])
+    )
+    return report(args.out, results, exact, time.time() - t0, variant=variant)
 
 
 def _override_defaults(spec: str, max_head_dim: int) -> None:
@@ -387,6 +406,10 @@ def report(
         "cases": len(results),
         "failed": len(failed),
         "worst_error_ratio_vs_lowp": worst,
+        # How many cases ran each forward/backward kernel pair (see _kernel_paths).
+        "kernel_paths": dict(
+            sorted(collections.Counter(r.get("kernels", "?") for r in results).items())
+        ),
         "bit_exact_cases": len(exact),
         "bit_exact_failed": len(not_exact),
         "seconds": seconds,

@@ -17,10 +17,12 @@
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
-#   gluon-pingpong gluon_forward_pingpong.py: FA3's ping-pong forward against the library's
 #   check-gluon-bwd gpu_check.py --quick (both parts) with every eligible non-deterministic case
 #                 on the Gluon backward (--gluon-bwd-everywhere: short masked lengths, a mask per
 #                 head group)
+#   check-gluon   check-gluon-bwd with the Gluon forward on every eligible case too (interval
+#                 masks; --variant fwd_gluon=1: hd64 and hd128)
+#   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -91,12 +93,14 @@ for step in "$@"; do
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
     check-gluon-bwd) check "--quick --gluon-bwd-everywhere" gpu_check_gluon_bwd ;;
+    check-gluon) check "--quick --gluon-bwd-everywhere --variant fwd_gluon=1" gpu_check_gluon ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
         ;;
-    gluon-pingpong)
-        run_step gluon_pingpong python benchmarks/gluon_forward_pingpong.py
+    gluon-forward-masks)
+        run_step gluon_forward_masks python benchmarks/gluon_forward.py --seqlens 8192,32768 \
+            --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
         ;;
     gluon-hd64)
         run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64

@@ -138,8 +138,9 @@ def test_compiles_warp_specialised_for_sm90():
     assert {v[5] for v in variants} == {"bf16", "fp16"}
     assert {v[6] for v in variants} == {2, 3}
     for report in reports:
-        assert report["setmaxnreg"], report  # producer and consumers hold different registers
-        assert report["warps"] == 12, report  # 8 compute warps + the producer's warpgroup
+        # The producer gives registers back, the two compute warpgroups take 240 each.
+        assert any(s.endswith(" 240;") for s in report["setmaxnreg"]), report
+        assert report["warps"] == 12, report  # 4 + 4 compute warps, the producer's warpgroup
         assert report["HGMMA"] > 0 and report["UTMALDG"] > 0, report
         # None under Triton 3.6 (the H200's); 8 bytes in one masked variant under 3.9.
         assert report["spill_bytes"] <= 16, report

@@ -1,22 +1,33 @@
-"""Warp-specialised forward for Hopper (sm_90), written in Gluon.
+"""Warp-specialised forward for Hopper (sm_90), written in Gluon, on FlashAttention-3's
+ping-pong schedule.
 
 Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpgroups on sm_90
 (``benchmarks/NOTES.md``, change 12); Gluon, which ships with Triton, does. This kernel:
 
-* one producer warp (24 registers after ``setmaxnreg``) loads the query tile once and then the
-  K/V tiles of the query tile's list (the row-major list ``kernels.prepare`` builds) into a ring
-  of ``NUM_BUFFERS`` shared-memory slots, each guarded by a "ready" and an "empty" mbarrier;
-* two consumer warpgroups (64 query rows each, 128-row query tiles, 128-key tiles) compute
-  ``S = Q K^T`` and ``O += P V`` with ``warpgroup_mma``, the Triton forward's online softmax in
-  between (hidden scores set to -inf, row max over unscaled scores, ``p = exp2(s * scale - m)``),
-  the element mask on the list's partial tiles (every tile in the dense ``skip_tiles=False``
-  mode, where a fully masked tile adds exact zeros), and release each slot after its ``P V``.
+* one producer warp (24 registers after ``setmaxnreg``) loads the 128-row query tile once and
+  then the K/V tiles of the query tile's list (the row-major list ``kernels.prepare`` builds)
+  into a ring of ``NUM_BUFFERS`` shared-memory slots, each guarded by a "ready" and an "empty"
+  mbarrier;
+* two consumer warpgroups, each a partition of its own owning 64 of the tile's query rows, take
+  turns at the tensor cores: warpgroup ``w`` waits for its turn (mbarrier ``turns[w]``), issues
+  ``S_j = Q_w K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``, hands the turn over and
+  then runs tile ``j``'s online softmax (the Triton forward's: hidden scores set to -inf, row max
+  over unscaled scores, ``p = exp2(s * scale - m)``) while the other warpgroup's products occupy
+  the tensor cores. The turns alternate strictly (warpgroup 0 holds the first), so neither turn
+  barrier runs two phases ahead of its waiter;
+* the element mask applies on the list's partial tiles (every tile in the dense
+  ``skip_tiles=False`` mode, where a fully masked tile adds exact zeros);
+* a K/V slot is released when both warpgroups have finished its ``P V`` (``kv_empty`` counts two
+  arrivals); three slots (224 KB at hd128) keep the producer ahead of the warpgroup that lags by
+  half a step;
+* the first iteration's "previous" product is ``0 · V_0`` (exact zeros into a zero accumulator),
+  which keeps the loop free of a data-dependent branch around asynchronous tokens.
 
-Measured on the H200 (``benchmarks/results/gluon_forward_*.log``, hd128, bf16) it is 7-16%
-faster than the Triton forward on full attention and 2-7% on causal, but 3-33% slower on
-interval masks (the partial tiles gather their column bounds per thread), so the launcher uses it
-only without a mask (``TileConfig.fwd_gluon``). Descriptors are 2-D over ``[B * S, H * D]``, so it
-needs contiguous inputs, ``S`` divisible by 128 and ``D`` in {64, 128}
+Each query row sees the same arithmetic in the same order as in the sixth session's lockstep
+kernel (both warpgroups in one partition), and on the H200 the outputs and lse matched it bit for
+bit on every case measured, while the ping-pong ran 5-22% faster: full 32K 502 -> 611 TFLOP/s,
+causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Descriptors are 2-D over
+``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D`` in {64, 128}
 (``kernels.gluon_forward_eligible``).
 
 Gluon has no CPU interpreter: the CPU suite compiles this kernel for sm_90 (``tests/kernels/
@@ -46,11 +57,13 @@ LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_FWD_TILE
 BLOCK_N = GLUON_FWD_TILE
-NUM_BUFFERS = 2
-NUM_WARPS = 8
-# 12 warps in all (8 compute + the producer's warpgroup): 168 registers each at launch; the
+NUM_BUFFERS = 3
+# Warps per compute partition (one warpgroup); 12 warps in all with the second compute
+# warpgroup and the producer's (padded) warpgroup: 168 registers each at launch, and the
 # producer gives its registers back through setmaxnreg, so the compute warps can hold 240.
+NUM_WARPS = 4
 MAX_REGISTERS = 168
+COMPUTE_REGISTERS = 240
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -127,7 +140,7 @@ def load_partition(
 
 @gluon.jit
 def _compute_partition(
-    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds_ptr,
+    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count, bounds_ptr,
     out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
@@ -136,22 +149,29 @@ def _compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    WG: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: online softmax over the listed key tiles, then O and lse."""
+    """Consumer warpgroup ``WG``: query rows ``WG * 64 ...`` of the tile; online softmax over
+    the listed key tiles, taking turns at the tensor cores with the other warpgroup; then O and
+    lse of its rows."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    warps: gl.constexpr = gl.num_warps()
+    half: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = wgmma_layout(warps, BLOCK_N)
-    o_layout: gl.constexpr = wgmma_layout(warps, HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    rows = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, row_layout)
+    q_half = q_smem.slice(WG * half, half)
+    my_turn = turns.index(WG)
+    other_turn = turns.index(1 - WG)
+    m_i = gl.full([half], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([half], gl.float32, row_layout)
+    acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
+    p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
+    rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
     offs_n = gl.arange(0, BLOCK_N, col_layout)
 
     mbarrier.wait(q_bar, 0)
@@ -159,15 +179,25 @@ def _compute_partition(
         entry = gl.load(entries + it)
         n_tile = gl.where(entry >= 0, entry, -entry - 1)
         slot = it % num_buffers
+        prev = gl.maximum(it - 1, 0) % num_buffers
         mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
-        qk = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False)
+        mbarrier.wait(my_turn, it & 1)
+        s_token = warpgroup_mma(
+            q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+        # The previous tile's P V (0 · V_0 on the first iteration: exact zeros).
+        acc_token = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
+        if it > 0:
+            mbarrier.arrive(kv_empty.index(prev), count=1)
         if MASK_FULL_TILES or entry >= 0:
             # A partial tile (the list's first group), or every tile in the dense mode: the
             # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
             cols = n_tile * BLOCK_N + offs_n
             lts, lte, uts, ute = load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK, HAS_UPPER)
             hidden = hide_pairs(
-                gl.zeros([BLOCK_M, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
+                gl.zeros([half, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
                 lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
                 HAS_MASK, HAS_UPPER, CAUSAL,
             )  # fmt: skip
@@ -178,21 +208,23 @@ def _compute_partition(
         p = gl.exp2(qk * qk_scale - m_shift[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_token = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc_token,))
-        mbarrier.arrive(kv_empty.index(slot), count=1)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
         m_i = m_new
+
+    if count > 0:
+        last = (count - 1) % num_buffers
+        acc = warpgroup_mma(p_prev, v_bufs.index(last), acc)
+        mbarrier.arrive(kv_empty.index(last), count=1)
 
     visible = l_i > 0
     l_safe = gl.where(visible, l_i, 1.0)
     acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
+    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
     gl.store(o_ptrs, acc.to(dtype))
     lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
-    gl.store(lse_ptr + lse_row0 + gl.arange(0, BLOCK_M, row_layout), lse)
+    gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
 
 
 @gluon.jit
@@ -242,6 +274,7 @@ def gluon_fwd_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first."""
     m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
@@ -256,23 +289,37 @@ def gluon_fwd_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both warpgroups release a slot
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 has the first turn
 
     q_row0, out_head, out_row0, lse_row0 = query_tile_rows(
         m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q, BLOCK_M
     )
     gl.warp_specialize(
         [
+            # gluon.jit takes no argument spreading: the two warpgroups' lists differ in WG only.
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, entries, count, bounds,
-                    out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
+                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
+                    bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
                     seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, BLOCK_M,
-                    BLOCK_N, HEAD_DIM,
+                    BLOCK_N, HEAD_DIM, 0,
+                ),
+            ),
+            (
+                _compute_partition,
+                (
+                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
+                    bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
+                    seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, BLOCK_M,
+                    BLOCK_N, HEAD_DIM, 1,
                 ),
             ),
             (
@@ -284,8 +331,8 @@ def gluon_fwd_kernel(
                 ),
             ),
         ],
-        [1],
-        [24],
+        [4, 1],
+        [COMPUTE_REGISTERS, 24],
     )  # fmt: skip
 
 
@@ -314,8 +361,8 @@ def forward(
     ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
     tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
     ``block_n`` (128 or 64, dividing Sk) is the key tile; 64 is for measurement (finer skipping
-    and fewer bound loads per partial tile with interval masks). ``num_buffers`` K/V slots (3
-    fit at 128x128, hd128: 224 KB) is for measurement too."""
+    and fewer bound loads per partial tile with interval masks). ``num_buffers`` (K/V slots; 2 or 3,
+    3 fit at 128x128, hd128: 224 KB) is for measurement too."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -335,6 +382,7 @@ def forward(
         softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d,
-        NUM_BUFFERS=num_buffers, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        NUM_BUFFERS=num_buffers, COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
