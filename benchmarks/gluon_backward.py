@@ -94,9 +94,8 @@ def check_and_time(
 ) -> None:
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
 
-    # Every case through the Gluon backward: lift the library's routing limits (with a mask it
-    # takes the Gluon backward only from 16K keys and with one mask head).
-    kernels.GLUON_BWD_MAX_MASK_HEADS = 1 << 30
+    # Every case through the Gluon backward: lift the library's routing limit (with a mask it
+    # takes the Gluon backward only from 16K keys).
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d

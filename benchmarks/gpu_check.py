@@ -84,7 +84,8 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
     # deterministic=False exercises an atomic dQ path: at hd128 on Hopper the Gluon backward
-    # (without a mask, or with one under --gluon-bwd-everywhere), else the Triton kernels'
+    # (without a mask, or with one from 16K keys or under --gluon-everywhere), else the Triton
+    # kernels'
     # fp32-atomic dQ (atomic_dq).
     cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
     dq, dk, dv = kernels.backward(
@@ -156,9 +157,9 @@ def _kernel_paths(q, k, v, do, sri, scale, deterministic, bwd_config) -> str:
     """Which forward and backward kernels the case ran (``gluon`` or ``triton``), by the
     launchers' own routing rules, so a check of the Gluon paths shows that it reached them."""
     fwd_config = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
-    fwd = kernels._use_gluon_forward(q, k, v, scale, fwd_config)
-    mask_heads = None if sri is None else sri.shape[1]
-    bwd = kernels._use_gluon_backward(q, k, v, do, deterministic, True, mask_heads, bwd_config)
+    masked = sri is not None
+    fwd = kernels._use_gluon_forward(q, k, v, scale, masked, fwd_config)
+    bwd = kernels._use_gluon_backward(q, k, v, do, deterministic, True, masked, bwd_config)
     return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
 
 
@@ -220,11 +221,11 @@ def main() -> int:
     )
     parser.add_argument("--variant-max-head-dim", type=int, default=128)
     parser.add_argument(
-        "--gluon-bwd-everywhere",
+        "--gluon-everywhere",
         action="store_true",
-        help="route every eligible deterministic=False case to the Gluon backward, lifting the "
-        "library's limits (masks with one mask head and at least 16K keys): the check covers "
-        "its masked path at this script's short lengths and masks with a mask per head group",
+        help="route every eligible case to the Gluon forward and every eligible "
+        "deterministic=False case to the Gluon backward, lifting the library's length limits "
+        "for masked inputs (16K keys): the check covers their masked paths at its short lengths",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -241,8 +242,8 @@ def main() -> int:
         return report(args.out, results, exact, seconds, env, variant)
     if args.variant:
         _override_defaults(args.variant, args.variant_max_head_dim)
-    if args.gluon_bwd_everywhere:
-        kernels.GLUON_BWD_MAX_MASK_HEADS = 1 << 30
+    if args.gluon_everywhere:
+        kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
@@ -343,9 +344,7 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    variant = " ".join(
-        filter(None, [args.variant, args.gluon_bwd_everywhere and "gluon-bwd-everywhere"])
-    )
+    variant = " ".join(filter(None, [args.variant, args.gluon_everywhere and "gluon-everywhere"]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
 
 

@@ -17,11 +17,12 @@
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
-#   check-gluon-bwd gpu_check.py --quick (both parts) with every eligible non-deterministic case
-#                 on the Gluon backward (--gluon-bwd-everywhere: short masked lengths, a mask per
-#                 head group)
-#   check-gluon   check-gluon-bwd with the Gluon forward on every eligible case too (interval
-#                 masks; --variant fwd_gluon=1: hd64 and hd128)
+#   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
+#   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
+#   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
+#                 and every eligible deterministic=False one on the Gluon backward
+#                 (--gluon-everywhere: the check's 1K masks are below the library's 16K limits;
+#                 --variant fwd_gluon=1: the forward at hd64 too)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -92,8 +93,7 @@ for step in "$@"; do
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
-    check-gluon-bwd) check "--quick --gluon-bwd-everywhere" gpu_check_gluon_bwd ;;
-    check-gluon) check "--quick --gluon-bwd-everywhere --variant fwd_gluon=1" gpu_check_gluon ;;
+    check-gluon) check "--quick --gluon-everywhere --variant fwd_gluon=1" gpu_check_gluon ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
@@ -105,6 +105,20 @@ for step in "$@"; do
     gluon-hd64)
         run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64
         run_step gluon_backward_hd64 python benchmarks/gluon_backward.py --head-dim 64
+        ;;
+    bench-hd128-128k-a)
+        run_step bench_hd128_128k_a python -m flashmask bench --seqlens 131072 --head-dims 128 \
+            --masks full,causal,causal_document,document,share_question,sliding_window \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_128k_a"
+        ;;
+    bench-hd128-128k-b)
+        run_step bench_hd128_128k_b python -m flashmask bench --seqlens 131072 --head-dims 128 \
+            --masks global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_128k_b"
+        ;;
+    gluon-backward-re)
+        run_step gluon_backward_re python benchmarks/gluon_backward.py --seqlens 32768 \
+            --masks random_eviction,causal_document
         ;;
     bench-hd128-nomask)
         run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \

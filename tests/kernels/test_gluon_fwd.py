@@ -82,7 +82,7 @@ def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeyp
     q, k, v = _qkv()
     cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
     monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    assert not kernels._use_gluon_forward(q, k, v, 0.1, cfg)  # CPU tensors
+    assert not kernels._use_gluon_forward(q, k, v, 0.1, False, cfg)  # CPU tensors
     # As if on an H200: the device test is the only thing standing between CPU and the kernel.
     monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
     monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
@@ -90,12 +90,12 @@ def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeyp
     on_gpu = [x.to("meta") for x in (q, k, v)]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
-    assert kernels._use_gluon_forward(*on_gpu, 0.1, cfg)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.0, cfg)  # row max over unscaled scores
-    assert not kernels._use_gluon_forward(*on_gpu, -0.1, cfg)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.1, replace(cfg, fwd_gluon=False))
+    assert kernels._use_gluon_forward(*on_gpu, 0.1, False, cfg)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.0, False, cfg)  # row max over unscaled scores
+    assert not kernels._use_gluon_forward(*on_gpu, -0.1, False, cfg)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.1, False, replace(cfg, fwd_gluon=False))
     monkeypatch.setattr(kernels, "_interpreting", lambda: True)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.1, cfg)
+    assert not kernels._use_gluon_forward(*on_gpu, 0.1, False, cfg)
 
 
 def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypatch):
@@ -110,17 +110,34 @@ def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypat
         cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
         monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
         assert kernels.gluon_forward_eligible(q, k, v, HOPPER)
-        assert not kernels._use_gluon_forward(q, k, v, 0.1, cfg)
+        assert not kernels._use_gluon_forward(q, k, v, 0.1, False, cfg)
     finally:
         kernels.gluon_available.cache_clear()
 
 
+def test_with_a_mask_only_from_16k_keys(monkeypatch):
+    """At 8K its 128x128 tiles lost to the Triton forward's 64x64 ones on sparse masks; from
+    16K keys it won on 11 of 12 masks. Without a mask it is used at every length."""
+    cfg = replace(kernels.tile_config(128), fwd_gluon=True)
+    monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
+    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
+    short = _qkv(seqlen_q=8192, seqlen_k=8192)
+    long = _qkv(seqlen_q=256, seqlen_k=kernels.GLUON_FWD_MIN_MASKED_SEQLEN)
+    assert kernels._use_gluon_forward(*short, 0.1, False, cfg)  # no mask: any length
+    assert not kernels._use_gluon_forward(*short, 0.1, True, cfg)
+    assert kernels._use_gluon_forward(*long, 0.1, True, cfg)
+    # gpu_check --gluon-everywhere:
+    monkeypatch.setattr(kernels, "GLUON_FWD_MIN_MASKED_SEQLEN", 0)
+    assert kernels._use_gluon_forward(*short, 0.1, True, cfg)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
-def test_default_tiles_use_it_only_without_a_mask_at_head_dim_128(monkeypatch, head_dim):
-    """Measured faster on the H200 without a mask at hd128 only; slower with interval masks."""
+def test_default_tiles_use_it_at_head_dim_128_with_or_without_a_mask(monkeypatch, head_dim):
+    """Measured faster on the H200 at hd128 (with a mask from 16K keys, the launcher's rule);
+    at hd64 the sixth session's kernel was slower than the Triton forward."""
     monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    assert kernels.tile_config(head_dim, has_mask=False).fwd_gluon == (head_dim == 128)
-    assert not kernels.tile_config(head_dim, has_mask=True).fwd_gluon
+    for has_mask in (True, False):
+        assert kernels.tile_config(head_dim, has_mask=has_mask).fwd_gluon == (head_dim == 128)
     assert not kernels.compact_tile_config(head_dim).fwd_gluon
     monkeypatch.setattr(kernels, "_interpreting", lambda: True)
     assert not kernels.tile_config(head_dim, has_mask=False).fwd_gluon

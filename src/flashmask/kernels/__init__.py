@@ -91,10 +91,11 @@ class TileConfig:
     # default: not yet measured (TMA in both backward passes at once was 1.3x slower, change 9).
     dq_tma: bool = False
     # The forward runs the warp-specialised Gluon kernel (``kernels.gluon_fwd``: a TMA producer
-    # warp and two wgmma warpgroups over 128x128 tiles) where it applies: Hopper, a positive
-    # scale, inputs ``gluon_forward_eligible`` accepts. On by default only without a mask at
-    # D = 128, where the H200 measured it 2-16% faster than the Triton forward; with interval
-    # masks it was slower (benchmarks/NOTES.md, sixth session).
+    # warp and two wgmma warpgroups taking turns at the tensor cores over 128x128 tiles) where
+    # it applies: Hopper, a positive scale, inputs ``gluon_forward_eligible`` accepts and, with a
+    # mask, the length limit of ``_use_gluon_forward``. On by default at D = 128, where the H200
+    # measured it 1.22-1.31x the Triton forward on full/causal and 1.04-1.28x on 11 of 12 masks
+    # at 32K (benchmarks/NOTES.md, seventh session).
     fwd_gluon: bool = False
     # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
     # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
@@ -138,16 +139,15 @@ def tile_config(
         # measured and GPU-checked case: 7-21% faster on masks at 8K, and 4-11% faster than the
         # pointer-loaded 128x128 tiles on full/causal at 8K/32K). Padded head dims (80, 96, 112)
         # keep pointer loads until checked on a GPU, and without a mask the 128x128 tiles.
+        # At D = 128 the Gluon forward and backward where they apply (``_use_gluon_forward``,
+        # ``_use_gluon_backward``), else these Triton tiles.
+        gluon = head_dim == 128
         cfg = TileConfig(
             64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2,
-            fwd_tma=head_dim == 128, bwd_gluon=head_dim == 128,
+            fwd_tma=head_dim == 128, fwd_gluon=gluon, bwd_gluon=gluon,
         )  # fmt: skip
-        if has_mask:
+        if has_mask or cfg.fwd_tma:
             return cfg
-        if cfg.fwd_tma:
-            # Without a mask the Gluon forward where it applies (7-16% faster on full, 2-7% on
-            # causal at 8K/32K), else these TMA tiles.
-            return replace(cfg, fwd_gluon=True)
         return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
 
@@ -519,16 +519,18 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
 # The Gluon backward (``kernels.gluon_bwd``): its query and key tiles.
 GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
-# Masks with more mask heads than this take the Triton backward: one mask per head group (as
-# random_eviction builds) has not yet run through the Gluon backward on a GPU
-# (``benchmarks/gpu_check.py --gluon-bwd-everywhere`` lifts it and the length limit below).
-GLUON_BWD_MAX_MASK_HEADS = 1
 # With an interval mask, the Gluon backward only from this many keys: at 8K its 128-key tiles
 # skip less finely than the Triton backward's 64-key ones, and sparse masks lost (sliding_window
 # 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 32K it was 0.98-1.13x
 # (benchmarks/results/gluon_backward_s6d.log). Without a mask it is used at every length
-# (full/causal 1.15x at 8K).
+# (full/causal 1.15x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts this limit
+# and the forward's to check both kernels on its short masked cases.
 GLUON_BWD_MIN_MASKED_SEQLEN = 16384
+# The same for the Gluon forward: at 8K its 128x128 tiles lost to the Triton forward's 64x64
+# ones on the sparse masks (sliding_window 0.81x, share_question 0.83x, global_sliding_window
+# 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 32K it won on 11
+# of 12 masks (1.04-1.28x; share_question 0.92x; benchmarks/results/gluon_forward_masks_s7.log).
+GLUON_FWD_MIN_MASKED_SEQLEN = 16384
 
 
 def gluon_backward_eligible(
@@ -573,11 +575,19 @@ def gluon_available() -> bool:
 
 
 def _use_gluon_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: TileConfig
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    masked: bool,
+    config: TileConfig,
 ) -> bool:
     """``config.fwd_gluon`` and inputs the Gluon forward takes, on a GPU (Gluon has no
-    interpreter) and with a positive scale (its row max is taken over unscaled scores)."""
+    interpreter) and with a positive scale (its row max is taken over unscaled scores); with an
+    interval mask (``masked``) also at least :data:`GLUON_FWD_MIN_MASKED_SEQLEN` keys."""
     if not config.fwd_gluon or softmax_scale <= 0:
+        return False
+    if masked and k.shape[1] < GLUON_FWD_MIN_MASKED_SEQLEN:
         return False
     capability = _gpu_capability(q)
     return (
@@ -592,21 +602,18 @@ def _use_gluon_backward(
     dout: torch.Tensor,
     deterministic: bool,
     skip_tiles: bool,
-    mask_heads: int | None,
+    masked: bool,
     config: TileConfig,
 ) -> bool:
     """``config.bwd_gluon``, ``deterministic=False`` and no
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
-    skipping mode, inputs the Gluon backward takes, on a GPU; with a mask (``mask_heads``
-    mask heads; ``None`` without one) also at most :data:`GLUON_BWD_MAX_MASK_HEADS` of them and
-    at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
+    skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
+    (``masked``) also at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
-    if mask_heads is not None and (
-        mask_heads > GLUON_BWD_MAX_MASK_HEADS or k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN
-    ):
+    if masked and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN:
         return False
     capability = _gpu_capability(q)
     return (
@@ -690,7 +697,7 @@ def forward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    if _use_gluon_forward(q, k, v, softmax_scale, config):
+    if _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config):
         from flashmask.kernels import gluon_fwd
 
         bounds, (lists,) = prepare_cached(
@@ -818,8 +825,8 @@ def backward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    mask_heads = None if startend_row_indices is None else hm
-    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, mask_heads, config):
+    masked = startend_row_indices is not None
+    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config):
         from flashmask.kernels import gluon_bwd
 
         bounds, (lists,) = prepare_cached(
