@@ -33,8 +33,9 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def compile_only(
-    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16
-) -> dict:
+    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
+    defer_dk: bool = False,
+) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -56,7 +57,7 @@ def compile_only(
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
-              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS}  # fmt: skip
+              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DEFER_DK": defer_dk}  # fmt: skip
     compiled = compile_gluon_sm90(
         gluon_bwd.gluon_bwd_kernel, signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -66,6 +67,7 @@ def compile_only(
         "causal": causal,
         "has_mask": has_mask,
         "dtype": short,
+        "defer_dk": defer_dk,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -90,9 +92,13 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def check_and_time(
-    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
-) -> None:
-    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
+    defer_dk: bool = False,
+) -> None:  # fmt: skip
+    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; with
+    ``defer_dk`` also the Gluon backward with ``gluon_bwd.DEFER_DK`` (dK/dV bitwise against the
+    default order: the same products, only issued in another order; dQ's atomics are
+    unordered)."""
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
@@ -134,6 +140,21 @@ def check_and_time(
             line += (
                 f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
             )
+            if defer_dk:
+                gluon_bwd.DEFER_DK = True
+                try:
+                    deferred = run(False, base)
+                    same = all(
+                        torch.equal(a, c) for a, c in zip(deferred[1:], got[1:], strict=True)
+                    )
+                    dq_err = float((deferred[0].float() - got[0].float()).abs().max())
+                    d_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+                finally:
+                    gluon_bwd.DEFER_DK = False
+                line += (
+                    f" | deferred dK {d_ms:.3f} ms ({flop / d_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                    f"{same} max|dq diff| {dq_err:.1e}"
+                )
             print(line, flush=True)
 
 
@@ -147,6 +168,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
+    parser.add_argument("--defer-dk", action="store_true", help="also time DEFER_DK")
     args = parser.parse_args()
     if args.compile_only:
         for d in kernels.GLUON_FWD_HEAD_DIMS:
@@ -155,9 +177,15 @@ def main() -> None:
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
+        for causal in (False, True):  # the deferred-dK order (measurement)
+            for has_mask in (False, True):
+                report = compile_only(128, causal, has_mask, defer_dk=True)
+                print(json.dumps(report), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    check_and_time(seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim)
+    check_and_time(
+        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, args.defer_dk
+    )
 
 
 if __name__ == "__main__":
