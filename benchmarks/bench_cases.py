@@ -1,5 +1,5 @@
-"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``,
-``gluon_forward_pingpong.py``): a bench mask by name, its mask-aware FLOP count, and how far a
+"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``): a
+bench mask by name, its mask-aware FLOP count, and how far a
 forward's ``(out, lse)`` is from a reference one."""
 
 from __future__ import annotations

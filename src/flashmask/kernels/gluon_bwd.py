@@ -24,8 +24,9 @@ measured and why each part is there:
   warpgroup, so the consumers keep 240 registers through ``setmaxnreg``.
 
 Measured on the H200 (hd128, bf16, 32K): 1.07-1.19x the Triton backward on full, causal and
-document masks, equal on share_question, 10% slower on sliding_window at 8K
-(``results/gluon_backward_s6c.log``, ``results/gluon_backward_s6d.log``). Descriptors are 2-D
+document masks, 1.23x on random_eviction (a mask per head group), equal on share_question, 10%
+slower on sliding_window at 8K (``results/gluon_backward_s6c.log``, ``gluon_backward_s6d.log``,
+``gluon_backward_re_s7.log``). Descriptors are 2-D
 over ``[B * S, H * D]``, so it needs the inputs ``kernels.gluon_backward_eligible`` accepts.
 Gluon has no CPU interpreter: the CPU suite compiles it for sm_90, the H200 check
 (``benchmarks/gpu_check.py``, its ``det=False`` cases) proves its results. Import this module

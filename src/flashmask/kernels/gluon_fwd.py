@@ -26,9 +26,12 @@ Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpg
 Each query row sees the same arithmetic in the same order as in the sixth session's lockstep
 kernel (both warpgroups in one partition), and on the H200 the outputs and lse matched it bit for
 bit on every case measured, while the ping-pong ran 5-22% faster: full 32K 502 -> 611 TFLOP/s,
-causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Descriptors are 2-D over
-``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D`` in {64, 128}
-(``kernels.gluon_forward_eligible``).
+causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Against the Triton forward it
+is 1.22-1.31x on full/causal and, at 32K, 1.04-1.28x on 11 of the 12 masks, so the launcher uses
+it at hd128 on Hopper without a mask and with an interval mask from 16K keys
+(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_masks_s7.log``). Descriptors
+are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D``
+in {64, 128} (``kernels.gluon_forward_eligible``).
 
 Gluon has no CPU interpreter: the CPU suite compiles this kernel for sm_90 (``tests/kernels/
 test_gluon_fwd.py``) and the H200 check (``benchmarks/gpu_check.py``) proves its results. Import
