@@ -33,6 +33,9 @@ from flashmask import kernels
 from flashmask.kernels import gluon_fwd
 
 OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
+# Head dim 256 (not routed to the kernel yet): 128x64 tiles and two K/V slots, the largest that
+# fit the H200's shared memory (Q 64 KB + 2 x (K 32 KB + V 32 KB)).
+HEAD_DIM_256 = 256
 
 
 def compile_only(
@@ -130,7 +133,14 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=128,
+        choices=(*kernels.GLUON_FWD_HEAD_DIMS, HEAD_DIM_256),
+        help=f"{HEAD_DIM_256} is a measurement (not routed): with --block-n 64 --buffers 2 it "
+        "fits (192 KB of shared memory)",
+    )
     parser.add_argument("--block-n", default="128", help="key tiles to time, e.g. 128,64")
     parser.add_argument("--buffers", default="3", help="K/V ring depths to time, e.g. 2,3")
     args = parser.parse_args()
@@ -146,6 +156,9 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, False, dtype=torch.float16)), flush=True)
         # a two-slot K/V ring (measured against the default three by the GPU script's --buffers)
         print(json.dumps(compile_only(128, False, False, False, num_buffers=2)), flush=True)
+        # head dim 256 at the tiles that fit, with a mask (the variant that spills most)
+        report = compile_only(HEAD_DIM_256, True, True, False, 64, num_buffers=2)
+        print(json.dumps(report), flush=True)
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
     block_ns = [int(x) for x in args.block_n.split(",")]

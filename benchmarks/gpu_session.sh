@@ -16,6 +16,7 @@
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
+#   gluon-hd256   gluon_forward.py at head dim 256 (128x64 tiles, two slots; not yet measured)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
 #   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
 #   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
@@ -101,6 +102,10 @@ for step in "$@"; do
     gluon-forward-masks)
         run_step gluon_forward_masks python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
+        ;;
+    gluon-hd256)
+        run_step gluon_forward_hd256 python benchmarks/gluon_forward.py --head-dim 256 \
+            --block-n 64 --buffers 2
         ;;
     gluon-hd64)
         run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64
