@@ -18,6 +18,7 @@
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
 #   gluon-hd256   gluon_forward.py at head dim 256 (128x64 tiles, two slots; not yet measured)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
+#   check-defer-dk check-gluon's backward cases with gluon_bwd.DEFER_DK on
 #   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
 #   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
 #   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
@@ -94,6 +95,7 @@ for step in "$@"; do
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
+    check-defer-dk) check "--quick --gluon-everywhere --defer-dk" gpu_check_defer_dk ;;
     check-gluon) check "--quick --gluon-everywhere --variant fwd_gluon=1" gpu_check_gluon ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
