@@ -227,8 +227,7 @@ def _bwd_compute_partition(
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    # DEFER_DK: the previous tile's dS^T operand and slot, alive until its dK product is done.
-    dst_prev = gl.convert_layout(zero_st.to(dtype), a_layout)
+    # DEFER_DK: the previous tile's Q/dO slot, released once its dK product is done.
     prev_slot = 0
     if DEFER_DK:
         # Carried through the loop as an asynchronous accumulator (its type at the loop's end).
@@ -267,7 +266,7 @@ def _bwd_compute_partition(
             if DEFER_DK:
                 # Also the previous tile's dK (issued before this tile's products): its Q/dO
                 # slot is free from here.
-                st, dk, _ = warpgroup_mma_wait(1, deps=(st_token, dk, dst_prev))
+                st, dk = warpgroup_mma_wait(1, deps=(st_token, dk))
                 if it > 0:
                     mbarrier.arrive(empty.index(prev_slot), count=1)
             else:
@@ -284,8 +283,8 @@ def _bwd_compute_partition(
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
             dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dst_op = gl.convert_layout(dst, a_layout)
             if not DEFER_DK:
+                dst_op = gl.convert_layout(dst, a_layout)
                 dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
@@ -297,9 +296,10 @@ def _bwd_compute_partition(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
             if DEFER_DK:
-                dk = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+                # dS^T from shared memory (where dQ's product reads it), so no registers stay
+                # tied to the product while it runs into the next tile.
+                dk = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
                 dv, dq, _ = warpgroup_mma_wait(1, deps=(dv_token, dq_token, pt_op))
-                dst_prev = dst_op
                 prev_slot = slot
             else:
                 dv, dk, dq, _, _ = warpgroup_mma_wait(
@@ -317,7 +317,7 @@ def _bwd_compute_partition(
             it += 1
 
     if DEFER_DK:
-        dk, _ = warpgroup_mma_wait(0, deps=(dk, dst_prev))
+        dk = warpgroup_mma_wait(0, deps=(dk,))
     out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
     offs = (
