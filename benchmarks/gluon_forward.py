@@ -79,7 +79,8 @@ def compile_only(
 
 
 def _gluon(q, k, v, sri, causal, scale, block_n=gluon_fwd.BLOCK_N, buffers=gluon_fwd.NUM_BUFFERS):
-    """The Gluon forward on any mask (the library routes only unmasked calls to it)."""
+    """The Gluon forward on any mask and length (the library routes masked calls to it only
+    from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys)."""
     b, sq = q.shape[:2]
     bounds, (lists,) = kernels.prepare_cached(
         sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
@@ -95,14 +96,13 @@ def check_and_time(
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
     Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``."""
 
-    triton_only = replace(kernels.tile_config(d, has_mask=False), fwd_gluon=False)
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
         scale = d**-0.5
         for name in mask_names:
             mask, sri, causal = mask_case(name, s, b)
-            cfg = triton_only if mask is None else kernels.tile_config(d, has_mask=True)
+            cfg = replace(kernels.tile_config(d, has_mask=mask is not None), fwd_gluon=False)
             flop = visible_flop(mask, causal, s, d, h, b, 4.0)
 
             def run_triton(sri=sri, causal=causal, cfg=cfg):

@@ -1,4 +1,4 @@
-"""GPU correctness matrix for the Triton kernels (one call on the H200).
+"""GPU correctness matrix for the kernels (Triton and, on Hopper, Gluon; one call on the H200).
 
 * every builder's mask x head dims x dtypes x GQA, plus random masks of every (causal, C) form at
   ragged Sq != Sk shapes: out, lse, dq, dk, dv against a float32 reference, judged by DESIGN §4's
@@ -223,9 +223,9 @@ def main() -> int:
     parser.add_argument(
         "--gluon-everywhere",
         action="store_true",
-        help="route every eligible case to the Gluon forward and every eligible "
-        "deterministic=False case to the Gluon backward, lifting the library's length limits "
-        "for masked inputs (16K keys): the check covers their masked paths at its short lengths",
+        help="lift the library's length limits for masked inputs (16K keys), so every case the "
+        "Gluon kernels take at their default head dim (128) runs them: the forward, and the "
+        "backward with deterministic=False (add --variant fwd_gluon=1 for the forward at hd64)",
     )
     parser.add_argument(
         "--defer-dk",

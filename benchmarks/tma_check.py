@@ -55,6 +55,7 @@ def main() -> None:
                 base = replace(
                     kernels.tile_config(d, has_mask=sri is not None),
                     fwd_m=bm, fwd_n=bn, fwd_warps=w, fwd_stages=st,
+                    fwd_gluon=False,  # the Triton forward's loads are what is compared
                 )  # fmt: skip
                 variants = {
                     "pointers": replace(base, fwd_tma=False),

@@ -252,8 +252,10 @@ def run_case(
 
     def run_flashmask() -> None:
         from flashmask.kernels import (
+            backward_list_shapes,
             clear_prepared,
             device_shared_memory,
+            forward_list_shapes,
             prepare_cached,
             tile_config,
         )
@@ -262,11 +264,12 @@ def run_case(
         cfg = tile_config(
             head_dim, has_mask=sri is not None, shared_memory=device_shared_memory(device)
         )
-        # What one forward + backward of a new mask prepares, call by call as the launchers do:
-        # the forward's lists, then what the backward does not find prepared (its dK/dV lists;
-        # its dQ lists too where their tiles differ from the forward's).
-        fwd_shapes = [(cfg.fwd_m, cfg.fwd_n, True)]
-        bwd_shapes = [(cfg.bwd_m, cfg.bwd_n, False), (cfg.dq_m, cfg.dq_n, True)]
+        # What one forward + backward of a new mask prepares, call by call as the launchers do
+        # (the lists of the kernels they route to: Triton's or, on Hopper, Gluon's): the
+        # forward's lists, then what the backward does not find prepared.
+        scale = head_dim**-0.5
+        fwd_shapes = forward_list_shapes(q, k, v, sri, scale, cfg)
+        bwd_shapes = backward_list_shapes(q, k, v, do, sri, False, cfg)
 
         def prep():
             clear_prepared()

@@ -2,9 +2,10 @@
 compiles for Hopper into a warp-specialised kernel.
 
 Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
-runs the library's forward, which takes this kernel for unmasked hd128 inputs). Here: the routing
-rules (on the GPU only, positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper
-only) and an sm_90 compile of every variant.
+runs the library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked
+ones from 16K keys or under ``--gluon-everywhere``). Here: the routing rules (on the GPU only,
+positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper only, the masked length
+limit) and an sm_90 compile of every variant.
 """
 
 from __future__ import annotations
@@ -195,3 +196,50 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
     assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
     assert seen["lists"].entries.shape[-2:] == (3, 3)
+
+
+@pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
+def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
+    """The length limit applies to masked calls only, so ``kernels.forward`` and
+    ``kernels.backward`` must pass the routing functions whether there is a mask; the list
+    shapes a benchmark prepares (``forward_list_shapes``/``backward_list_shapes``) follow the
+    same routing."""
+    seen = []
+
+    def record_forward(q, k, v, scale, masked, config):
+        seen.append(("fwd", masked))
+        return False
+
+    def record_backward(q, k, v, dout, deterministic, skip_tiles, masked, config):
+        seen.append(("bwd", masked))
+        return False
+
+    monkeypatch.setattr(kernels, "_use_gluon_forward", record_forward)
+    monkeypatch.setattr(kernels, "_use_gluon_backward", record_backward)
+    q = torch.randn(1, 32, 2, 16)
+    mask = masks.causal_document([16, 16])
+    for sri in (None, mask.startend_row_indices):
+        seen.clear()
+        out, lse = kernels.forward(q, q, q, sri, True, 0.25)
+        kernels.backward(torch.ones_like(out), None, q, q, q, out, lse, sri, True, 0.25, False)
+        assert seen == [("fwd", sri is not None), ("bwd", sri is not None)]
+
+
+def test_list_shapes_follow_the_routing(monkeypatch):
+    cfg = kernels.TileConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 16, 4, 2)
+    q = torch.zeros(1, 256, 2, 128)
+    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: True)
+    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
+    tile = kernels.GLUON_FWD_TILE
+    assert kernels.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(tile, tile, True)]
+    gluon_bwd_lists = [(kernels.GLUON_BWD_QUERIES, kernels.GLUON_BWD_KEYS, False)]
+    assert kernels.backward_list_shapes(q, q, q, q, None, False, cfg) == gluon_bwd_lists
+    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: False)
+    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: False)
+    assert kernels.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(64, 32, True)]
+    # The Triton backward: dK/dV lists, plus the dQ pass's unless dQ goes through atomics.
+    both = [(32, 64, False), (64, 16, True)]
+    assert kernels.backward_list_shapes(q, q, q, q, None, True, cfg) == both
+    atomic = replace(cfg, atomic_dq=True)
+    assert kernels.backward_list_shapes(q, q, q, q, None, False, atomic) == both[:1]
+    assert kernels.backward_list_shapes(q, q, q, q, None, True, atomic) == both

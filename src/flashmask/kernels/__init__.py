@@ -666,6 +666,54 @@ def _s3(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+def _forward_shapes(use_gluon: bool, config: TileConfig) -> list[tuple[int, int, bool]]:
+    if use_gluon:
+        return [(GLUON_FWD_TILE, GLUON_FWD_TILE, True)]
+    return [(config.fwd_m, config.fwd_n, True)]
+
+
+def _backward_shapes(
+    use_gluon: bool, deterministic: bool, config: TileConfig
+) -> list[tuple[int, int, bool]]:
+    if use_gluon:
+        return [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)]
+    shapes = [(config.bwd_m, config.bwd_n, False)]
+    if not (config.atomic_dq and not deterministic):  # the separate dQ pass has its own lists
+        shapes.append((config.dq_m, config.dq_n, True))
+    return shapes
+
+
+def forward_list_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    softmax_scale: float,
+    config: TileConfig,
+) -> list[tuple[int, int, bool]]:
+    """The tile lists (``prepare``'s ``(tile_m, tile_n, row_major)`` shapes) that
+    :func:`forward` prepares for these inputs with ``config``: those of the kernel it routes
+    them to (for a benchmark that times mask preparation alone, as ``flashmask bench`` does)."""
+    masked = startend_row_indices is not None
+    return _forward_shapes(_use_gluon_forward(q, k, v, softmax_scale, masked, config), config)
+
+
+def backward_list_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    deterministic: bool,
+    config: TileConfig,
+) -> list[tuple[int, int, bool]]:
+    """The tile lists :func:`backward` prepares for these inputs with ``config`` (skipping
+    mode), like :func:`forward_list_shapes`."""
+    masked = startend_row_indices is not None
+    use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, True, masked, config)
+    return _backward_shapes(use_gluon, deterministic, config)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -697,19 +745,16 @@ def forward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    if _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config):
-        from flashmask.kernels import gluon_fwd
-
-        bounds, (lists,) = prepare_cached(
-            startend_row_indices, causal, sq, sk, b, q.device,
-            [(GLUON_FWD_TILE, GLUON_FWD_TILE, True)], skip_tiles,
-        )  # fmt: skip
-        q, k, v = (tma_ready(x) for x in (q, k, v))
-        return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles)
+    use_gluon = _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config)
     bounds, (lists,) = prepare_cached(
-        startend_row_indices, causal, sq, sk, b, q.device, [(config.fwd_m, config.fwd_n, True)],
+        startend_row_indices, causal, sq, sk, b, q.device, _forward_shapes(use_gluon, config),
         skip_tiles,
     )  # fmt: skip
+    if use_gluon:
+        from flashmask.kernels import gluon_fwd
+
+        q, k, v = (tma_ready(x) for x in (q, k, v))
+        return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles)
     if bounds is None:
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
@@ -826,13 +871,12 @@ def backward(
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     masked = startend_row_indices is not None
-    if _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config):
+    use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
+    shapes = _backward_shapes(use_gluon, deterministic, config)
+    if use_gluon:
         from flashmask.kernels import gluon_bwd
 
-        bounds, (lists,) = prepare_cached(
-            startend_row_indices, causal, sq, sk, b, q.device,
-            [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)],
-        )  # fmt: skip
+        bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
         delta = backward_delta(out, dout, dlse)
         return gluon_bwd.backward(
@@ -840,9 +884,6 @@ def backward(
             softmax_scale,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
-    shapes = [(config.bwd_m, config.bwd_n, False)]
-    if not use_atomics:
-        shapes.append((config.dq_m, config.dq_n, True))
     bounds, lists = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
