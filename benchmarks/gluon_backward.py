@@ -167,11 +167,11 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_FWD_HEAD_DIMS)
+    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_BWD_HEAD_DIMS)
     parser.add_argument("--defer-dk", action="store_true", help="also time DEFER_DK")
     args = parser.parse_args()
     if args.compile_only:
-        for d in kernels.GLUON_FWD_HEAD_DIMS:
+        for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal in (False, True):
                 for has_mask in (False, True):
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)

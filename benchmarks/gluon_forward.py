@@ -33,9 +33,6 @@ from flashmask import kernels
 from flashmask.kernels import gluon_fwd
 
 OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
-# Head dim 256 (not routed to the kernel yet): 128x64 tiles and two K/V slots, the largest that
-# fit the H200's shared memory (Q 64 KB + 2 x (K 32 KB + V 32 KB)).
-HEAD_DIM_256 = 256
 
 
 def compile_only(
@@ -78,7 +75,7 @@ def compile_only(
     }
 
 
-def _gluon(q, k, v, sri, causal, scale, block_n=gluon_fwd.BLOCK_N, buffers=gluon_fwd.NUM_BUFFERS):
+def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
     """The Gluon forward on any mask and length (the library routes masked calls to it only
     from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys)."""
     b, sq = q.shape[:2]
@@ -137,15 +134,18 @@ def main() -> None:
         "--head-dim",
         type=int,
         default=128,
-        choices=(*kernels.GLUON_FWD_HEAD_DIMS, HEAD_DIM_256),
-        help=f"{HEAD_DIM_256} is a measurement (not routed): with --block-n 64 --buffers 2 it "
-        "fits (192 KB of shared memory)",
+        choices=kernels.GLUON_FWD_HEAD_DIMS,
+        help="256 is not routed to the kernel by default (not yet measured)",
     )
-    parser.add_argument("--block-n", default="128", help="key tiles to time, e.g. 128,64")
-    parser.add_argument("--buffers", default="3", help="K/V ring depths to time, e.g. 2,3")
+    parser.add_argument(
+        "--block-n", default="", help="key tiles to time, e.g. 128,64 (default: the launcher's)"
+    )
+    parser.add_argument(
+        "--buffers", default="", help="K/V ring depths to time, e.g. 2,3 (default: the launcher's)"
+    )
     args = parser.parse_args()
     if args.compile_only:
-        for d in kernels.GLUON_FWD_HEAD_DIMS:
+        for d in (64, 128):
             for causal in (False, True):
                 for has_mask in (False, True):
                     for dense in (False, True):
@@ -156,13 +156,14 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, False, dtype=torch.float16)), flush=True)
         # a two-slot K/V ring (measured against the default three by the GPU script's --buffers)
         print(json.dumps(compile_only(128, False, False, False, num_buffers=2)), flush=True)
-        # head dim 256 at the tiles that fit, with a mask (the variant that spills most)
-        report = compile_only(HEAD_DIM_256, True, True, False, 64, num_buffers=2)
-        print(json.dumps(report), flush=True)
+        # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
+        block_n, slots = kernels.gluon_forward_tiles(256)
+        print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
         return
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    block_ns = [int(x) for x in args.block_n.split(",")]
-    buffer_counts = [int(x) for x in args.buffers.split(",")]
+    default_block_n, default_slots = kernels.gluon_forward_tiles(args.head_dim)
+    block_ns = [int(x) for x in (args.block_n or str(default_block_n)).split(",")]
+    buffer_counts = [int(x) for x in (args.buffers or str(default_slots)).split(",")]
     check_and_time(
         seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, block_ns,
         buffer_counts,

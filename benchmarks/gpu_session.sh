@@ -24,7 +24,7 @@
 #   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
 #                 and every eligible deterministic=False one on the Gluon backward
 #                 (--gluon-everywhere: the check's 1K masks are below the library's 16K limits;
-#                 --variant fwd_gluon=1: the forward at hd64 too)
+#                 --variant fwd_gluon=1 up to head dim 256: the forward at hd64 and hd256 too)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -96,7 +96,10 @@ for step in "$@"; do
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
     check-defer-dk) check "--quick --gluon-everywhere --defer-dk" gpu_check_defer_dk ;;
-    check-gluon) check "--quick --gluon-everywhere --variant fwd_gluon=1" gpu_check_gluon ;;
+    check-gluon)
+        check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256" \
+            gpu_check_gluon
+        ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
@@ -106,8 +109,7 @@ for step in "$@"; do
             --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
         ;;
     gluon-hd256)
-        run_step gluon_forward_hd256 python benchmarks/gluon_forward.py --head-dim 256 \
-            --block-n 64 --buffers 2
+        run_step gluon_forward_hd256 python benchmarks/gluon_forward.py --head-dim 256
         ;;
     gluon-hd64)
         run_step gluon_forward_hd64 python benchmarks/gluon_forward.py --head-dim 64

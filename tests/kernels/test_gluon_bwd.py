@@ -40,6 +40,9 @@ def test_eligible_inputs_are_the_forward_s_with_a_dout_like_q():
     assert not kernels.gluon_backward_eligible(q, k, v, dout, (8, 0))
     assert not kernels.gluon_backward_eligible(*_inputs(seqlen_q=200), HOPPER)
     assert not kernels.gluon_backward_eligible(*_inputs(head_dim=96), HOPPER)
+    # The forward takes D = 256; the backward's dK/dV accumulators would not fit there.
+    assert kernels.gluon_forward_eligible(*_inputs(head_dim=256)[:3], HOPPER)
+    assert not kernels.gluon_backward_eligible(*_inputs(head_dim=256), HOPPER)
     assert not kernels.gluon_backward_eligible(q, k, v, dout.half(), HOPPER)
     assert not kernels.gluon_backward_eligible(q, k, v, dout[:, :128], HOPPER)
     # Any layout (the launcher makes contiguous aligned copies where needed).
@@ -112,7 +115,7 @@ def test_compiles_warp_specialised_for_sm90():
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["defer_dk"]) for r in reports
     }
-    assert len(variants) == 13 and {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    assert len(variants) == 13 and {v[0] for v in variants} == set(kernels.GLUON_BWD_HEAD_DIMS)
     assert {v[3] for v in variants} == {"bf16", "fp16"}
     assert {v[4] for v in variants} == {False, True}  # the measured deferred-dK order too
     for report in reports:

@@ -38,7 +38,7 @@ def _qkv(batch=2, seqlen_q=256, seqlen_k=384, heads=4, kv_heads=2, head_dim=128,
 
 def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples():
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (64, 128):
+        for head_dim in (64, 128, 256):
             assert kernels.gluon_forward_eligible(*_qkv(head_dim=head_dim, dtype=dtype), HOPPER)
     assert kernels.gluon_forward_eligible(*_qkv(), (9, 0))
 
@@ -50,7 +50,7 @@ def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples():
         ("Blackwell has no wgmma", _qkv(), (10, 0)),
         ("float32", _qkv(dtype=torch.float32), HOPPER),
         ("head dim 96", _qkv(head_dim=96), HOPPER),
-        ("head dim 256", _qkv(head_dim=256), HOPPER),
+        ("head dim 192", _qkv(head_dim=192), HOPPER),
         ("Sq not a multiple of 128", _qkv(seqlen_q=200), HOPPER),
         ("Sk not a multiple of 128", _qkv(seqlen_k=1000), HOPPER),
     ],
@@ -152,7 +152,7 @@ def test_compiles_warp_specialised_for_sm90():
         for r in reports
     }  # fmt: skip
     assert len(variants) == 23
-    assert {v[0] for v in variants} == {*kernels.GLUON_FWD_HEAD_DIMS, 256}  # 256: measurement
+    assert {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
     assert {v[4] for v in variants} == {64, 128}
     assert {v[5] for v in variants} == {"bf16", "fp16"}
     assert {v[6] for v in variants} == {2, 3}
@@ -175,8 +175,9 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     row-major lists at its 128x128 tiles, the mask head count, causal, scale and mode."""
     seen = {}
 
-    def fake_forward(q, k, v, bounds, lists, hm, causal, scale, skip_tiles):
+    def fake_forward(q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots):
         seen.update(q=q, k=k, bounds=bounds, lists=lists, hm=hm, causal=causal, scale=scale)
+        seen.update(tiles=(block_n, slots))
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward)
@@ -191,6 +192,7 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert seen["bounds"] is None and seen["hm"] == 1
     assert seen["lists"].entries.shape[-2:] == (2, 3)  # 256 / 128 query tiles, 384 / 128 keys
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
+    assert seen["tiles"] == kernels.gluon_forward_tiles(128) == (128, 3)
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
@@ -243,3 +245,13 @@ def test_list_shapes_follow_the_routing(monkeypatch):
     atomic = replace(cfg, atomic_dq=True)
     assert kernels.backward_list_shapes(q, q, q, q, None, False, atomic) == both[:1]
     assert kernels.backward_list_shapes(q, q, q, q, None, True, atomic) == both
+
+
+def test_tiles_per_head_dim_fit_the_h200_shared_memory():
+    """Q tile plus the K/V slots, in bf16: at most the 227 KB an H200 block may use."""
+    for head_dim in kernels.GLUON_FWD_HEAD_DIMS:
+        key_tile, slots = kernels.gluon_forward_tiles(head_dim)
+        assert kernels.GLUON_FWD_TILE % key_tile == 0  # key tiles divide the lengths it takes
+        q_bytes = kernels.GLUON_FWD_TILE * head_dim * 2
+        kv_bytes = slots * 2 * key_tile * head_dim * 2
+        assert q_bytes + kv_bytes <= 227 * 1024, head_dim

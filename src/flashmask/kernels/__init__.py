@@ -480,9 +480,17 @@ def _tma_usable(tensors: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
-# The Gluon forward (``kernels.gluon_fwd``): its square tile and the head dims it compiles for.
+# The Gluon forward (``kernels.gluon_fwd``): its query tile (which also divides every length
+# it takes) and the head dims it compiles for.
 GLUON_FWD_TILE = 128
-GLUON_FWD_HEAD_DIMS = (64, 128)
+GLUON_FWD_HEAD_DIMS = (64, 128, 256)
+
+
+def gluon_forward_tiles(head_dim: int) -> tuple[int, int]:
+    """``(key tile, K/V slots)`` of the Gluon forward at ``head_dim``: 128-key tiles in three
+    slots up to D = 128 (224 KB of shared memory at 128); at D = 256 64-key tiles in two slots,
+    the largest that fit (192 KB). D = 256 is not routed by default (not yet measured)."""
+    return (64, 2) if head_dim > 128 else (GLUON_FWD_TILE, 3)
 
 
 def gluon_forward_eligible(
@@ -516,9 +524,11 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-# The Gluon backward (``kernels.gluon_bwd``): its query and key tiles.
+# The Gluon backward (``kernels.gluon_bwd``): its query and key tiles, and the head dims it
+# compiles for (at D = 256 its dK and dV accumulators would not fit the registers).
 GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
+GLUON_BWD_HEAD_DIMS = (64, 128)
 # With an interval mask, the Gluon backward only from this many keys: at 8K its 128-key tiles
 # skip less finely than the Triton backward's 64-key ones, and sparse masks lost (sliding_window
 # 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 32K it was 0.98-1.13x
@@ -541,9 +551,11 @@ def gluon_backward_eligible(
     capability: tuple[int, int],
 ) -> bool:
     """Whether the Gluon backward can take these inputs: those of :func:`gluon_forward_eligible`
-    (its tiles divide lengths divisible by 128 too) and a ``dout`` like ``q``."""
+    (its tiles divide lengths divisible by 128 too) with ``D`` in :data:`GLUON_BWD_HEAD_DIMS`,
+    and a ``dout`` like ``q``."""
     return (
         gluon_forward_eligible(q, k, v, capability)
+        and q.shape[-1] in GLUON_BWD_HEAD_DIMS
         and dout.shape == q.shape
         and dout.dtype == q.dtype
     )
@@ -666,9 +678,11 @@ def _s3(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _forward_shapes(use_gluon: bool, config: TileConfig) -> list[tuple[int, int, bool]]:
+def _forward_shapes(
+    use_gluon: bool, head_dim: int, config: TileConfig
+) -> list[tuple[int, int, bool]]:
     if use_gluon:
-        return [(GLUON_FWD_TILE, GLUON_FWD_TILE, True)]
+        return [(GLUON_FWD_TILE, gluon_forward_tiles(head_dim)[0], True)]
     return [(config.fwd_m, config.fwd_n, True)]
 
 
@@ -695,7 +709,8 @@ def forward_list_shapes(
     :func:`forward` prepares for these inputs with ``config``: those of the kernel it routes
     them to (for a benchmark that times mask preparation alone, as ``flashmask bench`` does)."""
     masked = startend_row_indices is not None
-    return _forward_shapes(_use_gluon_forward(q, k, v, softmax_scale, masked, config), config)
+    use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    return _forward_shapes(use_gluon, q.shape[-1], config)
 
 
 def backward_list_shapes(
@@ -747,14 +762,17 @@ def forward(
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config)
     bounds, (lists,) = prepare_cached(
-        startend_row_indices, causal, sq, sk, b, q.device, _forward_shapes(use_gluon, config),
+        startend_row_indices, causal, sq, sk, b, q.device, _forward_shapes(use_gluon, d, config),
         skip_tiles,
     )  # fmt: skip
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 
         q, k, v = (tma_ready(x) for x in (q, k, v))
-        return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles)
+        key_tile, slots = gluon_forward_tiles(d)
+        return gluon_fwd.forward(
+            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots
+        )
     if bounds is None:
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]

@@ -363,9 +363,9 @@ def forward(
     ``bounds`` (``[B, Hm, 4, Sk]`` normalised column bounds, ``None`` without a mask) and
     ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
     tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
-    ``block_n`` (128 or 64, dividing Sk) is the key tile; 64 is for measurement (finer skipping
-    and fewer bound loads per partial tile with interval masks). ``num_buffers`` (K/V slots; 2 or 3,
-    3 fit at 128x128, hd128: 224 KB) is for measurement too."""
+    ``block_n`` (dividing Sk) is the key tile and ``num_buffers`` the K/V slots: the launcher
+    passes ``kernels.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256);
+    other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
