@@ -1,0 +1,434 @@
+"""Experiment: a persistent grid for the Gluon forward (Hopper).
+
+Not part of the library. The library's Gluon forward (``flashmask.kernels.gluon_fwd``) launches
+one program per (query tile, head, batch); with 224 KB of shared memory each program holds an
+SM alone, so its prologue (barrier set-up, the Q load, the first K/V loads) and epilogue (O and
+lse stores) leave the tensor cores idle. Where the tile lists are short (sliding_window at 8K,
+share_question) that idle time is a large share, and the Triton forward, whose smaller tiles
+run several programs per SM, wins (``benchmarks/NOTES.md``, seventh session). Here one program
+per SM walks work items ``(query tile, head, batch)``, heaviest query tiles first over all heads
+and batches, and
+
+* the producer warp loads the next item's Q as soon as both warpgroups have issued the current
+  item's last ``Q K^T`` (mbarrier ``q_empty``, two arrivals) and keeps filling the K/V ring across
+  items, so the next item's loads overlap the current item's last products and its epilogue;
+* the two compute warpgroups run the library's ping-pong schedule unchanged, with the K/V ring
+  and the turn barriers counted over the program's whole sequence of tiles (``base + it``), so
+  the turns keep alternating strictly across items.
+
+Each query row sees the library kernel's arithmetic in the same order, so out/lse should match
+it bit for bit (the script reports it).
+
+Usage:
+* ``python benchmarks/gluon_forward_persistent.py --compile-only`` (no GPU): compile for sm_90 and
+  print registers, spills, shared memory and key instruction counts per variant;
+* ``PYTHONPATH=src python benchmarks/gluon_forward_persistent.py`` (H200): out/lse against the
+  library's Gluon forward, both timed and the Triton forward timed, at 8K and 32K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+import triton
+from bench_cases import forward_differences, mask_case, visible_flop
+from cubin import compile_gluon_sm90, warp_specialized_report
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashmask import kernels
+from flashmask.kernels import gluon_fwd
+from flashmask.kernels.gluon_fwd import (
+    LOG2E,
+    LOG2E_VALUE,
+    hide_pairs,
+    load_column_bounds,
+    shared_layout,
+    tma_load,
+    wgmma_layout,
+)
+
+BLOCK_M = gluon_fwd.BLOCK_M
+NUM_WARPS = gluon_fwd.NUM_WARPS
+MAX_REGISTERS = gluon_fwd.MAX_REGISTERS
+COMPUTE_REGISTERS = gluon_fwd.COMPUTE_REGISTERS
+OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "SYNCS")
+
+
+@gluon.jit
+def _work_item(
+    item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+):  # fmt: skip
+    """Work item ``item`` (heaviest query tiles first over every head and batch): ``(query
+    tile, query head, batch index, kv head, its mask head's bounds, the tile's list length and
+    entries)``."""
+    heads_batches = num_heads_q * batch
+    m_tile = num_m_tiles - 1 - item // heads_batches
+    rest = item % heads_batches
+    h = rest % num_heads_q
+    b = rest // num_heads_q
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    list_row = mask_head * num_m_tiles + m_tile
+    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
+    count = gl.load(counts_ptr + list_row)
+    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    return m_tile, h, b, h // heads_per_kv, bounds, count, entries
+
+
+@gluon.jit
+def _persistent_load_partition(
+    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready, kv_empty,
+    bounds_ptr, entries_ptr, counts_ptr, seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, num_items,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Producer warp: per item, Q once the previous item's Q is free, then its K/V tiles into
+    the ring, whose slots and phases run on over the program's items."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    base = 0
+    items_done = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        m_tile, h, b, h_kv, _, count, entries = _work_item(
+            item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
+        # Both warpgroups have issued (and awaited) the previous item's last Q K^T.
+        mbarrier.wait(q_empty, (items_done & 1) ^ 1)
+        mbarrier.expect(q_full, q_desc.block_type.nbytes)
+        tma_load(q_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], q_full, q_smem)
+        for it in range(count):
+            entry = gl.load(entries + it)
+            n_tile = gl.where(entry >= 0, entry, -entry - 1)
+            g = base + it
+            slot = g % num_buffers
+            mbarrier.wait(kv_empty.index(slot), ((g // num_buffers) & 1) ^ 1)
+            ready = kv_ready.index(slot)
+            mbarrier.expect(ready, kv_bytes)
+            row = b * seqlen_k + n_tile * BLOCK_N
+            tma_load(k_desc, [row, h_kv * HEAD_DIM], ready, k_bufs.index(slot))
+            tma_load(v_desc, [row, h_kv * HEAD_DIM], ready, v_bufs.index(slot))
+        base += count
+        items_done += 1  # noqa: SIM113 (no enumerate in a Gluon loop)
+
+
+@gluon.jit
+def _persistent_compute(
+    q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready, kv_empty, turns, bounds_ptr,
+    entries_ptr, counts_ptr, out_ptr, lse_ptr, stride_ob, stride_os, stride_oh, seqlen_q,
+    seqlen_k, num_heads_q, batch, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, num_items, qk_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    WG: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroup ``WG`` (query rows ``WG * 64 ...`` of every item's tile): the
+    library's ping-pong loop per item, with ring slots and turn phases counted over the
+    program's whole tile sequence."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    half: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q_half = q_smem.slice(WG * half, half)
+    my_turn = turns.index(WG)
+    other_turn = turns.index(1 - WG)
+    zero_s = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
+    offs_n = gl.arange(0, BLOCK_N, col_layout)
+    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    base = 0
+    items_done = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        m_tile, h, b, _h_kv, bounds, count, entries = _work_item(
+            item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
+        m_i = gl.full([half], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([half], gl.float32, row_layout)
+        acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+        p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
+        rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
+        mbarrier.wait(q_full, items_done & 1)
+        for it in range(count):
+            entry = gl.load(entries + it)
+            n_tile = gl.where(entry >= 0, entry, -entry - 1)
+            g = base + it
+            slot = g % num_buffers
+            # The previous tile's slot; on an item's first tile its own (0 · V, exact zeros).
+            prev = gl.where(it > 0, (g - 1) % num_buffers, slot)
+            mbarrier.wait(kv_ready.index(slot), (g // num_buffers) & 1)
+            mbarrier.wait(my_turn, g & 1)
+            s_token = warpgroup_mma(
+                q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            acc_token = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+            mbarrier.arrive(other_turn, count=1)
+            qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
+            if it > 0:
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+            if entry >= 0:
+                cols = n_tile * BLOCK_N + offs_n
+                lts, lte, uts, ute = load_column_bounds(bounds, cols, seqlen_k, HAS_MASK, HAS_UPPER)
+                hidden = hide_pairs(
+                    gl.zeros([half, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
+                    lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
+                    HAS_MASK, HAS_UPPER, CAUSAL,
+                )  # fmt: skip
+                qk = gl.where(hidden, float("-inf"), qk)
+            m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_shift)
+            p = gl.exp2(qk * qk_scale - m_shift[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            m_i = m_new
+        # This warpgroup's last Q K^T is done: the producer may load the next item's Q once
+        # the other warpgroup says so too.
+        mbarrier.arrive(q_empty, count=1)
+        if count > 0:
+            last = (base + count - 1) % num_buffers
+            acc = warpgroup_mma(p_prev, v_bufs.index(last), acc)
+            mbarrier.arrive(kv_empty.index(last), count=1)
+        visible = l_i > 0
+        l_safe = gl.where(visible, l_i, 1.0)
+        acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
+        o_ptrs = (
+            out_ptr + h * stride_oh + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
+        )
+        gl.store(o_ptrs, acc.to(dtype))
+        lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
+        lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+        gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
+        base += count
+        items_done += 1  # noqa: SIM113 (no enumerate in a Gluon loop)
+
+
+@gluon.jit
+def persistent_fwd_kernel(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, num_items, qk_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    COMPUTE_REGISTERS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(programs,)`` (one per SM); program ``p`` takes items ``p, p + programs, ...``."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    mbarrier.init(q_empty, count=2)  # both warpgroups
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 has the first turn
+
+    gl.warp_specialize(
+        [
+            (
+                _persistent_compute,
+                (
+                    q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready, kv_empty, turns,
+                    bounds_ptr, entries_ptr, counts_ptr, out_ptr, lse_ptr, stride_ob, stride_os,
+                    stride_oh, seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv,
+                    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, num_items,
+                    qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, 0,
+                ),
+            ),
+            (
+                _persistent_compute,
+                (
+                    q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready, kv_empty, turns,
+                    bounds_ptr, entries_ptr, counts_ptr, out_ptr, lse_ptr, stride_ob, stride_os,
+                    stride_oh, seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv,
+                    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, num_items,
+                    qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, 1,
+                ),
+            ),
+            (
+                _persistent_load_partition,
+                (
+                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready,
+                    kv_empty, bounds_ptr, entries_ptr, counts_ptr, seqlen_q, seqlen_k,
+                    num_heads_q, batch, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, num_items, BLOCK_M, BLOCK_N, HEAD_DIM,
+                ),
+            ),
+        ],
+        [4, 1],
+        [COMPUTE_REGISTERS, 24],
+    )  # fmt: skip
+
+
+def persistent_forward(q, k, v, sri, causal: bool, softmax_scale: float, programs: int):
+    """``(out, lse)`` like the library's Gluon forward (same input conditions, hd64/hd128)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    block_n, slots = kernels.gluon_forward_tiles(d)
+    bounds, (lists,) = kernels.prepare_cached(
+        sri, causal, sq, sk, b, q.device, [(BLOCK_M, block_n, True)]
+    )
+    hm = 1 if sri is None else sri.shape[1]
+    tm, tn = lists.entries.shape[-2:]
+    q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
+    q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], shared_layout(BLOCK_M, d, q.dtype))
+    kv_layout = shared_layout(block_n, d, q.dtype)
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    items = tm * hq * b
+    persistent_fwd_kernel[(min(programs, items),)](
+        q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
+        lists.entries, lists.counts, out.stride(0), out.stride(1), out.stride(2),
+        sq, sk, hq, b, hq // hk, hq // hm, hm, tm, tn, items, softmax_scale * LOG2E_VALUE,
+        CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=slots,
+        COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    return out, lse
+
+
+def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
+    """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
+    block_n, slots = kernels.gluon_forward_tiles(head_dim)
+
+    def desc_type(rows):
+        layout = shared_layout(rows, head_dim, torch.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+    signature = {
+        "q_desc": desc_type(BLOCK_M), "k_desc": desc_type(block_n), "v_desc": desc_type(block_n),
+        "out_ptr": "*bf16", "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
+        "counts_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "batch": "i32",
+        "heads_per_kv": "i32", "heads_per_mask_head": "i32", "num_mask_heads": "i32",
+        "num_m_tiles": "i32", "num_n_tiles": "i32", "num_items": "i32", "qk_scale": "fp32",
+    }  # fmt: skip
+    values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
+              "BLOCK_M": BLOCK_M, "BLOCK_N": block_n, "HEAD_DIM": head_dim,
+              "NUM_BUFFERS": slots, "COMPUTE_REGISTERS": COMPUTE_REGISTERS}  # fmt: skip
+    compiled = compile_gluon_sm90(
+        persistent_fwd_kernel, signature, values, {"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS}
+    )
+    return {
+        "head_dim": head_dim,
+        "causal": causal,
+        "has_mask": has_mask,
+        **warp_specialized_report(compiled, OPCODES),
+    }
+
+
+def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
+    """Out/lse against the library's Gluon forward; the persistent, library Gluon and Triton
+    forwards timed, per length and mask."""
+    d = 128
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    for s in seqlens:
+        b, h = max(1, tokens // s), hidden // d
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+        scale = d**-0.5
+        for name in mask_names:
+            mask, sri, causal = mask_case(name, s, b)
+            flop = visible_flop(mask, causal, s, d, h, b, 4.0)
+            block_n, slots = kernels.gluon_forward_tiles(d)
+            bounds, (lists,) = kernels.prepare_cached(
+                sri, causal, s, s, b, q.device, [(BLOCK_M, block_n, True)]
+            )
+            hm = 1 if sri is None else sri.shape[1]
+
+            def library(bounds=bounds, lists=lists, hm=hm, causal=causal):
+                return gluon_fwd.forward(
+                    q, k, v, bounds, lists, hm, causal, scale, True, block_n, slots
+                )
+
+            cfg = replace(kernels.tile_config(d, has_mask=sri is not None), fwd_gluon=False)
+
+            def run_triton(sri=sri, causal=causal, cfg=cfg):
+                return kernels.forward(q, k, v, sri, causal, scale, config=cfg)
+
+            ref_out, ref_lse = library()
+            line = f"S={s} {name:16s}"
+            for label, fn in (("triton", run_triton), ("gluon", library)):
+                ms = triton.testing.do_bench(fn, rep=100)
+                line += f" {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) |"
+            try:
+                out, lse = persistent_forward(q, k, v, sri, causal, scale, programs)
+                torch.cuda.synchronize()
+            except Exception as exc:  # report and go on
+                print(f"{line} persistent: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            same = torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+            err, _, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
+            ms = triton.testing.do_bench(
+                lambda sri=sri, c=causal: persistent_forward(q, k, v, sri, c, scale, programs),
+                rep=100,
+            )
+            line += (
+                f" persistent {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) bitwise {same} "
+                f"max|out diff| {err:.1e} empty rows ok {dead_ok}"
+            )
+            print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--seqlens", default="8192,32768")
+    parser.add_argument(
+        "--masks",
+        default="full,causal,sliding_window,causal_document,document,share_question,"
+        "global_sliding_window,prefix_lm_document,random_eviction",
+    )
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=2048)
+    args = parser.parse_args()
+    if args.compile_only:
+        for causal in (False, True):
+            for has_mask in (False, True):
+                print(json.dumps(compile_only(128, causal, has_mask)), flush=True)
+        return
+    check_and_time([int(x) for x in args.seqlens.split(",")], args.masks.split(","), args.tokens,
+                   args.hidden)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
