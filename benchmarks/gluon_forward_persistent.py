@@ -40,17 +40,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from flashmask import kernels
 from flashmask.kernels import gluon_fwd
 from flashmask.kernels.gluon_fwd import (
-    LOG2E,
     LOG2E_VALUE,
-    hide_pairs,
-    load_column_bounds,
+    finish_rows,
+    pingpong_tile,
+    query_tile_list,
     shared_layout,
     tma_load,
     wgmma_layout,
@@ -76,11 +74,10 @@ def _work_item(
     rest = item % heads_batches
     h = rest % num_heads_q
     b = rest // num_heads_q
-    mask_head = b * num_mask_heads + h // heads_per_mask_head
-    list_row = mask_head * num_m_tiles + m_tile
-    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
-    count = gl.load(counts_ptr + list_row)
-    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    bounds, count, entries = query_tile_list(
+        m_tile, h, b, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_mask_head,
+        num_mask_heads, num_m_tiles, num_n_tiles,
+    )  # fmt: skip
     return m_tile, h, b, h // heads_per_kv, bounds, count, entries
 
 
@@ -154,8 +151,6 @@ def _persistent_compute(
     other_turn = turns.index(1 - WG)
     zero_s = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
     offs_n = gl.arange(0, BLOCK_N, col_layout)
-    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     base = 0
     items_done = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
@@ -170,57 +165,23 @@ def _persistent_compute(
         rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
         mbarrier.wait(q_full, items_done & 1)
         for it in range(count):
-            entry = gl.load(entries + it)
-            n_tile = gl.where(entry >= 0, entry, -entry - 1)
             g = base + it
-            slot = g % num_buffers
             # The previous tile's slot; on an item's first tile its own (0 · V, exact zeros).
-            prev = gl.where(it > 0, (g - 1) % num_buffers, slot)
-            mbarrier.wait(kv_ready.index(slot), (g // num_buffers) & 1)
-            mbarrier.wait(my_turn, g & 1)
-            s_token = warpgroup_mma(
-                q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            acc_token = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
-            mbarrier.arrive(other_turn, count=1)
-            qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
-            if it > 0:
-                mbarrier.arrive(kv_empty.index(prev), count=1)
-            if entry >= 0:
-                cols = n_tile * BLOCK_N + offs_n
-                lts, lte, uts, ute = load_column_bounds(bounds, cols, seqlen_k, HAS_MASK, HAS_UPPER)
-                hidden = hide_pairs(
-                    gl.zeros([half, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
-                    lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
-                    HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                qk = gl.where(hidden, float("-inf"), qk)
-            m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_shift)
-            p = gl.exp2(qk * qk_scale - m_shift[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_prev = gl.convert_layout(p.to(dtype), p_layout)
-            m_i = m_new
+            prev = gl.where(it > 0, (g - 1) % num_buffers, g % num_buffers)
+            m_i, l_i, acc, p_prev = pingpong_tile(
+                q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s,
+                entries, it, g, prev, bounds, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q,
+                seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, False,
+            )  # fmt: skip
         # This warpgroup's last Q K^T is done: the producer may load the next item's Q once
         # the other warpgroup says so too.
         mbarrier.arrive(q_empty, count=1)
-        if count > 0:
-            last = (base + count - 1) % num_buffers
-            acc = warpgroup_mma(p_prev, v_bufs.index(last), acc)
-            mbarrier.arrive(kv_empty.index(last), count=1)
-        visible = l_i > 0
-        l_safe = gl.where(visible, l_i, 1.0)
-        acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         out_row0 = b.to(gl.int64) * (stride_ob // stride_os) + m_tile * BLOCK_M
-        o_ptrs = (
-            out_ptr + h * stride_oh + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
-        )
-        gl.store(o_ptrs, acc.to(dtype))
-        lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
         lse_row0 = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
-        gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
+        finish_rows(
+            v_bufs, kv_empty, count, (base + count - 1) % num_buffers, m_i, l_i, acc, p_prev,
+            out_ptr + h * stride_oh, out_row0, stride_os, lse_ptr, lse_row0, WG,
+        )  # fmt: skip
         base += count
         items_done += 1  # noqa: SIM113 (no enumerate in a Gluon loop)
 

@@ -142,6 +142,84 @@ def load_partition(
 
 
 @gluon.jit
+def pingpong_tile(
+    q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries, it, g,
+    prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k, qk_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    MASK_FULL_TILES: gl.constexpr,
+):  # fmt: skip
+    """One consumer warpgroup's step ``it`` over a query tile's list: wait for the key tile's
+    slot (the ``g``-th of the program's ring) and this warpgroup's turn, issue ``S = Q K^T`` and
+    the previous tile's ``O += P V`` (from slot ``prev``; ``0 · V`` on the first step), hand the
+    turn over, release the previous slot, then the online softmax of this tile. Returns the
+    updated ``(m_i, l_i, acc, p)``; the last tile's ``P V`` is :func:`finish_rows`'s."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    block_n: gl.constexpr = k_bufs.type.shape[1]
+    s_layout: gl.constexpr = zero_s.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = p_prev.type.layout
+    entry = gl.load(entries + it)
+    n_tile = gl.where(entry >= 0, entry, -entry - 1)
+    slot = g % num_buffers
+    mbarrier.wait(kv_ready.index(slot), (g // num_buffers) & 1)
+    mbarrier.wait(my_turn, g & 1)
+    s_token = warpgroup_mma(
+        q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
+    )
+    acc_token = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+    mbarrier.arrive(other_turn, count=1)
+    qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
+    if it > 0:
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+    if MASK_FULL_TILES or entry >= 0:
+        # A partial tile (the list's first group), or every tile in the dense mode: the
+        # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
+        cols = n_tile * block_n + offs_n
+        lts, lte, uts, ute = load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK, HAS_UPPER)
+        hidden = hide_pairs(
+            gl.zeros(zero_s.shape, gl.int1, s_layout), rows[:, None], cols[None, :],
+            lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
+            HAS_MASK, HAS_UPPER, CAUSAL,
+        )  # fmt: skip
+        qk = gl.where(hidden, float("-inf"), qk)
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(qk * qk_scale - m_shift[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return m_new, l_i, acc, gl.convert_layout(p.to(p_prev.dtype), p_layout)
+
+
+@gluon.jit
+def finish_rows(
+    v_bufs, kv_empty, count, last, m_i, l_i, acc, p_prev, out_ptr, out_row0, stride_os,
+    lse_ptr, lse_row0, WG: gl.constexpr,
+):  # fmt: skip
+    """A consumer warpgroup's end of a query tile: the last tile's ``P V`` (from slot ``last``,
+    which it then releases; none for an empty list) and its 64 rows of O (``out_ptr``: the
+    head's output, rows ``out_row0 + WG * 64 ...``) and lse (from ``lse_row0 + WG * 64``)."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_layout: gl.constexpr = m_i.type.layout
+    half: gl.constexpr = acc.type.shape[0]
+    head_dim: gl.constexpr = acc.type.shape[1]
+    if count > 0:
+        acc = warpgroup_mma(p_prev, v_bufs.index(last), acc)
+        mbarrier.arrive(kv_empty.index(last), count=1)
+    visible = l_i > 0
+    l_safe = gl.where(visible, l_i, 1.0)
+    acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, head_dim, gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
+    gl.store(o_ptrs, acc.to(p_prev.dtype))
+    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
+    gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
+
+
+@gluon.jit
 def _compute_partition(
     q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count, bounds_ptr,
     out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
@@ -179,55 +257,32 @@ def _compute_partition(
 
     mbarrier.wait(q_bar, 0)
     for it in range(count):
-        entry = gl.load(entries + it)
-        n_tile = gl.where(entry >= 0, entry, -entry - 1)
-        slot = it % num_buffers
+        # The previous tile's slot (the first tile's own: 0 · V_0, exact zeros).
         prev = gl.maximum(it - 1, 0) % num_buffers
-        mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
-        mbarrier.wait(my_turn, it & 1)
-        s_token = warpgroup_mma(
-            q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        # The previous tile's P V (0 · V_0 on the first iteration: exact zeros).
-        acc_token = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
-        if it > 0:
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-        if MASK_FULL_TILES or entry >= 0:
-            # A partial tile (the list's first group), or every tile in the dense mode: the
-            # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
-            cols = n_tile * BLOCK_N + offs_n
-            lts, lte, uts, ute = load_column_bounds(bounds_ptr, cols, seqlen_k, HAS_MASK, HAS_UPPER)
-            hidden = hide_pairs(
-                gl.zeros([half, BLOCK_N], gl.int1, s_layout), rows[:, None], cols[None, :],
-                lts[None, :], lte[None, :], uts[None, :], ute[None, :], seqlen_k - seqlen_q,
-                HAS_MASK, HAS_UPPER, CAUSAL,
-            )  # fmt: skip
-            qk = gl.where(hidden, float("-inf"), qk)
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(qk * qk_scale - m_shift[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_prev = gl.convert_layout(p.to(dtype), p_layout)
-        m_i = m_new
+        m_i, l_i, acc, p_prev = pingpong_tile(
+            q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries,
+            it, it, prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k,
+            qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+        )  # fmt: skip
+    finish_rows(
+        v_bufs, kv_empty, count, (count - 1) % num_buffers, m_i, l_i, acc, p_prev, out_ptr,
+        out_row0, stride_os, lse_ptr, lse_row0, WG,
+    )  # fmt: skip
 
-    if count > 0:
-        last = (count - 1) % num_buffers
-        acc = warpgroup_mma(p_prev, v_bufs.index(last), acc)
-        mbarrier.arrive(kv_empty.index(last), count=1)
 
-    visible = l_i > 0
-    l_safe = gl.where(visible, l_i, 1.0)
-    acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
-    gl.store(o_ptrs, acc.to(dtype))
-    lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
-    gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
+@gluon.jit
+def query_tile_list(
+    m_tile, h, b, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles,
+):  # fmt: skip
+    """Query tile ``m_tile`` of head ``h``, batch ``b``: its mask head's normalised bounds, its
+    list's length and its entries (row-major lists, one row per mask head and query tile)."""
+    mask_head = b * num_mask_heads + h // heads_per_mask_head
+    list_row = mask_head * num_m_tiles + m_tile
+    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
+    count = gl.load(counts_ptr + list_row)
+    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    return bounds, count, entries
 
 
 @gluon.jit
@@ -241,11 +296,10 @@ def query_tile_program(
     m_tile = num_m_tiles - 1 - gl.program_id(0)
     h = gl.program_id(1)
     b = gl.program_id(2)
-    mask_head = b * num_mask_heads + h // heads_per_mask_head
-    list_row = mask_head * num_m_tiles + m_tile
-    bounds = bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k
-    count = gl.load(counts_ptr + list_row)
-    entries = entries_ptr + list_row.to(gl.int64) * num_n_tiles
+    bounds, count, entries = query_tile_list(
+        m_tile, h, b, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_mask_head,
+        num_mask_heads, num_m_tiles, num_n_tiles,
+    )  # fmt: skip
     return m_tile, h, b, h // heads_per_kv, bounds, count, entries
 
 
