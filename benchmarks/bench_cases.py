@@ -1,12 +1,34 @@
-"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``): a
-bench mask by name, its mask-aware FLOP count, and how far a
-forward's ``(out, lse)`` is from a reference one."""
+"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``,
+``gluon_forward_persistent.py``): their common command line, a bench mask by name, its
+mask-aware FLOP count, and how far a forward's ``(out, lse)`` is from a reference one."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
 from flashmask import bench, masks
+
+DEFAULT_MASKS = "full,causal,causal_document,share_question,document,sliding_window"
+
+
+def _comma_list(kind):
+    return lambda text: [kind(x) for x in text.split(",")]
+
+
+def case_parser(description: str, masks_default: str = DEFAULT_MASKS) -> argparse.ArgumentParser:
+    """The options every comparison script takes: ``--compile-only`` (sm_90 compile reports, no
+    GPU), ``--seqlens`` (comma-separated, parsed to ints), ``--masks`` (comma-separated bench
+    mask names, parsed to a list), and ``--tokens`` / ``--hidden`` (batch = tokens / seqlen,
+    heads = hidden / head dim)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--seqlens", type=_comma_list(int), default="8192,32768")
+    parser.add_argument("--masks", type=_comma_list(str), default=masks_default)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=2048)
+    return parser
 
 
 def mask_case(name: str, seqlen: int, batch: int, device: str = "cuda"):

@@ -16,13 +16,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 
 import torch
 import triton
-from bench_cases import mask_case, visible_flop
+from bench_cases import case_parser, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
@@ -159,14 +158,7 @@ def check_and_time(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compile-only", action="store_true")
-    parser.add_argument("--seqlens", default="8192,32768")
-    parser.add_argument(
-        "--masks", default="full,causal,causal_document,share_question,document,sliding_window"
-    )
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser = case_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_BWD_HEAD_DIMS)
     parser.add_argument("--defer-dk", action="store_true", help="also time DEFER_DK")
     args = parser.parse_args()
@@ -182,10 +174,7 @@ def main() -> None:
                 report = compile_only(128, causal, has_mask, defer_dk=True)
                 print(json.dumps(report), flush=True)
         return
-    seqlens = [int(x) for x in args.seqlens.split(",")]
-    check_and_time(
-        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, args.defer_dk
-    )
+    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.defer_dk)
 
 
 if __name__ == "__main__":

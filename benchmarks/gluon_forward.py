@@ -20,13 +20,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 
 import torch
 import triton
-from bench_cases import forward_differences, mask_case, visible_flop
+from bench_cases import case_parser, forward_differences, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
@@ -122,14 +121,7 @@ def check_and_time(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compile-only", action="store_true")
-    parser.add_argument("--seqlens", default="8192,32768")
-    parser.add_argument(
-        "--masks", default="full,causal,causal_document,share_question,document,sliding_window"
-    )
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser = case_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
         "--head-dim",
         type=int,
@@ -160,12 +152,11 @@ def main() -> None:
         block_n, slots = kernels.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
         return
-    seqlens = [int(x) for x in args.seqlens.split(",")]
     default_block_n, default_slots = kernels.gluon_forward_tiles(args.head_dim)
     block_ns = [int(x) for x in (args.block_n or str(default_block_n)).split(",")]
     buffer_counts = [int(x) for x in (args.buffers or str(default_slots)).split(",")]
     check_and_time(
-        seqlens, args.masks.split(","), args.tokens, args.hidden, args.head_dim, block_ns,
+        args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, block_ns,
         buffer_counts,
     )  # fmt: skip
 

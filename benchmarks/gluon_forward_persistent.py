@@ -28,13 +28,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 
 import torch
 import triton
-from bench_cases import forward_differences, mask_case, visible_flop
+from bench_cases import case_parser, forward_differences, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -371,24 +370,18 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compile-only", action="store_true")
-    parser.add_argument("--seqlens", default="8192,32768")
-    parser.add_argument(
-        "--masks",
-        default="full,causal,sliding_window,causal_document,document,share_question,"
+    parser = case_parser(
+        __doc__.split("\n\n")[0],
+        "full,causal,sliding_window,causal_document,document,share_question,"
         "global_sliding_window,prefix_lm_document,random_eviction",
     )
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     if args.compile_only:
         for causal in (False, True):
             for has_mask in (False, True):
                 print(json.dumps(compile_only(128, causal, has_mask)), flush=True)
         return
-    check_and_time([int(x) for x in args.seqlens.split(",")], args.masks.split(","), args.tokens,
-                   args.hidden)  # fmt: skip
+    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden)
 
 
 if __name__ == "__main__":
