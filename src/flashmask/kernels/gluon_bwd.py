@@ -67,8 +67,10 @@ NUM_BUFFERS = 2
 NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
-# Leave each tile's dK product running into the next tile (``_bwd_compute_partition``); off
-# until measured on the H200 (``benchmarks/gluon_backward.py --defer-dk``).
+# Leave each tile's dK product running into the next tile (``_bwd_compute_partition``). Off:
+# on the H200 it was 5.7% faster on full attention and 8-11% slower on causal and masks
+# (benchmarks/NOTES.md, change 16), and its present form (dS^T read from shared memory) has not
+# run on a GPU yet (``benchmarks/gluon_backward.py --defer-dk``, ``gpu_check.py --defer-dk``).
 DEFER_DK = False
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
