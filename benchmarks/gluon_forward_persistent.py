@@ -63,14 +63,21 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "SYNCS")
 @gluon.jit
 def _work_item(
     item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch, heads_per_kv,
-    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
-    """Work item ``item`` (heaviest query tiles first over every head and batch): ``(query
-    tile, query head, batch index, kv head, its mask head's bounds, the tile's list length and
-    entries)``."""
-    heads_batches = num_heads_q * batch
-    m_tile = num_m_tiles - 1 - item // heads_batches
-    rest = item % heads_batches
+    """Work item ``item``: ``(query tile, query head, batch index, kv head, its mask head's
+    bounds, the tile's list length and entries)``. ``HEAD_MAJOR``: head by head, heaviest (last)
+    query tiles first within each, the order the library's grid launches in, so that the
+    programs running at once read the same head's K/V (L2 reuse); else heaviest query tiles
+    first over every head and batch (longest-processing-time order, but concurrent programs
+    read different heads' K/V)."""
+    if HEAD_MAJOR:
+        m_tile = num_m_tiles - 1 - item % num_m_tiles
+        rest = item // num_m_tiles
+    else:
+        heads_batches = num_heads_q * batch
+        m_tile = num_m_tiles - 1 - item // heads_batches
+        rest = item % heads_batches
     h = rest % num_heads_q
     b = rest // num_heads_q
     bounds, count, entries = query_tile_list(
@@ -88,6 +95,7 @@ def _persistent_load_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """Producer warp: per item, Q once the previous item's Q is free, then its K/V tiles into
     the ring, whose slots and phases run on over the program's items."""
@@ -99,6 +107,7 @@ def _persistent_load_partition(
         m_tile, h, b, h_kv, _, count, entries = _work_item(
             item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch,
             heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            HEAD_MAJOR,
         )  # fmt: skip
         # Both warpgroups have issued (and awaited) the previous item's last Q K^T.
         mbarrier.wait(q_empty, (items_done & 1) ^ 1)
@@ -132,6 +141,7 @@ def _persistent_compute(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     WG: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` (query rows ``WG * 64 ...`` of every item's tile): the
     library's ping-pong loop per item, with ring slots and turn phases counted over the
@@ -156,6 +166,7 @@ def _persistent_compute(
         m_tile, h, b, _h_kv, bounds, count, entries = _work_item(
             item, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, num_heads_q, batch,
             heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            HEAD_MAJOR,
         )  # fmt: skip
         m_i = gl.full([half], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([half], gl.float32, row_layout)
@@ -199,6 +210,7 @@ def persistent_fwd_kernel(
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(programs,)`` (one per SM); program ``p`` takes items ``p, p + programs, ...``."""
     dtype: gl.constexpr = q_desc.dtype
@@ -229,6 +241,7 @@ def persistent_fwd_kernel(
                     stride_oh, seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv,
                     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, num_items,
                     qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, 0,
+                    HEAD_MAJOR,
                 ),
             ),
             (
@@ -239,6 +252,7 @@ def persistent_fwd_kernel(
                     stride_oh, seqlen_q, seqlen_k, num_heads_q, batch, heads_per_kv,
                     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, num_items,
                     qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, 1,
+                    HEAD_MAJOR,
                 ),
             ),
             (
@@ -247,7 +261,7 @@ def persistent_fwd_kernel(
                     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, kv_ready,
                     kv_empty, bounds_ptr, entries_ptr, counts_ptr, seqlen_q, seqlen_k,
                     num_heads_q, batch, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, num_items, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    num_m_tiles, num_n_tiles, num_items, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_MAJOR,
                 ),
             ),
         ],
@@ -256,8 +270,11 @@ def persistent_fwd_kernel(
     )  # fmt: skip
 
 
-def persistent_forward(q, k, v, sri, causal: bool, softmax_scale: float, programs: int):
-    """``(out, lse)`` like the library's Gluon forward (same input conditions, hd64/hd128)."""
+def persistent_forward(
+    q, k, v, sri, causal: bool, softmax_scale: float, programs: int, head_major: bool = True
+):
+    """``(out, lse)`` like the library's Gluon forward (same input conditions, hd64/hd128);
+    ``head_major`` picks the work-item order (``_work_item``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -282,7 +299,8 @@ def persistent_forward(q, k, v, sri, causal: bool, softmax_scale: float, program
         sq, sk, hq, b, hq // hk, hq // hm, hm, tm, tn, items, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=sri is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=slots,
-        COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        COMPUTE_REGISTERS=COMPUTE_REGISTERS, HEAD_MAJOR=head_major, num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
 
@@ -305,7 +323,8 @@ def compile_only(head_dim: int, causal: bool, has_mask: bool) -> dict:
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": BLOCK_M, "BLOCK_N": block_n, "HEAD_DIM": head_dim,
-              "NUM_BUFFERS": slots, "COMPUTE_REGISTERS": COMPUTE_REGISTERS}  # fmt: skip
+              "NUM_BUFFERS": slots, "COMPUTE_REGISTERS": COMPUTE_REGISTERS,
+              "HEAD_MAJOR": True}  # fmt: skip
     compiled = compile_gluon_sm90(
         persistent_fwd_kernel, signature, values, {"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS}
     )
@@ -350,22 +369,25 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             for label, fn in (("triton", run_triton), ("gluon", library)):
                 ms = triton.testing.do_bench(fn, rep=100)
                 line += f" {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) |"
-            try:
-                out, lse = persistent_forward(q, k, v, sri, causal, scale, programs)
-                torch.cuda.synchronize()
-            except Exception as exc:  # report and go on
-                print(f"{line} persistent: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                continue
-            same = torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-            err, _, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
-            ms = triton.testing.do_bench(
-                lambda sri=sri, c=causal: persistent_forward(q, k, v, sri, c, scale, programs),
-                rep=100,
-            )
-            line += (
-                f" persistent {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) bitwise {same} "
-                f"max|out diff| {err:.1e} empty rows ok {dead_ok}"
-            )
+            for order, head_major in (("head-major", True), ("tile-major", False)):
+                try:
+                    out, lse = persistent_forward(q, k, v, sri, causal, scale, programs, head_major)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # report and go on
+                    line += f" {order}: {type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                same = torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+                err, _, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
+                ms = triton.testing.do_bench(
+                    lambda sri=sri, c=causal, hm=head_major: persistent_forward(
+                        q, k, v, sri, c, scale, programs, hm
+                    ),
+                    rep=100,
+                )
+                line += (
+                    f" {order} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) bitwise {same} "
+                    f"max|out diff| {err:.1e} empty rows ok {dead_ok} |"
+                )
             print(line, flush=True)
 
 

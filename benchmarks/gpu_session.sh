@@ -27,6 +27,9 @@
 #                 (--gluon-everywhere: the check's 1K masks are below the library's 16K limits;
 #                 --variant fwd_gluon=1 up to head dim 256: the forward at hd64 and hd256 too)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
+#   check-mixed   check-gluon's cases with the Triton forward before the Gluon backward (the
+#                 route masked hd64 calls from 16K keys take)
+#   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -100,6 +103,14 @@ for step in "$@"; do
     check-gluon)
         check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256" \
             gpu_check_gluon
+        ;;
+    check-mixed)
+        check "--quick --gluon-everywhere --variant fwd_gluon=0 --variant-max-head-dim 256" \
+            gpu_check_mixed
+        ;;
+    gluon-hd64-short)
+        run_step gluon_forward_hd64_short python benchmarks/gluon_forward.py --head-dim 64 \
+            --masks full,causal --seqlens 2048,8192
         ;;
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \

@@ -95,13 +95,14 @@ class TileConfig:
     # it applies: Hopper, a positive scale, inputs ``gluon_forward_eligible`` accepts and, with a
     # mask, the length limit of ``_use_gluon_forward``. On by default at D = 128, where the H200
     # measured it 1.22-1.31x the Triton forward on full/causal and 1.04-1.28x on 11 of 12 masks
-    # at 32K (benchmarks/NOTES.md, seventh session).
+    # at 32K (benchmarks/NOTES.md, seventh session); at D = 64 without a mask only.
     fwd_gluon: bool = False
     # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
     # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
     # fp32 vector atomics) where it applies (Hopper, ``gluon_backward_eligible``, and the limits
     # of ``_use_gluon_backward``). On by default at D = 128: on the H200 1.15-1.19x the Triton
-    # backward without a mask, 0.98-1.13x with masks at 32K (benchmarks/NOTES.md, sixth session).
+    # backward without a mask, 0.98-1.13x with masks at 32K (benchmarks/NOTES.md, sixth session);
+    # and at D = 64 (1.03-1.18x at 32K, eighth session).
     bwd_gluon: bool = False
 
 
@@ -132,8 +133,13 @@ def tile_config(
     if shared_memory is not None and shared_memory < _HOPPER_SHARED_MEMORY:
         return compact_tile_config(head_dim)
     if head_dim <= 64:
-        cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2)
-        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8)
+        # At D = 64 the Gluon backward (with a mask from 16K keys) and, without a mask, the
+        # Gluon forward: on the H200 the backward measured 1.03-1.18x the Triton one on full,
+        # causal and four masks at 32K, and the forward 1.15x / 1.07x on full / causal, but
+        # 0.83-1.0x on masks at 32K, where it stays off (benchmarks/NOTES.md, eighth session).
+        gluon = head_dim == 64
+        cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2, bwd_gluon=gluon)
+        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8, fwd_gluon=gluon)
     if head_dim <= 128:
         # At D = 128 the forward's 64x64 tiles load through TMA, with or without a mask (the
         # measured and GPU-checked case: 7-21% faster on masks at 8K, and 4-11% faster than the
