@@ -42,7 +42,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -67,11 +66,11 @@ NUM_BUFFERS = 2
 NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
-# Leave each tile's dK product running into the next tile (``_bwd_compute_partition``). Off:
-# on the H200 it was 5.7% faster on full attention and 8-11% slower on causal and masks
-# (benchmarks/NOTES.md, change 16), and its present form (dS^T read from shared memory) has not
-# run on a GPU yet (``benchmarks/gluon_backward.py --defer-dk``, ``gpu_check.py --defer-dk``).
-DEFER_DK = False
+# Issue each tile's dK product after its dQ product and store dQ for the writer while dK runs
+# (``_bwd_compute_partition``). Off until measured (``benchmarks/gluon_backward.py
+# --early-dq``, ``gpu_check.py --early-dq``). (Leaving dK running into the next tile instead was
+# measured twice and lost: benchmarks/NOTES.md, change 16 and the eighth session.)
+EARLY_DQ = False
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
 
@@ -201,13 +200,12 @@ def _bwd_compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
-    DEFER_DK: gl.constexpr,
+    EARLY_DQ: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
-    warps through ``dq_bufs``. ``DEFER_DK`` (measurement): issue a tile's ``dK += dS^T Q`` after
-    its ``dQ`` and leave it running into the next tile (which then releases this tile's Q/dO
-    slot), so the tensor cores work while the dQ tile is handed to the writer and the next
-    tile's bounds, lse and delta load."""
+    warps through ``dq_bufs``. ``EARLY_DQ`` (measurement): issue a tile's ``dK += dS^T Q`` after
+    its ``dQ`` (wgmma groups complete in order), so the tensor cores run dK while the dQ tile
+    is stored for the writer."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
@@ -229,11 +227,6 @@ def _bwd_compute_partition(
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    # DEFER_DK: the previous tile's Q/dO slot, released once its dK product is done.
-    prev_slot = 0
-    if DEFER_DK:
-        # Carried through the loop as an asynchronous accumulator (its type at the loop's end).
-        dk = warpgroup_mma_init(dk)
 
     mbarrier.wait(kv_bar, 0)
     it = 0
@@ -265,14 +258,7 @@ def _bwd_compute_partition(
             # A fully masked row's lse is -inf; +inf makes its P zero.
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
             delta = gl.load(delta_ptr + row_base + rows)
-            if DEFER_DK:
-                # Also the previous tile's dK (issued before this tile's products): its Q/dO
-                # slot is free from here.
-                st, dk = warpgroup_mma_wait(1, deps=(st_token, dk))
-                if it > 0:
-                    mbarrier.arrive(empty.index(prev_slot), count=1)
-            else:
-                st = warpgroup_mma_wait(1, deps=(st_token,))
+            st = warpgroup_mma_wait(1, deps=(st_token,))
             pt = gl.exp2(st * qk_scale - lse[None, :])
             if entry >= 0:
                 hidden = hide_pairs(
@@ -285,8 +271,8 @@ def _bwd_compute_partition(
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
             dst = (pt * (dpt - delta[None, :])).to(dtype)
-            if not DEFER_DK:
-                dst_op = gl.convert_layout(dst, a_layout)
+            dst_op = gl.convert_layout(dst, a_layout)
+            if not EARLY_DQ:
                 dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
@@ -297,12 +283,9 @@ def _bwd_compute_partition(
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
-            if DEFER_DK:
-                # dS^T from shared memory (where dQ's product reads it), so no registers stay
-                # tied to the product while it runs into the next tile.
-                dk = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
+            if EARLY_DQ:
+                dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
                 dv, dq, _ = warpgroup_mma_wait(1, deps=(dv_token, dq_token, pt_op))
-                prev_slot = slot
             else:
                 dv, dk, dq, _, _ = warpgroup_mma_wait(
                     0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
@@ -316,10 +299,11 @@ def _bwd_compute_partition(
             # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored),
             # then one arrive.
             mbarrier.arrive(dq_full.index(dq_buf), count=1)
+            if EARLY_DQ:
+                dk, _ = warpgroup_mma_wait(0, deps=(dk_token, dst_op))
+                mbarrier.arrive(empty.index(slot), count=1)
             it += 1
 
-    if DEFER_DK:
-        dk = warpgroup_mma_wait(0, deps=(dk,))
     out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
     offs = (
@@ -347,7 +331,7 @@ def gluon_bwd_kernel(
     NUM_BUFFERS: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     WRITER_REGISTERS: gl.constexpr,
-    DEFER_DK: gl.constexpr,
+    EARLY_DQ: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides) and dQ added to the fp32 ``dq_ptr``."""
@@ -390,7 +374,7 @@ def gluon_bwd_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DEFER_DK,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, EARLY_DQ,
                 ),
             ),
             (
@@ -460,7 +444,7 @@ def backward(
         softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
-        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DEFER_DK=DEFER_DK,
+        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, EARLY_DQ=EARLY_DQ,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
