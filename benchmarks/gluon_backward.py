@@ -32,8 +32,7 @@ OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def compile_only(
-    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    early_dq: bool = False,
+    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -56,7 +55,7 @@ def compile_only(
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
-              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "EARLY_DQ": early_dq}  # fmt: skip
+              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS}  # fmt: skip
     compiled = compile_gluon_sm90(
         gluon_bwd.gluon_bwd_kernel, signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -66,7 +65,6 @@ def compile_only(
         "causal": causal,
         "has_mask": has_mask,
         "dtype": short,
-        "early_dq": early_dq,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -91,13 +89,9 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def check_and_time(
-    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    early_dq: bool = False,
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
 ) -> None:  # fmt: skip
-    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; with
-    ``early_dq`` also the Gluon backward with ``gluon_bwd.EARLY_DQ`` (dK/dV bitwise against the
-    default order: the same products, only issued in another order; dQ's atomics are
-    unordered)."""
+    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
@@ -139,28 +133,12 @@ def check_and_time(
             line += (
                 f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
             )
-            if early_dq:
-                gluon_bwd.EARLY_DQ = True
-                try:
-                    reordered = run(False, base)
-                    same = all(
-                        torch.equal(a, c) for a, c in zip(reordered[1:], got[1:], strict=True)
-                    )
-                    dq_err = float((reordered[0].float() - got[0].float()).abs().max())
-                    d_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
-                finally:
-                    gluon_bwd.EARLY_DQ = False
-                line += (
-                    f" | early dQ {d_ms:.3f} ms ({flop / d_ms / 1e9:.0f} TF/s) dk/dv bitwise "
-                    f"{same} max|dq diff| {dq_err:.1e}"
-                )
             print(line, flush=True)
 
 
 def main() -> None:
     parser = case_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_BWD_HEAD_DIMS)
-    parser.add_argument("--early-dq", action="store_true", help="also time EARLY_DQ")
     args = parser.parse_args()
     if args.compile_only:
         for d in kernels.GLUON_BWD_HEAD_DIMS:
@@ -169,12 +147,8 @@ def main() -> None:
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
-        for causal in (False, True):  # the early-dQ order (measurement)
-            for has_mask in (False, True):
-                report = compile_only(128, causal, has_mask, early_dq=True)
-                print(json.dumps(report), flush=True)
         return
-    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.early_dq)
+    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,8 @@
 #   gluon-persistent gluon_forward_persistent.py: the persistent-grid forward (not yet run)
 #   gluon-hd256   gluon_forward.py at head dim 256 (128x64 tiles, two slots; not yet measured)
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
-#   check-early-dq check-gluon's backward cases with gluon_bwd.EARLY_DQ on
 #   check-full-gluon gpu_check.py (all head dims) with every eligible case on the Gluon kernels
-#                 and gluon_bwd.EARLY_DQ on (STEP_TIMEOUT=450: ~330 s cold)
+#                 (STEP_TIMEOUT=450: ~350 s cold)
 #   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
 #   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
 #   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
@@ -101,9 +100,8 @@ for step in "$@"; do
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
         ;;
-    check-early-dq) check "--quick --gluon-everywhere --early-dq" gpu_check_early_dq ;;
     check-full-gluon)
-        check "--gluon-everywhere --early-dq --variant fwd_gluon=1 --variant-max-head-dim 256" \
+        check "--gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256" \
             gpu_check_full_gluon
         ;;
     check-gluon)

@@ -66,11 +66,6 @@ NUM_BUFFERS = 2
 NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
-# Issue each tile's dK product after its dQ product and store dQ for the writer while dK runs
-# (``_bwd_compute_partition``). Off until measured (``benchmarks/gluon_backward.py
-# --early-dq``, ``gpu_check.py --early-dq``). (Leaving dK running into the next tile instead was
-# measured twice and lost: benchmarks/NOTES.md, change 16 and the eighth session.)
-EARLY_DQ = False
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
 
@@ -200,12 +195,12 @@ def _bwd_compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
-    EARLY_DQ: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
-    warps through ``dq_bufs``. ``EARLY_DQ`` (measurement): issue a tile's ``dK += dS^T Q`` after
-    its ``dQ`` (wgmma groups complete in order), so the tensor cores run dK while the dQ tile
-    is stored for the writer."""
+    warps through ``dq_bufs``. All five products of a tile are awaited before its dQ is stored:
+    issuing dK after dQ (to overlap it with the store) or leaving it running into the next tile
+    were measured on the H200 and lost on full attention at 32K (benchmarks/NOTES.md, change 16
+    and the eighth session)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
@@ -272,8 +267,7 @@ def _bwd_compute_partition(
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
-            if not EARLY_DQ:
-                dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+            dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
             fence_async_shared()
@@ -283,14 +277,10 @@ def _bwd_compute_partition(
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
-            if EARLY_DQ:
-                dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
-                dv, dq, _ = warpgroup_mma_wait(1, deps=(dv_token, dq_token, pt_op))
-            else:
-                dv, dk, dq, _, _ = warpgroup_mma_wait(
-                    0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
-                )
-                mbarrier.arrive(empty.index(slot), count=1)
+            dv, dk, dq, _, _ = warpgroup_mma_wait(
+                0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
+            )
+            mbarrier.arrive(empty.index(slot), count=1)
             num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
             dq_buf = it % num_dq_buffers
             # Wait until the writer has read what was left here two tiles ago.
@@ -299,9 +289,6 @@ def _bwd_compute_partition(
             # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored),
             # then one arrive.
             mbarrier.arrive(dq_full.index(dq_buf), count=1)
-            if EARLY_DQ:
-                dk, _ = warpgroup_mma_wait(0, deps=(dk_token, dst_op))
-                mbarrier.arrive(empty.index(slot), count=1)
             it += 1
 
     out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
@@ -331,7 +318,6 @@ def gluon_bwd_kernel(
     NUM_BUFFERS: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     WRITER_REGISTERS: gl.constexpr,
-    EARLY_DQ: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides) and dQ added to the fp32 ``dq_ptr``."""
@@ -374,7 +360,7 @@ def gluon_bwd_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, EARLY_DQ,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
                 ),
             ),
             (
@@ -444,7 +430,7 @@ def backward(
         softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
-        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, EARLY_DQ=EARLY_DQ,
+        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
