@@ -1,6 +1,6 @@
-"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``,
-``gluon_forward_persistent.py``): their common command line, a bench mask by name, its
-mask-aware FLOP count, and how far a forward's ``(out, lse)`` is from a reference one."""
+"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``):
+their common command line, a bench mask by name, its mask-aware FLOP count, and how far a
+forward's ``(out, lse)`` is from a reference one."""
 
 from __future__ import annotations
 

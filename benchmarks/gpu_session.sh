@@ -16,9 +16,8 @@
 #   bench-hd128-re32k flashmask bench, 32K, hd128, random_eviction only
 #   bench-hd128-nomask flashmask bench, 8K and 32K, hd128, full and causal only
 #   gluon-forward-tiles gluon_forward.py with 128x128 and 128x64 tiles, 2 and 3 K/V buffers
-#   gluon-persistent gluon_forward_persistent.py: the persistent-grid forward (not yet run)
-#   gluon-hd256   gluon_forward.py at head dim 256 (128x64 tiles, two slots; not yet measured)
-#   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64 (not yet measured)
+#   gluon-hd256   gluon_forward.py at head dim 256 (128x64 tiles, two slots)
+#   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64
 #   check-full-gluon gpu_check.py (all head dims) with every eligible case on the Gluon kernels
 #                 (STEP_TIMEOUT=450: ~350 s cold)
 #   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
@@ -123,9 +122,6 @@ for step in "$@"; do
     gluon-forward-masks)
         run_step gluon_forward_masks python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
-        ;;
-    gluon-persistent)
-        run_step gluon_persistent python benchmarks/gluon_forward_persistent.py
         ;;
     gluon-hd256)
         run_step gluon_forward_hd256 python benchmarks/gluon_forward.py --head-dim 256
