@@ -11,7 +11,11 @@ Usage:
   sm_90 and print registers, spills, shared memory, ``setmaxnreg``, HGMMA/TMA/atomic counts;
 * ``PYTHONPATH=src python benchmarks/gluon_backward.py`` (H200): dQ/dK/dV against the Triton
   backward (max abs difference over max abs value) and both timed, with a profiler split of the
-  Triton backward's kernels, at 8K and 32K on full, causal and four interval masks.
+  Triton backward's kernels, at 8K and 32K on full, causal and four interval masks;
+* ``... gluon_backward.py --no-dq-writes`` (H200, a diagnostic): the Gluon backward timed with its
+  dQ writer's atomic adds compiled out (dQ is then wrong): how much of the time the dQ writes
+  cost at most, the gain a cheaper reduction (TMA bulk reduce-add) could bring. Run it as its
+  own process: the kernel compiles with the writer patched before anything else is compiled.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import triton
 from bench_cases import case_parser, mask_case, visible_flop
 from cubin import compile_gluon_sm90, warp_specialized_report
+from triton.experimental import gluon
 
 from flashmask import kernels
 from flashmask.kernels import gluon_bwd
@@ -136,10 +141,54 @@ def check_and_time(
             print(line, flush=True)
 
 
+@gluon.jit
+def _discard_dq(dq_head, row0, stride_dqs, values):
+    """Stands in for ``gluon_bwd._red_add_v4`` under ``--no-dq-writes``: adds nothing."""
+    pass
+
+
+def time_without_dq_writes(
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
+) -> None:
+    """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``)."""
+    gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
+    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+    for s in seqlens:
+        b, h = max(1, tokens // s), hidden // d
+        q, k, v, dout = (
+            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        scale = d**-0.5
+        for name in mask_names:
+            mask, sri, causal = mask_case(name, s, b)
+            flop = visible_flop(mask, causal, s, d, h, b, 10.0)  # 5 matmuls
+            out, lse = kernels.forward(q, k, v, sri, causal, scale)
+            cfg = replace(kernels.tile_config(d, has_mask=sri is not None), bwd_gluon=True)
+            ms = triton.testing.do_bench(
+                lambda sri=sri, causal=causal, cfg=cfg: kernels.backward(
+                    dout, None, q, k, v, out, lse, sri, causal, scale, False, config=cfg
+                ),
+                rep=100,
+            )
+            print(
+                f"S={s} {name:16s} gluon without dQ writes {ms:.3f} ms "
+                f"({flop / ms / 1e9:.0f} TF/s; dQ discarded)",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = case_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_BWD_HEAD_DIMS)
+    parser.add_argument(
+        "--no-dq-writes",
+        action="store_true",
+        help="time the Gluon backward with its dQ atomics compiled out (a diagnostic)",
+    )
     args = parser.parse_args()
+    if args.no_dq_writes:
+        time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
+        return
     if args.compile_only:
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal in (False, True):

@@ -29,6 +29,8 @@
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 #   check-mixed   check-gluon's cases with the Triton forward before the Gluon backward (the
 #                 route masked hd64 calls from 16K keys take)
+#   gluon-backward-dq-bound gluon_backward.py on full, causal and document, then the same timed with
+#                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -110,6 +112,11 @@ for step in "$@"; do
     check-mixed)
         check "--quick --gluon-everywhere --variant fwd_gluon=0 --variant-max-head-dim 256" \
             gpu_check_mixed
+        ;;
+    gluon-backward-dq-bound)
+        run_step gluon_backward_dq python benchmarks/gluon_backward.py --masks full,causal,document
+        run_step gluon_backward_no_dq python benchmarks/gluon_backward.py --no-dq-writes \
+            --masks full,causal,document
         ;;
     gluon-hd64-short)
         run_step gluon_forward_hd64_short python benchmarks/gluon_forward.py --head-dim 64 \
