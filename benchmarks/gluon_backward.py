@@ -33,11 +33,12 @@ from flashmask import kernels
 from flashmask.kernels import gluon_bwd
 from flashmask.kernels.gluon_fwd import shared_layout
 
-OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
+OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def compile_only(
-    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16
+    head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
+    dq_tma: bool = False,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -50,7 +51,10 @@ def compile_only(
     signature = {
         "q_desc": desc_type(rows_q), "k_desc": desc_type(rows_k), "v_desc": desc_type(rows_k),
         "do_desc": desc_type(rows_q), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-        "dq_ptr": "*fp32", "dk_ptr": f"*{short}", "dv_ptr": f"*{short}", "bounds_ptr": "*i32",
+        "dq_ptr": "*fp32",
+        **({"dq_desc": f"tensordesc<fp32[{rows_q}, {head_dim}],"
+                       f"{gluon_bwd.dq_shared_layout(head_dim)!r}>"} if dq_tma else {}),
+        "dk_ptr": f"*{short}", "dv_ptr": f"*{short}", "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -60,7 +64,8 @@ def compile_only(
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
-              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS}  # fmt: skip
+              "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
+              **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         gluon_bwd.gluon_bwd_kernel, signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -70,6 +75,7 @@ def compile_only(
         "causal": causal,
         "has_mask": has_mask,
         "dtype": short,
+        "dq_tma": dq_tma,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -94,9 +100,13 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def check_and_time(
-    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
+    dq_tma: bool = False,
 ) -> None:  # fmt: skip
-    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask."""
+    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; with
+    ``dq_tma`` also the Gluon backward with ``gluon_bwd.DQ_TMA`` (dK/dV bitwise against the
+    default, which computes them the same way; dQ against the default's, whose fp32 additions
+    come in another order)."""
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
@@ -138,6 +148,21 @@ def check_and_time(
             line += (
                 f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
             )
+            if dq_tma:
+                gluon_bwd.DQ_TMA = True
+                try:
+                    alt = run(False, base)
+                    same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
+                    dq_rel = float((alt[0].float() - got[0].float()).abs().max()) / (
+                        float(got[0].float().abs().max()) or 1.0
+                    )
+                    t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+                finally:
+                    gluon_bwd.DQ_TMA = False
+                line += (
+                    f" | dQ by TMA {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                    f"{same} dq rel diff {dq_rel:.1e}"
+                )
             print(line, flush=True)
 
 
@@ -185,6 +210,7 @@ def main() -> None:
         action="store_true",
         help="time the Gluon backward with its dQ atomics compiled out (a diagnostic)",
     )
+    parser.add_argument("--dq-tma", action="store_true", help="also time gluon_bwd.DQ_TMA")
     args = parser.parse_args()
     if args.no_dq_writes:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
@@ -196,8 +222,10 @@ def main() -> None:
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
+        for causal, has_mask in ((False, False), (True, True)):  # dQ through TMA reduce-adds
+            print(json.dumps(compile_only(128, causal, has_mask, dq_tma=True)), flush=True)
         return
-    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
+    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.dq_tma)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,12 @@ def main() -> int:
         "Gluon kernels take at their default head dim (128) runs them: the forward, and the "
         "backward with deterministic=False (add --variant fwd_gluon=1 for the forward at hd64)",
     )
+    parser.add_argument(
+        "--dq-tma",
+        action="store_true",
+        help="the Gluon backward with gluon_bwd.DQ_TMA (dQ added through TMA reduce-adds; off "
+        "by default until measured and checked here)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -245,6 +251,10 @@ def main() -> int:
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+    if args.dq_tma:
+        from flashmask.kernels import gluon_bwd
+
+        gluon_bwd.DQ_TMA = True
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -344,7 +354,7 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    flags = [args.gluon_everywhere and "gluon-everywhere"]
+    flags = [args.gluon_everywhere and "gluon-everywhere", args.dq_tma and "dq-tma"]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
 

@@ -31,6 +31,8 @@
 #                 route masked hd64 calls from 16K keys take)
 #   gluon-backward-dq-bound gluon_backward.py on full, causal and document, then the same timed with
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
+#   gluon-backward-dq-tma gluon_backward.py --dq-tma: dQ through TMA reduce-adds against the default
+#   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA on
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -117,6 +119,13 @@ for step in "$@"; do
         run_step gluon_backward_dq python benchmarks/gluon_backward.py --masks full,causal,document
         run_step gluon_backward_no_dq python benchmarks/gluon_backward.py --no-dq-writes \
             --masks full,causal,document
+        ;;
+    gluon-backward-dq-tma)
+        run_step gluon_backward_dq_tma python benchmarks/gluon_backward.py --dq-tma \
+            --masks full,causal,document,causal_document,share_question,sliding_window
+        ;;
+    check-dq-tma)
+        check "--quick --gluon-everywhere --dq-tma" gpu_check_dq_tma
         ;;
     gluon-hd64-short)
         run_step gluon_forward_hd64_short python benchmarks/gluon_forward.py --head-dim 64 \

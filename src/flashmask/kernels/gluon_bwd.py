@@ -38,9 +38,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -60,12 +62,34 @@ from flashmask.kernels.gluon_fwd import (
 # in later versions (what CI installs).
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+
+@builtin
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared tile ``src`` into global memory at ``coord`` of
+    ``tensor_desc`` (``cp.reduce.async.bulk.tensor ... .add``): Triton 3.6's Gluon builder has the
+    operation but no Python function for it; later versions call it ``tma.async_atomic_add``."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+
 BLOCK_M = GLUON_BWD_QUERIES
 BLOCK_N = GLUON_BWD_KEYS
 NUM_BUFFERS = 2
 NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
+# The dQ writer adds each tile with TMA reduce-adds (the fp32 tile in an NVMMA-swizzled shared
+# buffer, ``cp.reduce.async.bulk.tensor``, a few instructions per tile issued by one thread)
+# instead of 16-byte ``red.global`` instructions from two warps (512 per warp per tile).
+# FlashAttention-3's dQ path. Off until measured and checked on the H200
+# (``benchmarks/gluon_backward.py --dq-tma``, ``gpu_check.py --dq-tma``).
+DQ_TMA = False
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
 
@@ -149,14 +173,16 @@ def _bwd_load_partition(
 
 @gluon.jit
 def _bwd_dq_writer_partition(
-    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv, n_tile, heads_per_kv,
-    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
-    stride_dqh,
+    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
+    seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    stride_dqb, stride_dqs, stride_dqh,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps: walk the producer's tile sequence and add each tile's
-    scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer."""
+    scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer (with
+    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``)."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
@@ -174,9 +200,15 @@ def _bwd_dq_writer_partition(
             buf = it % num_dq_buffers
             dq_smem = dq_bufs.index(buf)
             mbarrier.wait(dq_full.index(buf), (it // num_dq_buffers) & 1)
-            for r in gl.static_range(0, BLOCK_M, step):
-                values = dq_smem.slice(r, step).load(layout)
-                _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
+            if DQ_TMA:
+                tma_reduce_add(dq_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], dq_smem)
+                # The reduce has read the buffer (not necessarily finished adding) before it is
+                # handed back.
+                tma.store_wait(0)
+            else:
+                for r in gl.static_range(0, BLOCK_M, step):
+                    values = dq_smem.slice(r, step).load(layout)
+                    _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
             # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
             mbarrier.arrive(dq_empty.index(buf), count=1)
             it += 1
@@ -195,6 +227,7 @@ def _bwd_compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
     warps through ``dq_bufs``. All five products of a tile are awaited before its dQ is stored:
@@ -286,6 +319,9 @@ def _bwd_compute_partition(
             # Wait until the writer has read what was left here two tiles ago.
             mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
             dq_bufs.index(dq_buf).store(dq * softmax_scale)
+            if DQ_TMA:
+                # The writer's TMA reads the buffer through the async proxy.
+                fence_async_shared()
             # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored),
             # then one arrive.
             mbarrier.arrive(dq_full.index(dq_buf), count=1)
@@ -305,7 +341,8 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def gluon_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bounds_ptr,
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
+    bounds_ptr,
     entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
@@ -318,9 +355,11 @@ def gluon_bwd_kernel(
     NUM_BUFFERS: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     WRITER_REGISTERS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
-    strides) and dQ added to the fp32 ``dq_ptr``."""
+    strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a
+    descriptor of the same buffer; ``None`` without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -339,11 +378,16 @@ def gluon_bwd_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
-    # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
-    # minimum number of shared-memory wavefronts.
-    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+    if DQ_TMA:
+        # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:
+        # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
+        # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
+        # minimum number of shared-memory wavefronts.
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [2, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        )
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -360,7 +404,7 @@ def gluon_bwd_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
                 ),
             ),
             (
@@ -375,15 +419,22 @@ def gluon_bwd_kernel(
             (
                 _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, b, h_kv,
-                    n_tile, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
+                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
         [1, WRITER_WARPS],
         [24, WRITER_REGISTERS],
     )  # fmt: skip
+
+
+def dq_shared_layout(head_dim: int):
+    """The shared layout of a ``[BLOCK_M, head_dim]`` fp32 dQ tile that ``DQ_TMA``'s reduce
+    reads (NVMMA)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
 
 
 def backward(
@@ -421,8 +472,13 @@ def backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_desc = None
+    if DQ_TMA:
+        dq_desc = TensorDescriptor.from_tensor(
+            dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
+        )
     gluon_bwd_kernel[(tn, hk, b)](
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
@@ -430,7 +486,7 @@ def backward(
         softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
-        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS,
+        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=DQ_TMA,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
