@@ -85,8 +85,8 @@ NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
 # The dQ writer adds each tile with TMA reduce-adds (the fp32 tile in an NVMMA-swizzled shared
-# buffer, ``cp.reduce.async.bulk.tensor``, a few instructions per tile issued by one thread)
-# instead of 16-byte ``red.global`` instructions from two warps (512 per warp per tile).
+# buffer, ``cp.reduce.async.bulk.tensor``: four per 64x128 tile, each issued by one thread)
+# instead of 16-byte ``red.global`` adds from two warps (2048 per tile, 32 per thread).
 # FlashAttention-3's dQ path. Off until measured and checked on the H200
 # (``benchmarks/gluon_backward.py --dq-tma``, ``gpu_check.py --dq-tma``).
 DQ_TMA = False
