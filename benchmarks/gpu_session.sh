@@ -33,6 +33,9 @@
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
 #   gluon-backward-dq-tma gluon_backward.py --dq-tma: dQ through TMA reduce-adds against the default
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA on
+#   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
+#                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
+#                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -126,6 +129,17 @@ for step in "$@"; do
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --dq-tma" gpu_check_dq_tma
+        ;;
+    ncu-backward)
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        for impl in flashmask sdpa; do
+            kernel=gluon_bwd_kernel
+            [ "$impl" = sdpa ] && kernel=flash_bprop
+            run_step "ncu_backward_$impl" "$ncu" --clock-control none -k "regex:$kernel" -s 1 -c 1 \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+                --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
+        done
         ;;
     gluon-hd64-short)
         run_step gluon_forward_hd64_short python benchmarks/gluon_forward.py --head-dim 64 \

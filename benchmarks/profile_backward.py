@@ -1,0 +1,56 @@
+"""One backward call to profile: FlashMask's (the Gluon kernel on Hopper at hd64/hd128) or SDPA's
+(cuDNN's flash backward on the H200), for Nsight Compute to read side by side.
+
+Usage (H200; ``gpu_session.sh ncu-backward`` runs both under ``ncu``)::
+
+    PYTHONPATH=src ncu --clock-control none -k regex:gluon_bwd -s 1 -c 1 --section SpeedOfLight \\
+        python benchmarks/profile_backward.py --impl flashmask
+
+The first backward compiles and warms up; the second is the one to profile (``-s 1 -c 1`` on
+the kernel filter). Inputs as ``flashmask bench``: bf16, 16 heads of ``--head-dim``, batch x
+seqlen = 32K tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from flashmask import flashmask_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=("flashmask", "sdpa"), default="flashmask")
+    parser.add_argument("--mask", choices=("full", "causal"), default="full")
+    parser.add_argument("--seqlen", type=int, default=32768)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=2048)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_backward.py needs a CUDA GPU")
+    batch, heads = max(1, args.tokens // args.seqlen), args.hidden // args.head_dim
+    causal = args.mask == "causal"
+    shape = (batch, args.seqlen, heads, args.head_dim)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    if args.impl == "flashmask":
+        out = flashmask_attention(q, k, v, causal=causal)
+    else:  # SDPA takes [B, H, S, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+        ).transpose(1, 2)
+    for _ in range(2):  # warm-up, then the profiled call
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    torch.cuda.synchronize()
+    print(f"{args.impl} {args.mask} S={args.seqlen} D={args.head_dim}: two backward calls done")
+
+
+if __name__ == "__main__":
+    main()
