@@ -20,6 +20,7 @@ Usage:
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 
@@ -65,6 +66,7 @@ def compile_only(
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
               "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
+              "DQ_BUFFERS": gluon_bwd.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         gluon_bwd.gluon_bwd_kernel, signature, values,
@@ -99,14 +101,32 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
     return times
 
 
+# The launch constants of ``gluon_bwd`` a ``--variant`` may set (read when a call launches).
+VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS")
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    """``"DQ_TMA=1,NUM_BUFFERS=3"`` -> ``{"DQ_TMA": 1, "NUM_BUFFERS": 3}`` (names from
+    :data:`VARIANT_CONSTANTS`, integer values)."""
+    settings = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in VARIANT_CONSTANTS or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--variant: expected NAME=INT with NAME in {VARIANT_CONSTANTS}, got {item!r}"
+            )
+        settings[name] = int(value)
+    return settings
+
+
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    dq_tma: bool = False,
+    variants: list[dict[str, int]] = (),
 ) -> None:  # fmt: skip
-    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; with
-    ``dq_tma`` also the Gluon backward with ``gluon_bwd.DQ_TMA`` (dK/dV bitwise against the
-    default, which computes them the same way; dQ against the default's, whose fp32 additions
-    come in another order)."""
+    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; each
+    of ``variants`` (``gluon_bwd`` constants to set, e.g. ``{"DQ_TMA": 1}``) also timed, with
+    its dK/dV compared bitwise against the default's (the same products in the same order) and
+    its dQ's relative difference (fp32 additions in another order)."""
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
@@ -148,8 +168,10 @@ def check_and_time(
             line += (
                 f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
             )
-            if dq_tma:
-                gluon_bwd.DQ_TMA = True
+            for settings in variants:
+                defaults = {name: getattr(gluon_bwd, name) for name in settings}
+                for name, value in settings.items():
+                    setattr(gluon_bwd, name, type(defaults[name])(value))
                 try:
                     alt = run(False, base)
                     same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
@@ -158,9 +180,11 @@ def check_and_time(
                     )
                     t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
                 finally:
-                    gluon_bwd.DQ_TMA = False
+                    for name, value in defaults.items():
+                        setattr(gluon_bwd, name, value)
+                label = ",".join(f"{n}={v}" for n, v in settings.items())
                 line += (
-                    f" | dQ by TMA {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                    f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
                     f"{same} dq rel diff {dq_rel:.1e}"
                 )
             print(line, flush=True)
@@ -210,7 +234,14 @@ def main() -> None:
         action="store_true",
         help="time the Gluon backward with its dQ atomics compiled out (a diagnostic)",
     )
-    parser.add_argument("--dq-tma", action="store_true", help="also time gluon_bwd.DQ_TMA")
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=1 or "
+        "NUM_BUFFERS=3,DQ_BUFFERS=1 (repeatable)",
+    )
     args = parser.parse_args()
     if args.no_dq_writes:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
@@ -225,7 +256,7 @@ def main() -> None:
         for causal, has_mask in ((False, False), (True, True)):  # dQ through TMA reduce-adds
             print(json.dumps(compile_only(128, causal, has_mask, dq_tma=True)), flush=True)
         return
-    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.dq_tma)
+    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 
 
 if __name__ == "__main__":

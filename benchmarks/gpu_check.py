@@ -228,10 +228,10 @@ def main() -> int:
         "backward with deterministic=False (add --variant fwd_gluon=1 for the forward at hd64)",
     )
     parser.add_argument(
-        "--dq-tma",
-        action="store_true",
-        help="the Gluon backward with gluon_bwd.DQ_TMA (dQ added through TMA reduce-adds; off "
-        "by default until measured and checked here)",
+        "--gluon-bwd",
+        default="",
+        help="gluon_bwd launch constants for the run, e.g. DQ_TMA=1 or NUM_BUFFERS=3,DQ_BUFFERS=1 "
+        "(candidate settings measured by gluon_backward.py --variant, checked here)",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -251,10 +251,13 @@ def main() -> int:
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
-    if args.dq_tma:
+    if args.gluon_bwd:
+        from gluon_backward import parse_variant
+
         from flashmask.kernels import gluon_bwd
 
-        gluon_bwd.DQ_TMA = True
+        for name, value in parse_variant(args.gluon_bwd).items():
+            setattr(gluon_bwd, name, type(getattr(gluon_bwd, name))(value))
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -354,7 +357,7 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    flags = [args.gluon_everywhere and "gluon-everywhere", args.dq_tma and "dq-tma"]
+    flags = [args.gluon_everywhere and "gluon-everywhere", args.gluon_bwd]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
 

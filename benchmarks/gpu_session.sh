@@ -31,8 +31,10 @@
 #                 route masked hd64 calls from 16K keys take)
 #   gluon-backward-dq-bound gluon_backward.py on full, causal and document, then the same timed with
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
-#   gluon-backward-dq-tma gluon_backward.py --dq-tma: dQ through TMA reduce-adds against the default
-#   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA on
+#   gluon-backward-variants gluon_backward.py timing dQ through TMA reduce-adds (DQ_TMA=1), three
+#                 Q/dO slots with one dQ buffer, and both, against the default
+#   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA on (GLUON_BWD=... replaces DQ_TMA=1, e.g.
+#                 GLUON_BWD=DQ_TMA=1,NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
@@ -123,12 +125,14 @@ for step in "$@"; do
         run_step gluon_backward_no_dq python benchmarks/gluon_backward.py --no-dq-writes \
             --masks full,causal,document
         ;;
-    gluon-backward-dq-tma)
-        run_step gluon_backward_dq_tma python benchmarks/gluon_backward.py --dq-tma \
+    gluon-backward-variants)
+        run_step gluon_backward_variants python benchmarks/gluon_backward.py \
+            --variant DQ_TMA=1 --variant NUM_BUFFERS=3,DQ_BUFFERS=1 \
+            --variant DQ_TMA=1,NUM_BUFFERS=3,DQ_BUFFERS=1 \
             --masks full,causal,document,causal_document,share_question,sliding_window
         ;;
     check-dq-tma)
-        check "--quick --gluon-everywhere --dq-tma" gpu_check_dq_tma
+        check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=1}" gpu_check_dq_tma
         ;;
     ncu-backward)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

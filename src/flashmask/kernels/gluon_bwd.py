@@ -80,7 +80,10 @@ tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 BLOCK_M = GLUON_BWD_QUERIES
 BLOCK_N = GLUON_BWD_KEYS
+# Q/dO slots and fp32 dQ buffers (32 KB each at D = 128; 224 KB in all with K, V and dS^T).
+# Read when a call launches, so a benchmark can try 3 + 1 (``gluon_backward.py --buffers``).
 NUM_BUFFERS = 2
+DQ_BUFFERS = 2
 NUM_WARPS = 8
 WRITER_WARPS = 2
 WRITER_REGISTERS = 24
@@ -88,7 +91,7 @@ WRITER_REGISTERS = 24
 # buffer, ``cp.reduce.async.bulk.tensor``: four per 64x128 tile, each issued by one thread)
 # instead of 16-byte ``red.global`` adds from two warps (2048 per tile, 32 per thread).
 # FlashAttention-3's dQ path. Off until measured and checked on the H200
-# (``benchmarks/gluon_backward.py --dq-tma``, ``gpu_check.py --dq-tma``).
+# (``benchmarks/gluon_backward.py --variant DQ_TMA=1``, ``gpu_check.py --gluon-bwd DQ_TMA=1``).
 DQ_TMA = False
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
@@ -316,7 +319,7 @@ def _bwd_compute_partition(
             mbarrier.arrive(empty.index(slot), count=1)
             num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
             dq_buf = it % num_dq_buffers
-            # Wait until the writer has read what was left here two tiles ago.
+            # Wait until the writer has read what was left here DQ_BUFFERS tiles ago.
             mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
             dq_bufs.index(dq_buf).store(dq * softmax_scale)
             if DQ_TMA:
@@ -356,6 +359,7 @@ def gluon_bwd_kernel(
     WRITER_WARPS: gl.constexpr,
     WRITER_REGISTERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    DQ_BUFFERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a
@@ -380,17 +384,19 @@ def gluon_bwd_kernel(
         mbarrier.init(empty.index(i), count=1)
     if DQ_TMA:
         # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_desc.layout
+        )
     else:
         # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
         # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
         # minimum number of shared-memory wavefronts.
         dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [2, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
         )
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DQ_BUFFERS):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     # The dQ writer is a second worker (hence two warp_specialize calls).
@@ -487,6 +493,7 @@ def backward(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=DQ_TMA,
+        DQ_BUFFERS=DQ_BUFFERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
