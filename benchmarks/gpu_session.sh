@@ -38,6 +38,8 @@
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
+#   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
+#                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
 set -uo pipefail
@@ -144,6 +146,12 @@ for step in "$@"; do
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
                 --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
         done
+        ;;
+    gluon-16k)
+        run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \
+            --masks sliding_window,share_question,global_sliding_window,causal_document,prefix_lm_document
+        run_step gluon_backward_16k python benchmarks/gluon_backward.py --seqlens 16384 \
+            --masks sliding_window,share_question,global_sliding_window,causal_document,prefix_lm_document
         ;;
     gluon-hd64-short)
         run_step gluon_forward_hd64_short python benchmarks/gluon_forward.py --head-dim 64 \
