@@ -38,6 +38,8 @@
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
+#   tune-dq-hd256 tune.py --set dq at 8K, hd256 only: the Triton backward's one-grid forms (dQ pass
+#                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -146,6 +148,10 @@ for step in "$@"; do
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
                 --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
         done
+        ;;
+    tune-dq-hd256)
+        run_step tune_dq_hd256 python benchmarks/tune.py --set dq --seqlen 8192 --head-dims 256 \
+            --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \
