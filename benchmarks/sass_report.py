@@ -198,6 +198,10 @@ def launches(
         "atomic dQ (TMA) 64x64/8w": replace(cfg, atomic_dq=True, bwd_warps=8),
         "atomic dQ (TMA) 32x64/4w": replace(cfg, atomic_dq=True, bwd_m=32),
         "atomic dQ (TMA) 32x128/4w": replace(cfg, atomic_dq=True, bwd_m=32, bwd_n=128),
+        # hd256 one-grid candidates (tune.py --set dq): the dQ pass at 8 warps, with the dK/dV
+        # pass at 64x64 or 32x64; and the dQ pass at 32x64 / 4 warps (two programs per SM).
+        "one grid, dK/dV 32x64/8w": replace(cfg, bwd_m=32, bwd_warps=8, dq_warps=8),
+        "dQ 32x64/4w": replace(cfg, dq_m=32),
     }[variant]
     deterministic = not cfg.atomic_dq
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
