@@ -113,7 +113,7 @@ def parse_variant(text: str) -> dict[str, int]:
         name, _, value = item.partition("=")
         if name not in VARIANT_CONSTANTS or not value.lstrip("-").isdigit():
             raise argparse.ArgumentTypeError(
-                f"--variant: expected NAME=INT with NAME in {VARIANT_CONSTANTS}, got {item!r}"
+                f"expected NAME=INT[,NAME=INT...] with NAME in {VARIANT_CONSTANTS}, got {item!r}"
             )
         settings[name] = int(value)
     return settings

@@ -256,7 +256,11 @@ def main() -> int:
 
         from flashmask.kernels import gluon_bwd
 
-        for name, value in parse_variant(args.gluon_bwd).items():
+        try:
+            settings = parse_variant(args.gluon_bwd)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--gluon-bwd: {exc}")
+        for name, value in settings.items():
             setattr(gluon_bwd, name, type(getattr(gluon_bwd, name))(value))
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
