@@ -40,6 +40,8 @@
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
 #   tune-dq-hd256 tune.py --set dq at 8K, hd256 only: the Triton backward's one-grid forms (dQ pass
 #                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
+#   gluon-hd256-bwd gluon_backward_hd256.py: the head-dim-256 Gluon backward experiment against the
+#                 Triton hd256 backward at 8K and 32K (not yet run)
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -152,6 +154,9 @@ for step in "$@"; do
     tune-dq-hd256)
         run_step tune_dq_hd256 python benchmarks/tune.py --set dq --seqlen 8192 --head-dims 256 \
             --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
+        ;;
+    gluon-hd256-bwd)
+        run_step gluon_backward_hd256 python benchmarks/gluon_backward_hd256.py
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \

@@ -113,8 +113,10 @@ def _head_list(
 
 @gluon.constexpr_function
 def _vec4_layout(head_dim, warps):
-    """Each thread four adjacent dQ columns, a warp whole rows (``32 * 4 // head_dim`` of them)."""
-    lanes_d = head_dim // 4
+    """Each thread four adjacent dQ columns, a warp whole rows (``32 * 4 // head_dim`` of them;
+    above D = 128, 128 columns repeated along the row: the head-dim-256 experiment,
+    ``benchmarks/gluon_backward_hd256.py``)."""
+    lanes_d = min(head_dim // 4, 32)
     return gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
 
 
