@@ -22,7 +22,9 @@ Usage:
 * ``python benchmarks/gluon_backward_hd256.py --compile-only`` (no GPU): compile for sm_90 and
   print registers, spills, shared memory, ``setmaxnreg`` and HGMMA/TMA/atomic counts;
 * ``PYTHONPATH=src python benchmarks/gluon_backward_hd256.py`` (H200): dQ/dK/dV against the
-  Triton backward (max abs difference over max abs value) and both timed, at 8K and 32K.
+  Triton backward (max abs difference over max abs value) and both timed, at 8K and 32K; and
+  the same kernel with dQ through TMA reduce-adds (``gluon_bwd.DQ_TMA``'s path) timed, its
+  dK/dV compared bitwise.
 
 Not yet run on a GPU (eighth session): the design's shared-memory budget and the reasoning are
 in ``benchmarks/NOTES.md`` ("A Gluon backward at head dim 256").
@@ -46,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashmask import kernels
+from flashmask.kernels import gluon_bwd
 from flashmask.kernels.gluon_bwd import (
     _bwd_dq_writer_partition,
     _bwd_load_partition,
@@ -60,7 +63,7 @@ from flashmask.kernels.gluon_fwd import (
     shared_layout,
 )
 
-OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG", "REDG", "BAR")
+OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 BLOCK_M = 64  # queries per tile
 BLOCK_N = 64  # keys per program
 HEAD_DIM = 256
@@ -81,6 +84,7 @@ def _compute_partition(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
     accumulating products split by head dim (module docstring)."""
@@ -164,6 +168,8 @@ def _compute_partition(
             dq_buf = it % num_dq_buffers
             mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
             dq_bufs.index(dq_buf).store(dq * softmax_scale)
+            if DQ_TMA:
+                fence_async_shared()  # the writer's TMA reads the buffer
             mbarrier.arrive(dq_full.index(dq_buf), count=1)
             it += 1
 
@@ -181,7 +187,8 @@ def _compute_partition(
 
 @gluon.jit
 def bwd256_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, bounds_ptr,
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
+    bounds_ptr,
     entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
@@ -192,9 +199,11 @@ def bwd256_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (sharing K's strides) and dQ added to the
-    fp32 ``dq_ptr``, like ``gluon_bwd.gluon_bwd_kernel``."""
+    fp32 ``dq_ptr``, like ``gluon_bwd.gluon_bwd_kernel`` (with ``DQ_TMA`` through ``dq_desc``
+    and TMA reduce-adds, ``gluon_bwd.DQ_TMA``)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -207,9 +216,12 @@ def bwd256_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    dq_bufs = gl.allocate_shared_memory(
-        gl.float32, [1, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    )
+    if DQ_TMA:
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [1, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        )
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -230,7 +242,7 @@ def bwd256_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
                 ),
             ),
             (
@@ -245,10 +257,10 @@ def bwd256_kernel(
             (
                 _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, None, b,
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                     h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
                     num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                    HEAD_DIM, False,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
@@ -257,8 +269,11 @@ def bwd256_kernel(
     )  # fmt: skip
 
 
-def backward256(dout, q, k, v, out, lse, sri, causal: bool, softmax_scale: float):
-    """``(dq, dk, dv)`` for ``[B, S, H, 256]`` bf16/fp16 inputs with lengths divisible by 64."""
+def backward256(
+    dout, q, k, v, out, lse, sri, causal: bool, softmax_scale: float, dq_tma: bool = False
+):
+    """``(dq, dk, dv)`` for ``[B, S, H, 256]`` bf16/fp16 inputs with lengths divisible by 64;
+    ``dq_tma``: dQ through TMA reduce-adds instead of the writer's vector atomics."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -277,20 +292,26 @@ def backward256(dout, q, k, v, out, lse, sri, causal: bool, softmax_scale: float
     v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], shared_layout(BLOCK_N, d, q.dtype))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_desc = None
+    if dq_tma:
+        dq_desc = TensorDescriptor.from_tensor(
+            dq_accum.view(b * sq, hq * d), [BLOCK_M, d], gluon_bwd.dq_shared_layout(d)
+        )
     bwd256_kernel[(tn, hk, b)](
-        q_desc, k_desc, v_desc, do_desc, lse.float().contiguous(), delta, dq_accum, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, lse.float().contiguous(), delta, dq_accum, dq_desc,
+        dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, WRITER_WARPS=WRITER_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, WRITER_WARPS=WRITER_WARPS, DQ_TMA=dq_tma,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
 
 
-def compile_only(causal: bool, has_mask: bool) -> dict:
+def compile_only(causal: bool, has_mask: bool, dq_tma: bool = False) -> dict:
     """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
 
     def desc_type(rows):
@@ -300,7 +321,10 @@ def compile_only(causal: bool, has_mask: bool) -> dict:
     signature = {
         "q_desc": desc_type(BLOCK_M), "k_desc": desc_type(BLOCK_N), "v_desc": desc_type(BLOCK_N),
         "do_desc": desc_type(BLOCK_M), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-        "dq_ptr": "*fp32", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "bounds_ptr": "*i32",
+        "dq_ptr": "*fp32",
+        **({"dq_desc": f"tensordesc<fp32[{BLOCK_M}, {HEAD_DIM}],"
+                       f"{gluon_bwd.dq_shared_layout(HEAD_DIM)!r}>"} if dq_tma else {}),
+        "dk_ptr": "*bf16", "dv_ptr": "*bf16", "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -309,11 +333,18 @@ def compile_only(causal: bool, has_mask: bool) -> dict:
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM,
-              "WRITER_WARPS": WRITER_WARPS}  # fmt: skip
+              "WRITER_WARPS": WRITER_WARPS, "DQ_TMA": dq_tma,
+              **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         bwd256_kernel, signature, values, {"num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS}
     )
-    return {"causal": causal, "has_mask": has_mask, **warp_specialized_report(compiled, OPCODES)}
+    report = warp_specialized_report(compiled, OPCODES)
+    return {"causal": causal, "has_mask": has_mask, "dq_tma": dq_tma, **report}
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| over max |ref|."""
+    return float((x.float() - ref.float()).abs().max()) / (float(ref.float().abs().max()) or 1.0)
 
 
 def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
@@ -343,12 +374,7 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
             except Exception as exc:  # report and go on
                 print(f"{line} | gluon: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            errs = []
-            for g, want, n in zip(got, ref, "qkv", strict=True):
-                rel = float((g.float() - want.float()).abs().max()) / (
-                    float(want.float().abs().max()) or 1.0
-                )
-                errs.append(f"d{n} {rel:.1e}")
+            errs = [f"d{n} {_relative(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
             g_ms = triton.testing.do_bench(
                 lambda sri=sri, causal=causal: backward256(
                     dout, q, k, v, out, lse, sri, causal, scale
@@ -359,6 +385,21 @@ def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidde
                 f" | gluon hd256 {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) "
                 f"rel err {' '.join(errs)}"
             )
+            try:
+                alt = backward256(dout, q, k, v, out, lse, sri, causal, scale, dq_tma=True)
+                same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
+                t_ms = triton.testing.do_bench(
+                    lambda sri=sri, causal=causal: backward256(
+                        dout, q, k, v, out, lse, sri, causal, scale, dq_tma=True
+                    ),
+                    rep=100,
+                )
+                line += (
+                    f" | dQ by TMA {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                    f"{same} dq rel diff {_relative(alt[0], got[0]):.1e}"
+                )
+            except Exception as exc:  # report and go on
+                line += f" | dQ by TMA: {type(exc).__name__}: {str(exc)[:200]}"
             print(line, flush=True)
 
 
@@ -369,6 +410,7 @@ def main() -> None:
         for causal in (False, True):
             for has_mask in (False, True):
                 print(json.dumps(compile_only(causal, has_mask)), flush=True)
+        print(json.dumps(compile_only(True, True, dq_tma=True)), flush=True)
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden)
 
