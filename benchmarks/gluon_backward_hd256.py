@@ -54,14 +54,12 @@ from flashmask.kernels.gluon_bwd import (
     _bwd_load_partition,
     _head_list,
     _partition_barrier,
+    hand_dq_to_writer,
+    row_terms,
+    store_dk_dv,
+    transposed_probabilities,
 )
-from flashmask.kernels.gluon_fwd import (
-    LOG2E,
-    LOG2E_VALUE,
-    hide_pairs,
-    load_column_bounds,
-    shared_layout,
-)
+from flashmask.kernels.gluon_fwd import LOG2E_VALUE, load_column_bounds, shared_layout
 
 OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 BLOCK_M = 64  # queries per tile
@@ -134,19 +132,12 @@ def _compute_partition(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
             rows = m_tile * BLOCK_M + offs_m
-            lse = gl.load(lse_ptr + row_base + rows)
-            # A fully masked row's lse is -inf; +inf makes its P zero.
-            lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            delta = gl.load(delta_ptr + row_base + rows)
+            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-            if entry >= 0:
-                hidden = hide_pairs(
-                    gl.zeros([BLOCK_N, BLOCK_M], gl.int1, st_layout), rows[None, :],
-                    keys[:, None], lts[:, None], lte[:, None], uts[:, None], ute[:, None],
-                    seqlen_k - seqlen_q, HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                pt = gl.where(hidden, 0.0, pt)
+            pt = transposed_probabilities(
+                st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
+                HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
             dpt = warpgroup_mma_wait(0, deps=(dpt_token,))
             dst = pt * (dpt - delta[None, :])
             # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last
@@ -164,25 +155,11 @@ def _compute_partition(
             )
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token))
             mbarrier.arrive(empty.index(slot), count=1)
-            num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
-            dq_buf = it % num_dq_buffers
-            mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
-            dq_bufs.index(dq_buf).store(dq * softmax_scale)
-            if DQ_TMA:
-                fence_async_shared()  # the writer's TMA reads the buffer
-            mbarrier.arrive(dq_full.index(dq_buf), count=1)
+            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
 
-    out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-    offs = (
-        b.to(gl.int64) * stride_kb
-        + h_kv * stride_kh
-        + out_rows[:, None].to(gl.int64) * stride_ks
-        + out_cols[None, :]
-    )
-    gl.store(dk_ptr + offs, (dk * softmax_scale).to(dtype))
-    gl.store(dv_ptr + offs, dv.to(dtype))
+    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                softmax_scale)  # fmt: skip
 
 
 @gluon.jit

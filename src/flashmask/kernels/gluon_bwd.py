@@ -220,6 +220,76 @@ def _bwd_dq_writer_partition(
 
 
 @gluon.jit
+def row_terms(lse_ptr, delta_ptr, row_base, rows):
+    """``(lse, delta)`` of query rows ``rows`` (offset ``row_base`` into ``[B * H, Sq]``): the
+    forward's lse in base-2 units, +inf for a fully masked row (-inf) so that its P is zero."""
+    lse = gl.load(lse_ptr + row_base + rows)
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = gl.load(delta_ptr + row_base + rows)
+    return lse, delta
+
+
+@gluon.jit
+def transposed_probabilities(
+    st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """``P^T`` from the transposed scores ``st [keys, queries]`` and the rows' ``lse``, with the
+    element mask of the keys' bounds applied on a partial tile (list ``entry >= 0``)."""
+    num_keys: gl.constexpr = st.type.shape[0]
+    num_queries: gl.constexpr = st.type.shape[1]
+    layout: gl.constexpr = st.type.layout
+    pt = gl.exp2(st * qk_scale - lse[None, :])
+    if entry >= 0:
+        hidden = hide_pairs(
+            gl.zeros([num_keys, num_queries], gl.int1, layout), rows[None, :], keys[:, None],
+            lts[:, None], lte[:, None], uts[:, None], ute[:, None], causal_offset, HAS_MASK,
+            HAS_UPPER, CAUSAL,
+        )  # fmt: skip
+        pt = gl.where(hidden, 0.0, pt)
+    return pt
+
+
+@gluon.jit
+def hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA: gl.constexpr):
+    """Leave tile ``it``'s scaled dQ in the writer's ring once the writer has read what was left
+    in that buffer before (``_bwd_dq_writer_partition``)."""
+    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+    dq_buf = it % num_dq_buffers
+    mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
+    dq_bufs.index(dq_buf).store(dq * softmax_scale)
+    if DQ_TMA:
+        # The writer's TMA reads the buffer through the async proxy.
+        fence_async_shared()
+    # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored), then
+    # one arrive.
+    mbarrier.arrive(dq_full.index(dq_buf), count=1)
+
+
+@gluon.jit
+def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                softmax_scale):  # fmt: skip
+    """Store the program's ``dK * softmax_scale`` and ``dV`` (fp32 ``[keys, D]`` accumulators;
+    ``dk_ptr``/``dv_ptr`` share K's strides) in the inputs' dtype."""
+    layout: gl.constexpr = dk.type.layout
+    block_n: gl.constexpr = dk.type.shape[0]
+    head_dim: gl.constexpr = dk.type.shape[1]
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    out_rows = n_tile * block_n + gl.arange(0, block_n, gl.SliceLayout(1, layout))
+    out_cols = gl.arange(0, head_dim, gl.SliceLayout(0, layout))
+    offs = (
+        b.to(gl.int64) * stride_kb
+        + h_kv * stride_kh
+        + out_rows[:, None].to(gl.int64) * stride_ks
+        + out_cols[None, :]
+    )
+    gl.store(dk_ptr + offs, (dk * softmax_scale).to(dtype))
+    gl.store(dv_ptr + offs, dv.to(dtype))
+
+
+@gluon.jit
 def _bwd_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
@@ -287,19 +357,12 @@ def _bwd_compute_partition(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
             rows = m_tile * BLOCK_M + offs_m
-            lse = gl.load(lse_ptr + row_base + rows)
-            # A fully masked row's lse is -inf; +inf makes its P zero.
-            lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-            delta = gl.load(delta_ptr + row_base + rows)
+            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-            if entry >= 0:
-                hidden = hide_pairs(
-                    gl.zeros([BLOCK_N, BLOCK_M], gl.int1, st_layout), rows[None, :],
-                    keys[:, None], lts[:, None], lte[:, None], uts[:, None], ute[:, None],
-                    seqlen_k - seqlen_q, HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                pt = gl.where(hidden, 0.0, pt)
+            pt = transposed_probabilities(
+                st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
+                HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
@@ -319,29 +382,11 @@ def _bwd_compute_partition(
                 0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
             )
             mbarrier.arrive(empty.index(slot), count=1)
-            num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
-            dq_buf = it % num_dq_buffers
-            # Wait until the writer has read what was left here DQ_BUFFERS tiles ago.
-            mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
-            dq_bufs.index(dq_buf).store(dq * softmax_scale)
-            if DQ_TMA:
-                # The writer's TMA reads the buffer through the async proxy.
-                fence_async_shared()
-            # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored),
-            # then one arrive.
-            mbarrier.arrive(dq_full.index(dq_buf), count=1)
+            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
 
-    out_rows = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
-    out_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-    offs = (
-        b.to(gl.int64) * stride_kb
-        + h_kv * stride_kh
-        + out_rows[:, None].to(gl.int64) * stride_ks
-        + out_cols[None, :]
-    )
-    gl.store(dk_ptr + offs, (dk * softmax_scale).to(dtype))
-    gl.store(dv_ptr + offs, dv.to(dtype))
+    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                softmax_scale)  # fmt: skip
 
 
 @gluon.jit
