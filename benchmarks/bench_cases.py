@@ -1,10 +1,12 @@
-"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``):
-their common command line, a bench mask by name, its mask-aware FLOP count, and how far a
-forward's ``(out, lse)`` is from a reference one."""
+"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``,
+``gluon_backward_hd256.py``): their common command line, a bench mask by name, its mask-aware
+FLOP count, the inputs of a backward comparison, and how far results are from reference ones."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +48,60 @@ def visible_flop(mask, causal: bool, seqlen: int, head_dim: int, heads: int, bat
     (4 for a forward, 10 for a five-matmul backward), as ``flashmask bench`` counts them."""
     pairs = bench.visible_pairs(mask, causal, seqlen, seqlen)
     return per_pair * head_dim * int(pairs.sum()) * heads * (batch // pairs.shape[0])
+
+
+class BackwardCase(NamedTuple):
+    """One length and mask of a backward comparison: bf16 ``q, k, v, dout [B, S, H, D]``, the
+    library forward's ``out`` and ``lse``, the mask (``sri``, ``causal``), the softmax scale and
+    the five-matmul backward's mask-aware FLOPs."""
+
+    seqlen: int
+    name: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    sri: torch.Tensor | None
+    causal: bool
+    scale: float
+    flop: float
+
+    def run_backward(self, deterministic: bool, config=None):
+        """``kernels.backward`` on this case (no lse gradient): ``(dq, dk, dv)``; ``config`` as
+        there (``None``: the library's tiles and routing)."""
+        from flashmask import kernels
+
+        return kernels.backward(
+            self.dout, None, self.q, self.k, self.v, self.out, self.lse, self.sri, self.causal,
+            self.scale, deterministic, config=config,
+        )  # fmt: skip
+
+
+def backward_cases(
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, head_dim: int
+) -> Iterator[BackwardCase]:
+    """Per length (batch = tokens / seqlen, ``hidden / head_dim`` heads, random inputs drawn once
+    per length) and per mask, a :class:`BackwardCase`."""
+    from flashmask import kernels
+
+    for s in seqlens:
+        b, h = max(1, tokens // s), hidden // head_dim
+        q, k, v, dout = (
+            torch.randn(b, s, h, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        scale = head_dim**-0.5
+        for name in mask_names:
+            mask, sri, causal = mask_case(name, s, b)
+            flop = visible_flop(mask, causal, s, head_dim, h, b, 10.0)  # 5 matmuls
+            out, lse = kernels.forward(q, k, v, sri, causal, scale)
+            yield BackwardCase(s, name, q, k, v, dout, out, lse, sri, causal, scale, flop)
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |x - ref|`` over ``max |ref|`` (over 1 where ``ref`` is all zeros)."""
+    return float((x.float() - ref.float()).abs().max()) / (float(ref.float().abs().max()) or 1.0)
 
 
 def forward_differences(out, lse, ref_out, ref_lse) -> tuple[float, float, bool]:

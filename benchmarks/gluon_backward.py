@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 import triton
-from bench_cases import case_parser, mask_case, visible_flop
+from bench_cases import backward_cases, case_parser, relative_error
 from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 
@@ -131,63 +131,43 @@ def check_and_time(
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
-    for s in seqlens:
-        b, h = max(1, tokens // s), hidden // d
-        q, k, v, dout = (
-            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
+        flop = case.flop
+        # The Gluon backward forced on (the defaults use it at D = 128 only).
+        base = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
+        run = case.run_backward
+        ref = run(True, base)
+        ms = triton.testing.do_bench(lambda: run(True, base), rep=100)
+        line = (
+            f"S={case.seqlen} {case.name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
         )
-        scale = d**-0.5
-        for name in mask_names:
-            mask, sri, causal = mask_case(name, s, b)
-            flop = visible_flop(mask, causal, s, d, h, b, 10.0)  # 5 matmuls
-            out, lse = kernels.forward(q, k, v, sri, causal, scale)
-            # The Gluon backward forced on (the defaults use it at D = 128 only).
-            base = replace(kernels.tile_config(d, has_mask=sri is not None), bwd_gluon=True)
-
-            def run(deterministic, cfg, sri=sri, causal=causal):
-                return kernels.backward(
-                    dout, None, q, k, v, out, lse, sri, causal, scale, deterministic, config=cfg
-                )
-
-            ref = run(True, base)
-            ms = triton.testing.do_bench(lambda: run(True, base), rep=100)
-            line = f"S={s} {name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
-            split = _kernel_times(
-                lambda: run(True, replace(base, fused_backward=False)),
-                ("dkdv_kernel", "dq_kernel", "delta_kernel"),
-            )
-            line += " [unfused: " + ", ".join(f"{n} {t:.3f}" for n, t in split.items()) + "]"
-            got = run(False, base)  # bwd_gluon: the Gluon kernel
-            errs = []
-            for g, want, n in zip(got, ref, "qkv", strict=True):
-                rel = float((g.float() - want.float()).abs().max()) / (
-                    float(want.float().abs().max()) or 1.0
-                )
-                errs.append(f"d{n} {rel:.1e}")
-            g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+        split = _kernel_times(
+            lambda: run(True, replace(base, fused_backward=False)),
+            ("dkdv_kernel", "dq_kernel", "delta_kernel"),
+        )
+        line += " [unfused: " + ", ".join(f"{n} {t:.3f}" for n, t in split.items()) + "]"
+        got = run(False, base)  # bwd_gluon: the Gluon kernel
+        errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
+        g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+        line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
+        for settings in variants:
+            defaults = {const: getattr(gluon_bwd, const) for const in settings}
+            for const, value in settings.items():
+                setattr(gluon_bwd, const, type(defaults[const])(value))
+            try:
+                alt = run(False, base)
+                same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
+                dq_rel = relative_error(alt[0], got[0])
+                t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+            finally:
+                for const, value in defaults.items():
+                    setattr(gluon_bwd, const, value)
+            label = ",".join(f"{n}={v}" for n, v in settings.items())
             line += (
-                f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
+                f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                f"{same} dq rel diff {dq_rel:.1e}"
             )
-            for settings in variants:
-                defaults = {name: getattr(gluon_bwd, name) for name in settings}
-                for name, value in settings.items():
-                    setattr(gluon_bwd, name, type(defaults[name])(value))
-                try:
-                    alt = run(False, base)
-                    same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
-                    dq_rel = float((alt[0].float() - got[0].float()).abs().max()) / (
-                        float(got[0].float().abs().max()) or 1.0
-                    )
-                    t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
-                finally:
-                    for name, value in defaults.items():
-                        setattr(gluon_bwd, name, value)
-                label = ",".join(f"{n}={v}" for n, v in settings.items())
-                line += (
-                    f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
-                    f"{same} dq rel diff {dq_rel:.1e}"
-                )
-            print(line, flush=True)
+        print(line, flush=True)
 
 
 @gluon.jit
@@ -202,28 +182,17 @@ def time_without_dq_writes(
     """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``)."""
     gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
-    for s in seqlens:
-        b, h = max(1, tokens // s), hidden // d
-        q, k, v, dout = (
-            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
+        cfg = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
+        ms = triton.testing.do_bench(
+            lambda case=case, cfg=cfg: case.run_backward(False, cfg),
+            rep=100,
         )
-        scale = d**-0.5
-        for name in mask_names:
-            mask, sri, causal = mask_case(name, s, b)
-            flop = visible_flop(mask, causal, s, d, h, b, 10.0)  # 5 matmuls
-            out, lse = kernels.forward(q, k, v, sri, causal, scale)
-            cfg = replace(kernels.tile_config(d, has_mask=sri is not None), bwd_gluon=True)
-            ms = triton.testing.do_bench(
-                lambda sri=sri, causal=causal, cfg=cfg: kernels.backward(
-                    dout, None, q, k, v, out, lse, sri, causal, scale, False, config=cfg
-                ),
-                rep=100,
-            )
-            print(
-                f"S={s} {name:16s} gluon without dQ writes {ms:.3f} ms "
-                f"({flop / ms / 1e9:.0f} TF/s; dQ discarded)",
-                flush=True,
-            )
+        print(
+            f"S={case.seqlen} {case.name:16s} gluon without dQ writes {ms:.3f} ms "
+            f"({case.flop / ms / 1e9:.0f} TF/s; dQ discarded)",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ import json
 
 import torch
 import triton
-from bench_cases import case_parser, mask_case, visible_flop
+from bench_cases import backward_cases, case_parser, relative_error
 from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -319,65 +319,42 @@ def compile_only(causal: bool, has_mask: bool, dq_tma: bool = False) -> dict:
     return {"causal": causal, "has_mask": has_mask, "dq_tma": dq_tma, **report}
 
 
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| over max |ref|."""
-    return float((x.float() - ref.float()).abs().max()) / (float(ref.float().abs().max()) or 1.0)
-
-
 def check_and_time(seqlens: list[int], mask_names: list[str], tokens: int, hidden: int) -> None:
-    """dQ/dK/dV against the Triton backward (the library's at hd256) and both timed."""
-    d = HEAD_DIM
-    for s in seqlens:
-        b, h = max(1, tokens // s), hidden // d
-        q, k, v, dout = (
-            torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    """dQ/dK/dV against the Triton backward (the library's at hd256) and both timed; then the
+    same kernel with dQ through TMA reduce-adds, its dK/dV compared bitwise."""
+    for case in backward_cases(seqlens, mask_names, tokens, hidden, HEAD_DIM):
+        flop = case.flop
+        args = (case.dout, case.q, case.k, case.v, case.out, case.lse)
+        args += (case.sri, case.causal, case.scale)
+        ref = case.run_backward(True)
+        ms = triton.testing.do_bench(lambda case=case: case.run_backward(True), rep=100)
+        line = (
+            f"S={case.seqlen} {case.name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
         )
-        scale = d**-0.5
-        for name in mask_names:
-            mask, sri, causal = mask_case(name, s, b)
-            flop = visible_flop(mask, causal, s, d, h, b, 10.0)  # 5 matmuls
-
-            def triton_bwd(sri=sri, causal=causal, out_lse=None):
-                out, lse = out_lse
-                return kernels.backward(dout, None, q, k, v, out, lse, sri, causal, scale, True)
-
-            out, lse = kernels.forward(q, k, v, sri, causal, scale)
-            ref = triton_bwd(out_lse=(out, lse))
-            ms = triton.testing.do_bench(lambda: triton_bwd(out_lse=(out, lse)), rep=100)
-            line = f"S={s} {name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
-            try:
-                got = backward256(dout, q, k, v, out, lse, sri, causal, scale)
-                torch.cuda.synchronize()
-            except Exception as exc:  # report and go on
-                print(f"{line} | gluon: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            errs = [f"d{n} {_relative(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
-            g_ms = triton.testing.do_bench(
-                lambda sri=sri, causal=causal: backward256(
-                    dout, q, k, v, out, lse, sri, causal, scale
-                ),
-                rep=100,
+        try:
+            got = backward256(*args)
+            torch.cuda.synchronize()
+        except Exception as exc:  # report and go on
+            print(f"{line} | gluon: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
+        g_ms = triton.testing.do_bench(lambda args=args: backward256(*args), rep=100)
+        line += (
+            f" | gluon hd256 {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
+        )
+        try:
+            alt = backward256(*args, dq_tma=True)
+            same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
+            t_ms = triton.testing.do_bench(
+                lambda args=args: backward256(*args, dq_tma=True), rep=100
             )
             line += (
-                f" | gluon hd256 {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) "
-                f"rel err {' '.join(errs)}"
+                f" | dQ by TMA {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
+                f"{same} dq rel diff {relative_error(alt[0], got[0]):.1e}"
             )
-            try:
-                alt = backward256(dout, q, k, v, out, lse, sri, causal, scale, dq_tma=True)
-                same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
-                t_ms = triton.testing.do_bench(
-                    lambda sri=sri, causal=causal: backward256(
-                        dout, q, k, v, out, lse, sri, causal, scale, dq_tma=True
-                    ),
-                    rep=100,
-                )
-                line += (
-                    f" | dQ by TMA {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
-                    f"{same} dq rel diff {_relative(alt[0], got[0]):.1e}"
-                )
-            except Exception as exc:  # report and go on
-                line += f" | dQ by TMA: {type(exc).__name__}: {str(exc)[:200]}"
-            print(line, flush=True)
+        except Exception as exc:  # report and go on
+            line += f" | dQ by TMA: {type(exc).__name__}: {str(exc)[:200]}"
+        print(line, flush=True)
 
 
 def main() -> None:
