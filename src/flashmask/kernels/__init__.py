@@ -495,7 +495,8 @@ GLUON_FWD_HEAD_DIMS = (64, 128, 256)
 def gluon_forward_tiles(head_dim: int) -> tuple[int, int]:
     """``(key tile, K/V slots)`` of the Gluon forward at ``head_dim``: 128-key tiles in three
     slots up to D = 128 (224 KB of shared memory at 128); at D = 256 64-key tiles in two slots,
-    the largest that fit (192 KB). D = 256 is not routed by default (not yet measured)."""
+    the largest that fit (192 KB). D = 256 is not routed by default: measured 0.87-0.98x the
+    Triton forward on the H200 (benchmarks/results/gluon_forward_hd256_s8.log)."""
     return (64, 2) if head_dim > 128 else (GLUON_FWD_TILE, 3)
 
 
