@@ -1,5 +1,5 @@
-"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``,
-``gluon_backward_hd256.py``): their common command line, a bench mask by name, its mask-aware
+"""The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``): their
+common command line, a bench mask by name, its mask-aware
 FLOP count, the inputs of a backward comparison, and how far results are from reference ones."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The Gluon backward (``flashmask.kernels.gluon_bwd``) against the Triton backward.
+"""The Gluon backward (``flashmask.kernels.gluon_bwd``; ``gluon_bwd256`` at head dim 256) against
+the Triton backward.
 
 The kernel began here as an experiment (sixth session) with four ways to add dQ: none (the
 Triton dQ pass), scalar atomics from the consumers, 16-byte vector atomics from the consumers,
@@ -7,11 +8,13 @@ and a dQ writer partition of 4 or 2 warps. Measured on the H200 (``results/gluon
 variants are in this file's history (commit 362ef02).
 
 Usage:
-* ``python benchmarks/gluon_backward.py --compile-only`` (no GPU): compile the library kernel for
-  sm_90 and print registers, spills, shared memory, ``setmaxnreg``, HGMMA/TMA/atomic counts;
+* ``python benchmarks/gluon_backward.py --compile-only`` (no GPU): compile the library kernels
+  (head dims 64, 128, 256) for sm_90 and print registers, spills, shared memory,
+  ``setmaxnreg``, HGMMA/TMA/atomic counts;
 * ``PYTHONPATH=src python benchmarks/gluon_backward.py`` (H200): dQ/dK/dV against the Triton
   backward (max abs difference over max abs value) and both timed, with a profiler split of the
-  Triton backward's kernels, at 8K and 32K on full, causal and four interval masks;
+  Triton backward's kernels, at 8K and 32K on full, causal and four interval masks
+  (``--head-dim 256``: the head-dim-256 kernel, ninth session);
 * ``... gluon_backward.py --no-dq-writes`` (H200, a diagnostic): the Gluon backward timed with its
   dQ writer's atomic adds compiled out (dQ is then wrong): how much of the time the dQ writes
   cost at most, the gain a cheaper reduction (TMA bulk reduce-add) could bring. Run it as its
@@ -31,24 +34,39 @@ from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 
 from flashmask import kernels
-from flashmask.kernels import gluon_bwd
+from flashmask.kernels import gluon_bwd, gluon_bwd256
 from flashmask.kernels.gluon_fwd import shared_layout
 
 OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
+def backward_module(head_dim: int):
+    """The module whose kernel and launch constants serve ``head_dim``."""
+    return gluon_bwd256 if head_dim == 256 else gluon_bwd
+
+
+def _kernel(module):
+    if module is gluon_bwd256:
+        return gluon_bwd256.gluon_bwd256_kernel
+    return gluon_bwd.gluon_bwd_kernel
+
+
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool = False,
+    dq_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
+    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given);
+    registers, spills, shared memory and key instructions."""
+    module = backward_module(head_dim)
+    if dq_tma is None:
+        dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
         layout = shared_layout(rows, head_dim, dtype)
         return f"tensordesc<{short}[{rows}, {head_dim}],{layout!r}>"
 
-    rows_q, rows_k = gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N
+    rows_q, rows_k = module.BLOCK_M, module.BLOCK_N
     signature = {
         "q_desc": desc_type(rows_q), "k_desc": desc_type(rows_k), "v_desc": desc_type(rows_k),
         "do_desc": desc_type(rows_q), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
@@ -64,12 +82,12 @@ def compile_only(
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
-              "NUM_BUFFERS": gluon_bwd.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
+              "NUM_BUFFERS": module.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
-              "DQ_BUFFERS": gluon_bwd.DQ_BUFFERS,
+              "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
-        gluon_bwd.gluon_bwd_kernel, signature, values,
+        _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
     )  # fmt: skip
     return {
@@ -101,7 +119,8 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
     return times
 
 
-# The launch constants of ``gluon_bwd`` a ``--variant`` may set (read when a call launches).
+# The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
+# (read when a call launches).
 VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS")
 
 
@@ -124,7 +143,8 @@ def check_and_time(
     variants: list[dict[str, int]] = (),
 ) -> None:  # fmt: skip
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; each
-    of ``variants`` (``gluon_bwd`` constants to set, e.g. ``{"DQ_TMA": 1}``) also timed, with
+    of ``variants`` (``backward_module(d)``'s constants to set, e.g. ``{"DQ_TMA": 0}``) also
+    timed, with
     its dK/dV compared bitwise against the default's (the same products in the same order) and
     its dQ's relative difference (fp32 additions in another order)."""
 
@@ -150,10 +170,11 @@ def check_and_time(
         errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
         g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
+        module = backward_module(d)
         for settings in variants:
-            defaults = {const: getattr(gluon_bwd, const) for const in settings}
+            defaults = {const: getattr(module, const) for const in settings}
             for const, value in settings.items():
-                setattr(gluon_bwd, const, type(defaults[const])(value))
+                setattr(module, const, type(defaults[const])(value))
             try:
                 alt = run(False, base)
                 same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
@@ -161,7 +182,7 @@ def check_and_time(
                 t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
             finally:
                 for const, value in defaults.items():
-                    setattr(gluon_bwd, const, value)
+                    setattr(module, const, value)
             label = ",".join(f"{n}={v}" for n, v in settings.items())
             line += (
                 f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
@@ -179,8 +200,10 @@ def _discard_dq(dq_head, row0, stride_dqs, values):
 def time_without_dq_writes(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int
 ) -> None:
-    """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``)."""
+    """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``; the
+    ``red.global`` writer's, so ``DQ_TMA`` is turned off: the bound of both writers)."""
     gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
+    backward_module(d).DQ_TMA = False
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         cfg = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
@@ -208,7 +231,7 @@ def main() -> None:
         type=parse_variant,
         action="append",
         default=[],
-        help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=1 or "
+        help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=0 or "
         "NUM_BUFFERS=3,DQ_BUFFERS=1 (repeatable)",
     )
     args = parser.parse_args()
@@ -222,8 +245,8 @@ def main() -> None:
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
-        for causal, has_mask in ((False, False), (True, True)):  # dQ through TMA reduce-adds
-            print(json.dumps(compile_only(128, causal, has_mask, dq_tma=True)), flush=True)
+        for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
+            print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -230,7 +231,7 @@ def main() -> int:
     parser.add_argument(
         "--gluon-bwd",
         default="",
-        help="gluon_bwd launch constants for the run, e.g. DQ_TMA=1 or NUM_BUFFERS=3,DQ_BUFFERS=1 "
+        help="gluon_bwd launch constants for the run, e.g. DQ_TMA=0 or NUM_BUFFERS=3,DQ_BUFFERS=1 "
         "(candidate settings measured by gluon_backward.py --variant, checked here)",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
@@ -281,7 +282,7 @@ def main() -> int:
     for name in names:
         for d in head_dims:
             for dtype in (torch.bfloat16, torch.float16):
-                if dtype == torch.float16 and d != 128:
+                if dtype == torch.float16 and d not in (128, 256):
                     continue
                 for hq, hk in ((8, 8), (8, 2)):
                     hm = hk if name == "random_eviction" else 1
@@ -335,7 +336,10 @@ def main() -> int:
     for causal, c in FORMS if args.part != "masks" else ():
         for sq, sk in shapes:
             for hq, hk, hm in ((4, 4, 4), (8, 1, 1)):
-                for d in (128,) if args.quick else (64, 128):
+                dims = (128,) if args.quick else (64, 128)
+                if sq % 128 == 0 and sk % 128 == 0:  # the Gluon hd256 backward's shapes too
+                    dims += (256,)
+                for d in dims:
                     sri = random_indices(2, hm, sq, sk, causal, c, gen).to(dev)
                     q, k, v = inputs(2, sq, sk, hq, hk, d, torch.bfloat16)
                     name = f"random/causal={causal}/C={c}/{sq}x{sk}/H{hq}:{hk}:{hm}/D{d}"
@@ -349,10 +353,10 @@ def main() -> int:
     # No mask with Sq != Sk at multiples of 128: the Gluon forward and backward, causal offset
     # included (the masks part runs them at Sq = Sk only).
     for sq, sk in ((256, 384), (384, 256)) if args.part != "masks" else ():
-        for causal in (False, True):
+        for causal, d in itertools.product((False, True), (128, 256)):
             for hq, hk in ((4, 4), (8, 2)):
-                q, k, v = inputs(2, sq, sk, hq, hk, 128, torch.bfloat16)
-                name = f"no-mask/causal={causal}/{sq}x{sk}/H{hq}:{hk}"
+                q, k, v = inputs(2, sq, sk, hq, hk, d, torch.bfloat16)
+                name = f"no-mask/causal={causal}/{sq}x{sk}/H{hq}:{hk}/D{d}"
                 results.append(check_case(name, q, k, v, None, causal, deterministic=hk == 4))
 
     # More (batch x head) programs than one grid axis may hold (65535): the grid keeps heads and

@@ -8,7 +8,7 @@
 #   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~230 s cold)
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
-#   bench-hd256   flashmask bench, 32K, hd256 (~140 s)
+#   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
@@ -31,17 +31,17 @@
 #                 route masked hd64 calls from 16K keys take)
 #   gluon-backward-dq-bound gluon_backward.py on full, causal and document, then the same timed with
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
-#   gluon-backward-variants gluon_backward.py timing dQ through TMA reduce-adds (DQ_TMA=1), three
-#                 Q/dO slots with one dQ buffer, and both, against the default
-#   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA on (GLUON_BWD=... replaces DQ_TMA=1, e.g.
-#                 GLUON_BWD=DQ_TMA=1,NUM_BUFFERS=3,DQ_BUFFERS=1)
+#   gluon-backward-variants gluon_backward.py timing dQ through the red.global writer (DQ_TMA=0),
+#                 three Q/dO slots with one dQ buffer, and both, against the default (TMA)
+#   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
+#                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
 #   tune-dq-hd256 tune.py --set dq at 8K, hd256 only: the Triton backward's one-grid forms (dQ pass
 #                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
-#   gluon-hd256-bwd gluon_backward_hd256.py: the head-dim-256 Gluon backward experiment against the
-#                 Triton hd256 backward at 8K and 32K (not yet run)
+#   gluon-hd256-bwd gluon_backward.py --head-dim 256: the head-dim-256 Gluon backward against the
+#                 Triton hd256 backward at 8K and 32K, and with the red.global dQ writer
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -117,6 +117,10 @@ for step in "$@"; do
         run_step bench_hd256_32k python -m flashmask bench --seqlens 32768 --head-dims 256 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_32k"
         ;;
+    bench-hd256-8k)
+        run_step bench_hd256_8k python -m flashmask bench --seqlens 8192 --head-dims 256 \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_8k"
+        ;;
     tune-dq)
         run_step tune_dq python benchmarks/tune.py --set dq --seqlen 8192 --head-dims 128,256 \
             --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
@@ -154,12 +158,12 @@ for step in "$@"; do
         ;;
     gluon-backward-variants)
         run_step gluon_backward_variants python benchmarks/gluon_backward.py \
-            --variant DQ_TMA=1 --variant NUM_BUFFERS=3,DQ_BUFFERS=1 \
-            --variant DQ_TMA=1,NUM_BUFFERS=3,DQ_BUFFERS=1 \
+            --variant DQ_TMA=0 --variant NUM_BUFFERS=3,DQ_BUFFERS=1 \
+            --variant DQ_TMA=0,NUM_BUFFERS=3,DQ_BUFFERS=1 \
             --masks full,causal,document,causal_document,share_question,sliding_window
         ;;
     check-dq-tma)
-        check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=1}" gpu_check_dq_tma
+        check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma
         ;;
     ncu-backward)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
@@ -177,7 +181,8 @@ for step in "$@"; do
             --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
         ;;
     gluon-hd256-bwd)
-        run_step gluon_backward_hd256 python benchmarks/gluon_backward_hd256.py
+        run_step gluon_backward_hd256 python benchmarks/gluon_backward.py --head-dim 256 \
+            --variant DQ_TMA=0
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \

@@ -3,7 +3,7 @@ compiles for Hopper into a warp-specialised kernel.
 
 Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
 runs the library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked
-ones from 16K keys or under ``--gluon-everywhere``). Here: the routing rules (on the GPU only,
+ones from 32K keys or under ``--gluon-everywhere``). Here: the routing rules (on the GPU only,
 positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper only, the masked length
 limit) and an sm_90 compile of every variant.
 """
@@ -116,13 +116,13 @@ def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypat
         kernels.gluon_available.cache_clear()
 
 
-def test_with_a_mask_only_from_16k_keys(monkeypatch):
-    """At 8K its 128x128 tiles lost to the Triton forward's 64x64 ones on sparse masks; from
-    16K keys it won on 11 of 12 masks. Without a mask it is used at every length."""
+def test_with_a_mask_only_from_32k_keys(monkeypatch):
+    """At 8K and 16K its 128x128 tiles lost to the Triton forward's 64x64 ones on sparse masks;
+    from 32K keys it won on 11 of 12 masks. Without a mask it is used at every length."""
     cfg = replace(kernels.tile_config(128), fwd_gluon=True)
     monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
     monkeypatch.setattr(kernels, "gluon_available", lambda: True)
-    short = _qkv(seqlen_q=8192, seqlen_k=8192)
+    short = _qkv(seqlen_q=8192, seqlen_k=16384)
     long = _qkv(seqlen_q=256, seqlen_k=kernels.GLUON_FWD_MIN_MASKED_SEQLEN)
     assert kernels._use_gluon_forward(*short, 0.1, False, cfg)  # no mask: any length
     assert not kernels._use_gluon_forward(*short, 0.1, True, cfg)
@@ -134,7 +134,7 @@ def test_with_a_mask_only_from_16k_keys(monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 def test_default_tiles_use_it_at_head_dim_128_and_without_a_mask_at_64(monkeypatch, head_dim):
-    """Measured faster on the H200 at hd128 (with a mask from 16K keys, the launcher's rule)
+    """Measured faster on the H200 at hd128 (with a mask from 32K keys, the launcher's rule)
     and at hd64 on full and causal attention; at hd64 it lost on masks, at hd256 everywhere."""
     monkeypatch.setattr(kernels, "_interpreting", lambda: False)
     assert kernels.tile_config(head_dim, has_mask=True).fwd_gluon == (head_dim == 128)

@@ -99,10 +99,11 @@ class TileConfig:
     fwd_gluon: bool = False
     # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
     # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
-    # fp32 vector atomics) where it applies (Hopper, ``gluon_backward_eligible``, and the limits
-    # of ``_use_gluon_backward``). On by default at D = 128: on the H200 1.15-1.19x the Triton
-    # backward without a mask, 0.98-1.13x with masks at 32K (benchmarks/NOTES.md, sixth session);
-    # and at D = 64 (1.03-1.18x at 32K, eighth session).
+    # fp32 TMA reduce-adds; ``kernels.gluon_bwd256`` at D = 256) where it applies (Hopper,
+    # ``gluon_backward_eligible``, and the limits of ``_use_gluon_backward``). On by default at
+    # D = 128: on the H200 1.15-1.19x the Triton backward without a mask, 0.98-1.13x with masks
+    # at 32K (benchmarks/NOTES.md, sixth session); at D = 64 (1.03-1.18x at 32K, eighth
+    # session); at D = 256 (1.43-1.69x at 8K and 32K, ninth session).
     bwd_gluon: bool = False
 
 
@@ -155,7 +156,10 @@ def tile_config(
         if has_mask or cfg.fwd_tma:
             return cfg
         return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
-    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2)
+    # At D = 256 the Gluon backward (``kernels.gluon_bwd256``): 1.43-1.69x the Triton backward
+    # on the H200 on full, causal and four masks at 8K and 32K (benchmarks/NOTES.md, ninth
+    # session).
+    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=head_dim == 256)
 
 
 def compact_tile_config(head_dim: int) -> TileConfig:
@@ -531,23 +535,30 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-# The Gluon backward (``kernels.gluon_bwd``): its query and key tiles, and the head dims it
-# compiles for (at D = 256 its dK and dV accumulators would not fit the registers).
+# The Gluon backward (``kernels.gluon_bwd``; ``kernels.gluon_bwd256`` at D = 256): its query
+# tiles, its key tiles (per program) at D = 64 and 128, and the head dims it compiles for.
 GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
-GLUON_BWD_HEAD_DIMS = (64, 128)
-# With an interval mask, the Gluon backward only from this many keys: at 8K its 128-key tiles
-# skip less finely than the Triton backward's 64-key ones, and sparse masks lost (sliding_window
-# 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 32K it was 0.98-1.13x
-# (benchmarks/results/gluon_backward_s6d.log). Without a mask it is used at every length
-# (full/causal 1.15x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts this limit
-# and the forward's to check both kernels on its short masked cases.
+GLUON_BWD_HEAD_DIMS = (64, 128, 256)
+# At D = 256 a program owns 64 keys (two 128-key dK/dV accumulators would not fit the registers).
+GLUON_BWD256_KEYS = 64
+# With an interval mask, the Gluon backward at D <= 128 only from this many keys: at 8K its
+# 128-key tiles skip less finely than the Triton backward's 64-key ones, and sparse masks lost
+# (sliding_window 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 16K
+# it was 0.87x-1.03x (``results/gluon_backward_16k_s9.log``, before the 2-4% of ``DQ_TMA``);
+# at 32K 0.98-1.13x (benchmarks/results/gluon_backward_s6d.log). Without a mask it is used at
+# every length (full/causal 1.15x at 8K). At D = 256 (64-key tiles, as the Triton backward's)
+# it is used at every length: 1.43-1.69x the Triton backward on every mask measured at 8K and
+# 32K (``results/gluon_backward_hd256_s9.log``). ``benchmarks/gpu_check.py --gluon-everywhere``
+# lifts this limit and the forward's to check both kernels on its short masked cases.
 GLUON_BWD_MIN_MASKED_SEQLEN = 16384
 # The same for the Gluon forward: at 8K its 128x128 tiles lost to the Triton forward's 64x64
 # ones on the sparse masks (sliding_window 0.81x, share_question 0.83x, global_sliding_window
-# 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 32K it won on 11
-# of 12 masks (1.04-1.28x; share_question 0.92x; benchmarks/results/gluon_forward_masks_s7.log).
-GLUON_FWD_MIN_MASKED_SEQLEN = 16384
+# 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 16K it still lost
+# on three of the five sparsest (sliding_window 0.93x, share_question 0.73x, causal_document
+# 0.90x; ``results/gluon_forward_16k_s9.log``); at 32K it won on 11 of 12 masks (1.04-1.28x;
+# share_question 0.92x; benchmarks/results/gluon_forward_masks_s7.log).
+GLUON_FWD_MIN_MASKED_SEQLEN = 32768
 
 
 def gluon_backward_eligible(
@@ -627,12 +638,12 @@ def _use_gluon_backward(
     """``config.bwd_gluon``, ``deterministic=False`` and no
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
     skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
-    (``masked``) also at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
+    (``masked``) and ``D <= 128`` also at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
-    if masked and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN:
+    if masked and q.shape[-1] != 256 and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN:
         return False
     capability = _gpu_capability(q)
     return (
@@ -693,11 +704,16 @@ def _forward_shapes(
     return [(config.fwd_m, config.fwd_n, True)]
 
 
+def gluon_backward_keys(head_dim: int) -> int:
+    """Keys per program (the key tile) of the Gluon backward at ``head_dim``."""
+    return GLUON_BWD256_KEYS if head_dim == 256 else GLUON_BWD_KEYS
+
+
 def _backward_shapes(
-    use_gluon: bool, deterministic: bool, config: TileConfig
+    use_gluon: bool, deterministic: bool, head_dim: int, config: TileConfig
 ) -> list[tuple[int, int, bool]]:
     if use_gluon:
-        return [(GLUON_BWD_QUERIES, GLUON_BWD_KEYS, False)]
+        return [(GLUON_BWD_QUERIES, gluon_backward_keys(head_dim), False)]
     shapes = [(config.bwd_m, config.bwd_n, False)]
     if not (config.atomic_dq and not deterministic):  # the separate dQ pass has its own lists
         shapes.append((config.dq_m, config.dq_n, True))
@@ -733,7 +749,7 @@ def backward_list_shapes(
     mode), like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, True, masked, config)
-    return _backward_shapes(use_gluon, deterministic, config)
+    return _backward_shapes(use_gluon, deterministic, q.shape[-1], config)
 
 
 def forward(
@@ -897,9 +913,12 @@ def backward(
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
-    shapes = _backward_shapes(use_gluon, deterministic, config)
+    shapes = _backward_shapes(use_gluon, deterministic, d, config)
     if use_gluon:
-        from flashmask.kernels import gluon_bwd
+        if d == 256:
+            from flashmask.kernels import gluon_bwd256 as gluon_bwd
+        else:
+            from flashmask.kernels import gluon_bwd
 
         bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))

@@ -18,10 +18,15 @@ measured and why each part is there:
   memory (two buffers alternate, one barrier per tile): five matmuls per tile where the Triton
   backward's separate dQ pass needs seven;
 * the consumers leave each scaled fp32 dQ tile in a ring of two shared buffers ("dq_full" /
-  "dq_empty" mbarriers); two writer warps add it to the fp32 dQ buffer with one 16-byte
-  ``red.global.v4.f32.add`` per four columns (inline PTX: Triton emits scalar atomics, scattered
-  over the MMA layout; Gluon 3.6 has no TMA reduce). The producer and writer warps make one
-  warpgroup, so the consumers keep 240 registers through ``setmaxnreg``.
+  "dq_empty" mbarriers); two writer warps add it to the fp32 dQ buffer with TMA reduce-adds
+  (``cp.reduce.async.bulk.tensor``, one thread issuing each, as FlashAttention-3; ``DQ_TMA``),
+  or, with ``DQ_TMA`` off (kept for measurement), with one 16-byte ``red.global.v4.f32.add``
+  per four columns (inline PTX: Triton emits scalar atomics, scattered over the MMA layout). The
+  producer and writer warps make one warpgroup, so the consumers keep 240 registers through
+  ``setmaxnreg``.
+
+At head dim 256 ``kernels.gluon_bwd256`` splits the work differently and reuses this module's
+partitions, helpers and launcher.
 
 Measured on the H200 (hd128, bf16, 32K): 1.07-1.19x the Triton backward on full, causal and
 document masks, 1.23x on random_eviction (a mask per head group), equal on share_question, 10%
@@ -89,10 +94,12 @@ WRITER_WARPS = 2
 WRITER_REGISTERS = 24
 # The dQ writer adds each tile with TMA reduce-adds (the fp32 tile in an NVMMA-swizzled shared
 # buffer, ``cp.reduce.async.bulk.tensor``: four per 64x128 tile, each issued by one thread)
-# instead of 16-byte ``red.global`` adds from two warps (2048 per tile, 32 per thread).
-# FlashAttention-3's dQ path. Off until measured and checked on the H200
-# (``benchmarks/gluon_backward.py --variant DQ_TMA=1``, ``gpu_check.py --gluon-bwd DQ_TMA=1``).
-DQ_TMA = False
+# instead of 16-byte ``red.global`` adds from two warps (2048 per tile, 32 per thread):
+# FlashAttention-3's dQ path. Measured on the H200 (``results/gluon_backward_variants_s9.log``):
+# 2.0-3.6% faster at 32K on full, causal and four masks, 1.5-2.0% at 8K on the two sparsest;
+# checked with ``gpu_check.py --gluon-bwd DQ_TMA=1`` (``results/gpu_check_dq_tma_s9.json``).
+# False (the ``red.global`` writer) is kept for measurement (``--variant DQ_TMA=0``).
+DQ_TMA = True
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
 
@@ -114,8 +121,7 @@ def _head_list(
 @gluon.constexpr_function
 def _vec4_layout(head_dim, warps):
     """Each thread four adjacent dQ columns, a warp whole rows (``32 * 4 // head_dim`` of them;
-    above D = 128, 128 columns repeated along the row: the head-dim-256 experiment,
-    ``benchmarks/gluon_backward_hd256.py``)."""
+    above D = 128, 128 columns repeated along the row: ``gluon_bwd256``)."""
     lanes_d = min(head_dim // 4, 32)
     return gl.BlockedLayout([1, 4], [32 // lanes_d, lanes_d], [warps, 1], [1, 0])
 
@@ -503,13 +509,41 @@ def backward(
     causal: bool,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts,
-    contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
+    """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts
+    at D = 64 or 128, contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
 
     ``lse`` (the forward's) and ``delta`` (``kernels.backward_delta``) are float32 ``[B, H, Sq]``;
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
     ``kernels.prepare_cached``."""
+    return launch(
+        gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
+        dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
+    )  # fmt: skip
+
+
+def launch(
+    kernel,
+    block_n: int,
+    num_buffers: int,
+    dq_buffers: int,
+    dq_tma: bool,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists,
+    num_mask_heads: int,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
+    ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
+    Q/dO slots, ``dq_buffers`` dQ buffers and dQ through TMA reduce-adds if ``dq_tma``; the
+    other arguments and the result as :func:`backward`'s."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -517,20 +551,20 @@ def backward(
     tn, tm = lists.entries.shape[-2:]
     q2, k2, v2, do2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v, dout))
     q_layout = shared_layout(BLOCK_M, d, q.dtype)
-    kv_layout = shared_layout(BLOCK_N, d, q.dtype)
+    kv_layout = shared_layout(block_n, d, q.dtype)
     q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], q_layout)
     do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], kv_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_desc = None
-    if DQ_TMA:
+    if dq_tma:
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
-    gluon_bwd_kernel[(tn, hk, b)](
+    kernel[(tn, hk, b)](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
@@ -538,9 +572,9 @@ def backward(
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
         softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d, NUM_BUFFERS=NUM_BUFFERS,
-        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=DQ_TMA,
-        DQ_BUFFERS=DQ_BUFFERS,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
+        WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
+        DQ_BUFFERS=dq_buffers,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv

@@ -28,8 +28,9 @@ kernel (both warpgroups in one partition), and on the H200 the outputs and lse m
 bit on every case measured, while the ping-pong ran 5-22% faster: full 32K 502 -> 611 TFLOP/s,
 causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Against the Triton forward it
 is 1.22-1.31x on full/causal and, at 32K, 1.04-1.28x on 11 of the 12 masks, so the launcher uses
-it at hd128 on Hopper without a mask and with an interval mask from 16K keys
-(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_masks_s7.log``). Descriptors
+it at hd128 on Hopper without a mask and with an interval mask from 32K keys
+(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_masks_s7.log``,
+``gluon_forward_16k_s9.log``). Descriptors
 are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D``
 in {64, 128} (``kernels.gluon_forward_eligible``).
 

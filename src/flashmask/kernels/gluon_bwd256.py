@@ -1,0 +1,267 @@
+"""Warp-specialised backward for Hopper (sm_90) at head dim 256, written in Gluon: dK, dV and dQ
+in one pass, dQ added through TMA reduce-adds (fp32, not bit-reproducible: the launcher uses it
+only for ``deterministic=False``).
+
+The head-dim-128 kernel's layout (``kernels.gluon_bwd``: each of two consumer warpgroups owns 64
+of a program's 128 keys with the whole head dim of dK and dV) does not carry over: at D = 256
+those two accumulators alone would take 256 registers per thread. Here a program owns
+``BLOCK_N = 64`` keys and the warpgroups split the work the other way:
+
+* ``S^T = K Q^T`` and ``dP^T = V dO^T`` ([64 keys, 64 queries], the head dim reduced): each
+  warpgroup computes the columns of 32 queries, then ``P^T`` and ``dS^T`` (fp32, as the Triton
+  kernels) for them, and stores both as bf16/fp16 into shared memory;
+* after a barrier, each warpgroup owns half the head dim: ``dV_half += P^T dO_half``,
+  ``dK_half += dS^T Q_half`` (64 + 64 accumulator registers) and ``dQ_half = dS K_half``, all
+  with both operands in shared memory; the dQ tile goes to the writer warps, dK/dV are stored
+  at the end.
+
+Shared memory: K and V 32 KB each, one Q/dO slot 64 KB (two would not fit), ``P^T``/``dS^T``
+double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB. The producer warp, the dQ
+writer, the barrier protocol and the tile-list walk (column-major lists at 64x64 tiles) are
+``kernels.gluon_bwd``'s, and so is the launcher (``gluon_bwd.launch``).
+
+Measured on the H200 (bf16, ``benchmarks/results/gluon_backward_hd256_s9.log``): 1.43-1.69x
+the Triton hd256 backward on full, causal and four interval masks at 8K and 32K (full 32K:
+59.4 ms against 96.9, 370 TFLOP/s); the writer's 16-byte ``red.global`` adds instead of TMA
+reduce-adds (``DQ_TMA = False``) were 1.24-1.39x slower. Import this module only where the
+interpreter is off (Gluon has none); the H200 check (``benchmarks/gpu_check.py``) proves its
+results, the CPU suite compiles it for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashmask.kernels import gluon_bwd
+from flashmask.kernels.gluon_bwd import (
+    _bwd_dq_writer_partition,
+    _bwd_load_partition,
+    _head_list,
+    _partition_barrier,
+    hand_dq_to_writer,
+    row_terms,
+    store_dk_dv,
+    transposed_probabilities,
+)
+from flashmask.kernels.gluon_fwd import load_column_bounds
+
+BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
+BLOCK_N = 64  # keys per program
+# One Q/dO slot and one fp32 dQ buffer: 224 KB with K, V and the P^T/dS^T buffers.
+NUM_BUFFERS = 1
+DQ_BUFFERS = 1
+# dQ through TMA reduce-adds (False: the writer's 16-byte red.global adds, kept for measurement;
+# read when a call launches).
+DQ_TMA = True
+
+
+@gluon.jit
+def _bwd256_compute_partition(
+    k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
+    dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
+    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups: scores and softmax gradients split by queries, the three
+    accumulating products split by head dim (module docstring)."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    groups: gl.constexpr = gl.num_warps() // 4
+    dtype: gl.constexpr = k_smem.dtype
+    # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, BLOCK_M // groups, 16]
+    )
+    # dK, dV [BLOCK_N, HEAD_DIM] and dQ [BLOCK_M, HEAD_DIM]: the warpgroups split the head dim.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, HEAD_DIM // groups, 16]
+    )
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    keys = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+    offs_m = gl.arange(0, BLOCK_M, query_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(heads_per_kv):
+        h, mask_head, count, entries = _head_list(
+            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
+            num_mask_heads, num_m_tiles, num_n_tiles,
+        )  # fmt: skip
+        lts, lte, uts, ute = load_column_bounds(
+            bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
+        )
+        row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            slot = it % num_buffers
+            q_smem = q_bufs.index(slot)
+            do_smem = do_bufs.index(slot)
+            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+            st_token = warpgroup_mma(
+                k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+            )
+            dpt_token = warpgroup_mma(
+                v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+            )
+            rows = m_tile * BLOCK_M + offs_m
+            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+            st = warpgroup_mma_wait(1, deps=(st_token,))
+            pt = transposed_probabilities(
+                st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
+                HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
+            dpt = warpgroup_mma_wait(0, deps=(dpt_token,))
+            dst = pt * (dpt - delta[None, :])
+            # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last
+            # read two tiles ago, before the previous tile's barrier.
+            pt_smem = pt_bufs.index(it % 2)
+            ds_smem = ds_bufs.index(it % 2)
+            pt_smem.store(pt.to(dtype))
+            ds_smem.store(dst.to(dtype))
+            fence_async_shared()
+            _partition_barrier()  # both warpgroups' columns in place
+            dv_token = warpgroup_mma(pt_smem, do_smem, dv, is_async=True)
+            dk_token = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
+            dq_token = warpgroup_mma(
+                ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
+            )
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token))
+            mbarrier.arrive(empty.index(slot), count=1)
+            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+            it += 1
+
+    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                softmax_scale)  # fmt: skip
+
+
+@gluon.jit
+def gluon_bwd256_kernel(
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
+    bounds_ptr,
+    entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
+    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
+    WRITER_REGISTERS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+    DQ_BUFFERS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
+    and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
+    ``dq_desc`` and TMA reduce-adds)."""
+    dtype: gl.constexpr = q_desc.dtype
+    n_tile = gl.program_id(0)
+    h_kv = gl.program_id(1)
+    b = gl.program_id(2)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], do_desc.layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
+    if DQ_TMA:
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_desc.layout
+        )
+    else:
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        )
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _bwd256_compute_partition,
+                (
+                    k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready,
+                    empty, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
+                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
+                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                ),
+            ),
+            (
+                _bwd_load_partition,
+                (
+                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                    num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                ),
+            ),
+            (
+                _bwd_dq_writer_partition,
+                (
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
+                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
+                ),
+            ),
+        ],
+        [1, WRITER_WARPS],
+        [24, WRITER_REGISTERS],
+    )  # fmt: skip
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists,
+    num_mask_heads: int,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
+    ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
+    return gluon_bwd.launch(
+        gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
+        dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
+    )  # fmt: skip
