@@ -46,31 +46,10 @@
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
-#
-# Compile caches: each device call starts on a bare machine, and compiling the kernels costs
-# ~200 s of a 30-minute budget. With COMPILE_CACHE=DIR (a folder the call carries), the Triton
-# and Inductor caches are unpacked from DIR/compile_cache.tgz first and packed back into
-# $OUT/compile_cache.tgz at the end (skipped above 15 MiB, the device's per-file limit).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
 export PYTHONPATH=src
 limit=${STEP_TIMEOUT:-280}
-if [ -n "${COMPILE_CACHE:-}" ]; then
-    export TRITON_CACHE_DIR=/tmp/fm_cache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/fm_cache/inductor
-    mkdir -p /tmp/fm_cache
-    if [ -f "$COMPILE_CACHE/compile_cache.tgz" ]; then
-        tar -xzf "$COMPILE_CACHE/compile_cache.tgz" -C /tmp/fm_cache &&
-            echo "== compile cache: unpacked $(du -sh /tmp/fm_cache | cut -f1)"
-    fi
-    pack_cache() {
-        tar -czf "$OUT/compile_cache.tgz" -C /tmp/fm_cache . 2>/dev/null
-        local size
-        size=$(stat -c %s "$OUT/compile_cache.tgz")
-        echo "== compile cache: packed $((size / 1048576)) MiB"
-        [ "$size" -lt 15728640 ] || rm -f "$OUT/compile_cache.tgz"
-    }
-    trap pack_cache EXIT
-fi
 
 run_step() {
     local name=$1
