@@ -15,6 +15,11 @@ Usage:
   backward (max abs difference over max abs value) and both timed, with a profiler split of the
   Triton backward's kernels, at 8K and 32K on full, causal and four interval masks
   (``--head-dim 256``: the head-dim-256 kernel, ninth session);
+* ``... gluon_backward.py --split 2/2,3/1`` (H200, an experiment, ninth session): the head-dim-256
+  kernel's layout (``gluon_bwd256``: 64 keys per program) at ``--head-dim`` (128), with these
+  Q/dO-slot/dQ-buffer rings, against the Triton backward and the library's Gluon backward. Its
+  64-key tiles skip as finely as the Triton backward's, so it may beat both on the sparse masks
+  at 8K, where the library's 128-key Gluon backward loses; cuDNN's backward uses 64x64 tiles;
 * ``... gluon_backward.py --no-dq-writes`` (H200, a diagnostic): the Gluon backward timed with its
   dQ writer's atomic adds compiled out (dQ is then wrong): how much of the time the dQ writes
   cost at most, the gain a cheaper reduction (TMA bulk reduce-add) could bring. Run it as its
@@ -53,11 +58,13 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None,
+    dq_tma: bool | None = None, split: tuple[int, int] | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given);
-    registers, spills, shared memory and key instructions."""
-    module = backward_module(head_dim)
+    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given;
+    ``split``: ``gluon_bwd256``'s kernel at this head dim with ``(Q/dO slots, dQ buffers)``,
+    the ``--split`` experiment); registers, spills, shared memory and key instructions."""
+    module = gluon_bwd256 if split else backward_module(head_dim)
+    num_buffers, dq_buffers = split or (module.NUM_BUFFERS, module.DQ_BUFFERS)
     if dq_tma is None:
         dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -82,9 +89,9 @@ def compile_only(
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
-              "NUM_BUFFERS": module.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
+              "NUM_BUFFERS": num_buffers, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
-              "DQ_BUFFERS": module.DQ_BUFFERS,
+              "DQ_BUFFERS": dq_buffers,
               **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -96,6 +103,7 @@ def compile_only(
         "has_mask": has_mask,
         "dtype": short,
         "dq_tma": dq_tma,
+        "split": list(split) if split else None,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -118,6 +126,9 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
                 times[name] += event.device_time_total / 1000 / calls
     return times
 
+
+# The ``--split`` experiment's rings at hd128, (Q/dO slots, dQ buffers): 192 KB each.
+SPLIT_RINGS = ((2, 2), (3, 1))
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
@@ -191,6 +202,63 @@ def check_and_time(
         print(line, flush=True)
 
 
+def split_backward(case, num_buffers: int, dq_buffers: int):
+    """``(dq, dk, dv)`` of ``case`` through ``gluon_bwd256``'s kernel at the case's head dim (64
+    keys per program; the query columns of ``S^T``/``dP^T`` and the head dim of dV/dK/dQ split
+    between the warpgroups) with ``num_buffers`` Q/dO slots and ``dq_buffers`` dQ buffers."""
+    q, k, v, dout = (kernels.tma_ready(x) for x in (case.q, case.k, case.v, case.dout))
+    b, sq, _, _ = q.shape
+    keys = gluon_bwd256.BLOCK_N
+    bounds, (lists,) = kernels.prepare_cached(
+        case.sri, case.causal, sq, k.shape[1], b, q.device, [(gluon_bwd.BLOCK_M, keys, False)]
+    )
+    delta = kernels.backward_delta(case.out, dout, None)
+    hm = 1 if case.sri is None else case.sri.shape[1]
+    return gluon_bwd.launch(
+        gluon_bwd256.gluon_bwd256_kernel, keys, num_buffers, dq_buffers, True, dout, q, k, v,
+        case.lse.float().contiguous(), delta, bounds, lists, hm, case.causal, case.scale,
+    )  # fmt: skip
+
+
+def time_split_kernel(
+    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
+    rings: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    """``--split``: per case the Triton backward, the library's Gluon backward and the split
+    kernel with each ``(Q/dO slots, dQ buffers)`` of ``rings``, timed; the split kernel's
+    results against the Triton backward's."""
+    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+    for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
+        flop = case.flop
+        base = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
+        ref = case.run_backward(True, base)
+        line = f"S={case.seqlen} {case.name:16s}"
+        for label, deterministic in (("triton", True), ("gluon", False)):
+            ms = triton.testing.do_bench(
+                lambda case=case, det=deterministic: case.run_backward(det, base), rep=100
+            )
+            line += f" {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) |"
+        for num_buffers, dq_buffers in rings:
+            try:
+                got = split_backward(case, num_buffers, dq_buffers)
+                torch.cuda.synchronize()
+            except Exception as exc:  # report and go on
+                line += f" split {num_buffers}/{dq_buffers}: {type(exc).__name__}: {exc}"[:300]
+                continue
+            errs = " ".join(
+                f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)
+            )
+            ms = triton.testing.do_bench(
+                lambda case=case, nb=num_buffers, db=dq_buffers: split_backward(case, nb, db),
+                rep=100,
+            )
+            line += (
+                f" split {num_buffers}/{dq_buffers} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
+                f" rel err {errs} |"
+            )
+        print(line, flush=True)
+
+
 @gluon.jit
 def _discard_dq(dq_head, row0, stride_dqs, values):
     """Stands in for ``gluon_bwd._red_add_v4`` under ``--no-dq-writes``: adds nothing."""
@@ -234,7 +302,17 @@ def main() -> None:
         help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=0 or "
         "NUM_BUFFERS=3,DQ_BUFFERS=1 (repeatable)",
     )
+    parser.add_argument(
+        "--split",
+        default="",
+        help="time gluon_bwd256's kernel (64 keys per program, the head dim split between the "
+        "warpgroups) at --head-dim with these Q/dO-slot/dQ-buffer rings, e.g. 2/2,3/1",
+    )
     args = parser.parse_args()
+    if args.split:
+        rings = [tuple(int(x) for x in ring.split("/")) for ring in args.split.split(",")]
+        time_split_kernel(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, rings)
+        return
     if args.no_dq_writes:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
         return
@@ -247,6 +325,8 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
+        for split in SPLIT_RINGS:  # the --split experiment at hd128
+            print(json.dumps(compile_only(128, True, True, split=split)), flush=True)
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 
