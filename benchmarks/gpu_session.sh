@@ -8,7 +8,9 @@
 #   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~230 s cold)
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
-#   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K
+#   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
+#   bench-hd256-128k flashmask bench, 128K, hd256, six masks
+#   bench-hd64    flashmask bench, 8K and 32K, hd64, full, causal and document
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
@@ -98,6 +100,15 @@ for step in "$@"; do
     bench-hd256)
         run_step bench_hd256_32k python -m flashmask bench --seqlens 32768 --head-dims 256 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_32k"
+        ;;
+    bench-hd64)
+        run_step bench_hd64 python -m flashmask bench --seqlens 8192,32768 --head-dims 64 \
+            --masks full,causal,document --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64"
+        ;;
+    bench-hd256-128k)
+        run_step bench_hd256_128k python -m flashmask bench --seqlens 131072 --head-dims 256 \
+            --masks full,causal,causal_document,document,share_question,sliding_window \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_128k"
         ;;
     bench-hd256-8k)
         run_step bench_hd256_8k python -m flashmask bench --seqlens 8192 --head-dims 256 \
