@@ -178,12 +178,12 @@ for step in "$@"; do
             --variant DQ_TMA=0
         ;;
     gluon-split)
-        run_step gluon_backward_split python benchmarks/gluon_backward.py --split 2/2,3/1 \
+        run_step gluon_backward_split python benchmarks/gluon_backward.py --split 2/2,3/1,2/2p,3/1p \
             --masks full,causal,sliding_window,share_question,causal_document,document,global_sliding_window
         ;;
     gluon-split-hd64)
         run_step gluon_backward_split_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
-            --split 2/2,3/2 --masks full,causal,sliding_window,share_question,causal_document,document
+            --split 2/2,3/2,2/2p --masks full,causal,sliding_window,share_question,causal_document,document
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \

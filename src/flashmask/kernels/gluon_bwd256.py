@@ -64,6 +64,26 @@ DQ_TMA = True
 
 
 @gluon.jit
+def _tile_products(k_smem, q_smem, do_smem, pt_bufs, ds_bufs, pt, dst, dk, dv, zero_dq, it):
+    """One tile's ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared memory,
+    then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
+    awaited): ``(dv, dk, dq)`` pending."""
+    dtype: gl.constexpr = k_smem.dtype
+    # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
+    # tiles ago, before the previous tile's barrier.
+    pt_smem = pt_bufs.index(it % 2)
+    ds_smem = ds_bufs.index(it % 2)
+    pt_smem.store(pt.to(dtype))
+    ds_smem.store(dst.to(dtype))
+    fence_async_shared()
+    _partition_barrier()  # both warpgroups' columns in place
+    dv = warpgroup_mma(pt_smem, do_smem, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    return dv, dk, dq
+
+
+@gluon.jit
 def _bwd256_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
     dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
@@ -76,12 +96,14 @@ def _bwd256_compute_partition(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
-    accumulating products split by head dim (module docstring)."""
+    accumulating products split by head dim (module docstring). With ``PIPELINE`` (two or more
+    Q/dO slots) the next tile's ``S^T``/``dP^T`` are issued before this tile's dV/dK/dQ are
+    awaited, so the tensor cores have work while the dQ tile is handed to the writer."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     groups: gl.constexpr = gl.num_warps() // 4
-    dtype: gl.constexpr = k_smem.dtype
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, BLOCK_M // groups, 16]
@@ -99,6 +121,7 @@ def _bwd256_compute_partition(
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    causal_offset = seqlen_k - seqlen_q
 
     mbarrier.wait(kv_bar, 0)
     it = 0
@@ -111,45 +134,99 @@ def _bwd256_compute_partition(
             bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
         )
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
-        for j in range(count):
-            entry = gl.load(entries + j)
-            m_tile = gl.where(entry >= 0, entry, -entry - 1)
-            slot = it % num_buffers
-            q_smem = q_bufs.index(slot)
-            do_smem = do_bufs.index(slot)
-            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-            st_token = warpgroup_mma(
-                k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-            )
-            dpt_token = warpgroup_mma(
-                v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-            )
-            rows = m_tile * BLOCK_M + offs_m
-            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
-            st = warpgroup_mma_wait(1, deps=(st_token,))
-            pt = transposed_probabilities(
-                st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
-                HAS_MASK, HAS_UPPER, CAUSAL,
-            )  # fmt: skip
-            dpt = warpgroup_mma_wait(0, deps=(dpt_token,))
-            dst = pt * (dpt - delta[None, :])
-            # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last
-            # read two tiles ago, before the previous tile's barrier.
-            pt_smem = pt_bufs.index(it % 2)
-            ds_smem = ds_bufs.index(it % 2)
-            pt_smem.store(pt.to(dtype))
-            ds_smem.store(dst.to(dtype))
-            fence_async_shared()
-            _partition_barrier()  # both warpgroups' columns in place
-            dv_token = warpgroup_mma(pt_smem, do_smem, dv, is_async=True)
-            dk_token = warpgroup_mma(ds_smem, q_smem, dk, is_async=True)
-            dq_token = warpgroup_mma(
-                ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
-            )
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token))
-            mbarrier.arrive(empty.index(slot), count=1)
-            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
-            it += 1
+        if PIPELINE:
+            # The first tile's scores, issued before the loop; each iteration issues the next
+            # tile's. Where there is no next tile, a stand-in product of the resident K and V
+            # (discarded) keeps the issue pattern the same: an asynchronous result cannot be
+            # merged with a plain one across branches.
+            if count > 0:
+                slot = it % num_buffers
+                mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+                st = warpgroup_mma(
+                    k_smem, q_bufs.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                dpt = warpgroup_mma(
+                    v_smem, do_bufs.index(slot).permute((1, 0)), zero_st, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+            else:
+                st = warpgroup_mma(
+                    k_smem, k_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                )
+                dpt = warpgroup_mma(
+                    v_smem, v_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                )
+            for j in range(count):
+                entry = gl.load(entries + j)
+                m_tile = gl.where(entry >= 0, entry, -entry - 1)
+                slot = it % num_buffers
+                rows = m_tile * BLOCK_M + offs_m
+                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+                scores = warpgroup_mma_wait(1, deps=(st,))
+                pt = transposed_probabilities(
+                    scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute,
+                    causal_offset, HAS_MASK, HAS_UPPER, CAUSAL,
+                )  # fmt: skip
+                dp_scores = warpgroup_mma_wait(0, deps=(dpt,))
+                dv, dk, dq = _tile_products(
+                    k_smem, q_bufs.index(slot), do_bufs.index(slot), pt_bufs, ds_bufs, pt,
+                    pt * (dp_scores - delta[None, :]), dk, dv, zero_dq, it,
+                )  # fmt: skip
+                if j + 1 < count:
+                    nxt = (it + 1) % num_buffers
+                    mbarrier.wait(ready.index(nxt), ((it + 1) // num_buffers) & 1)
+                    st = warpgroup_mma(
+                        k_smem, q_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False,
+                        is_async=True,
+                    )  # fmt: skip
+                    dpt = warpgroup_mma(
+                        v_smem, do_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False,
+                        is_async=True,
+                    )  # fmt: skip
+                else:
+                    st = warpgroup_mma(
+                        k_smem, k_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                    )
+                    dpt = warpgroup_mma(
+                        v_smem, v_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                    )
+                # This tile's three products are done; the next scores stay in flight.
+                dv, dk, dq = warpgroup_mma_wait(2, deps=(dv, dk, dq))
+                mbarrier.arrive(empty.index(slot), count=1)
+                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+                it += 1
+            warpgroup_mma_wait(0, deps=(st, dpt))  # the last issued scores (a stand-in)
+        else:
+            for j in range(count):
+                entry = gl.load(entries + j)
+                m_tile = gl.where(entry >= 0, entry, -entry - 1)
+                slot = it % num_buffers
+                q_smem = q_bufs.index(slot)
+                do_smem = do_bufs.index(slot)
+                mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+                st_token = warpgroup_mma(
+                    k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                )
+                dpt_token = warpgroup_mma(
+                    v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
+                )
+                rows = m_tile * BLOCK_M + offs_m
+                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+                st = warpgroup_mma_wait(1, deps=(st_token,))
+                pt = transposed_probabilities(
+                    st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset,
+                    HAS_MASK, HAS_UPPER, CAUSAL,
+                )  # fmt: skip
+                dpt = warpgroup_mma_wait(0, deps=(dpt_token,))
+                dv, dk, dq = _tile_products(
+                    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, pt, pt * (dpt - delta[None, :]),
+                    dk, dv, zero_dq, it,
+                )  # fmt: skip
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                mbarrier.arrive(empty.index(slot), count=1)
+                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+                it += 1
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
                 softmax_scale)  # fmt: skip
@@ -173,10 +250,11 @@ def gluon_bwd256_kernel(
     WRITER_REGISTERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
+    PIPELINE: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
-    and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
-    ``dq_desc`` and TMA reduce-adds)."""
+    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s plus
+    ``PIPELINE`` (:func:`_bwd256_compute_partition`): dK and dV (sharing K's strides) and dQ
+    added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc`` and TMA reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -219,7 +297,7 @@ def gluon_bwd256_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, PIPELINE,
                 ),
             ),
             (
@@ -264,4 +342,5 @@ def backward(
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
+        PIPELINE=False,  # needs two Q/dO slots: one fits at D = 256
     )  # fmt: skip
