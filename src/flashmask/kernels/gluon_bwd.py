@@ -396,6 +396,60 @@ def _bwd_compute_partition(
 
 
 @gluon.jit
+def allocate_operands(q_desc, k_desc, v_desc, do_desc, BLOCK_N: gl.constexpr,
+                      NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """``(k_smem, v_smem, q_bufs, do_bufs)``: a program's K and V tiles (``BLOCK_N`` keys) and
+    ``NUM_BUFFERS`` Q/dO slots in shared memory, in the descriptors' layouts."""
+    dtype: gl.constexpr = q_desc.dtype
+    block_m: gl.constexpr = q_desc.block_type.shape[0]
+    head_dim: gl.constexpr = q_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, head_dim], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, head_dim], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, block_m, head_dim], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, block_m, head_dim], do_desc.layout)
+    return k_smem, v_smem, q_bufs, do_bufs
+
+
+@gluon.jit
+def allocate_rings(
+    dq_desc,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    DQ_BUFFERS: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+):
+    """``(kv_bar, ready, empty, dq_bufs, dq_full, dq_empty)``, initialised: the K/V barrier, the
+    Q/dO slots' "ready"/"empty" barriers and the ring of ``DQ_BUFFERS`` fp32 dQ tiles with its
+    "dq_full"/"dq_empty" barriers (see :func:`_bwd_dq_writer_partition`)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    if DQ_TMA:
+        # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_desc.layout
+        )
+    else:
+        # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
+        # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
+        # minimum number of shared-memory wavefronts.
+        dq_bufs = gl.allocate_shared_memory(
+            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        )
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    return kv_bar, ready, empty, dq_bufs, dq_full, dq_empty
+
+
+@gluon.jit
 def gluon_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
     bounds_ptr,
@@ -422,36 +476,14 @@ def gluon_bwd_kernel(
     h_kv = gl.program_id(1)
     b = gl.program_id(2)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
+    )
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    if DQ_TMA:
-        # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
-        dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_desc.layout
-        )
-    else:
-        # 16-byte vectors swizzled over eight rows: the consumers' 8-byte stores from the MMA
-        # layout (eight rows per instruction) and the writer's 16-byte row loads both take the
-        # minimum number of shared-memory wavefronts.
-        dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        )
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(DQ_BUFFERS):
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
+    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
+    )
     # The dQ writer is a second worker (hence two warp_specialize calls).
     gl.warp_specialize(
         [

@@ -46,6 +46,8 @@ from flashmask.kernels.gluon_bwd import (
     _bwd_load_partition,
     _head_list,
     _partition_barrier,
+    allocate_operands,
+    allocate_rings,
     hand_dq_to_writer,
     row_terms,
     store_dk_dv,
@@ -61,6 +63,14 @@ DQ_BUFFERS = 1
 # dQ through TMA reduce-adds (False: the writer's 16-byte red.global adds, kept for measurement;
 # read when a call launches).
 DQ_TMA = True
+
+
+@gluon.jit
+def _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st):
+    """``S^T = K Q^T`` and ``dP^T = V dO^T`` of one tile issued (asynchronous, not awaited)."""
+    st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    return st, dpt
 
 
 @gluon.jit
@@ -142,21 +152,11 @@ def _bwd256_compute_partition(
             if count > 0:
                 slot = it % num_buffers
                 mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-                st = warpgroup_mma(
-                    k_smem, q_bufs.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                    is_async=True,
-                )  # fmt: skip
-                dpt = warpgroup_mma(
-                    v_smem, do_bufs.index(slot).permute((1, 0)), zero_st, use_acc=False,
-                    is_async=True,
-                )  # fmt: skip
+                st, dpt = _issue_scores(
+                    k_smem, v_smem, q_bufs.index(slot), do_bufs.index(slot), zero_st
+                )
             else:
-                st = warpgroup_mma(
-                    k_smem, k_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                )
-                dpt = warpgroup_mma(
-                    v_smem, v_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                )
+                st, dpt = _issue_scores(k_smem, v_smem, k_smem, v_smem, zero_st)
             for j in range(count):
                 entry = gl.load(entries + j)
                 m_tile = gl.where(entry >= 0, entry, -entry - 1)
@@ -176,21 +176,11 @@ def _bwd256_compute_partition(
                 if j + 1 < count:
                     nxt = (it + 1) % num_buffers
                     mbarrier.wait(ready.index(nxt), ((it + 1) // num_buffers) & 1)
-                    st = warpgroup_mma(
-                        k_smem, q_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False,
-                        is_async=True,
-                    )  # fmt: skip
-                    dpt = warpgroup_mma(
-                        v_smem, do_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False,
-                        is_async=True,
-                    )  # fmt: skip
+                    st, dpt = _issue_scores(
+                        k_smem, v_smem, q_bufs.index(nxt), do_bufs.index(nxt), zero_st
+                    )
                 else:
-                    st = warpgroup_mma(
-                        k_smem, k_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                    )
-                    dpt = warpgroup_mma(
-                        v_smem, v_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                    )
+                    st, dpt = _issue_scores(k_smem, v_smem, k_smem, v_smem, zero_st)
                 # This tile's three products are done; the next scores stay in flight.
                 dv, dk, dq = warpgroup_mma_wait(2, deps=(dv, dk, dq))
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -205,12 +195,7 @@ def _bwd256_compute_partition(
                 q_smem = q_bufs.index(slot)
                 do_smem = do_bufs.index(slot)
                 mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-                st_token = warpgroup_mma(
-                    k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                )
-                dpt_token = warpgroup_mma(
-                    v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-                )
+                st_token, dpt_token = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
                 rows = m_tile * BLOCK_M + offs_m
                 lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
                 st = warpgroup_mma_wait(1, deps=(st_token,))
@@ -260,33 +245,15 @@ def gluon_bwd256_kernel(
     h_kv = gl.program_id(1)
     b = gl.program_id(2)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
+    )
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    if DQ_TMA:
-        dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_desc.layout
-        )
-    else:
-        dq_bufs = gl.allocate_shared_memory(
-            gl.float32, [DQ_BUFFERS, BLOCK_M, HEAD_DIM], gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        )
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(DQ_BUFFERS):
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
+    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
+    )
     gl.warp_specialize(
         [
             (
