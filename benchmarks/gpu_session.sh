@@ -51,10 +51,35 @@
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 # STEP_TIMEOUT (seconds, default 280) bounds each step.
+#
+# COMPILE_CACHE=DIR (a folder the device call carries, e.g. an ignored .tcache/): each call starts
+# on a bare machine and compiling costs ~200 s of the session's 30 minutes. With it set, the
+# Triton and Inductor caches are unpacked from DIR/compile_cache.tgz first and packed into
+# $OUT/compile_cache.tgz at the end for the next call to carry: the Triton cache without its
+# intermediate forms (a kernel loads from its cubin and metadata; the LLVM IR alone made the
+# ninth session's unpruned pack 44 MiB), skipped if still over the device's 15 MiB per file.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
 export PYTHONPATH=src
 limit=${STEP_TIMEOUT:-280}
+if [ -n "${COMPILE_CACHE:-}" ]; then
+    export TRITON_CACHE_DIR=/tmp/fm_cache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/fm_cache/inductor
+    mkdir -p /tmp/fm_cache
+    if [ -f "$COMPILE_CACHE/compile_cache.tgz" ]; then
+        tar -xzf "$COMPILE_CACHE/compile_cache.tgz" -C /tmp/fm_cache &&
+            echo "== compile cache: unpacked $(du -sh /tmp/fm_cache | cut -f1)"
+    fi
+    pack_cache() {
+        tar -czf "$OUT/compile_cache.tgz" -C /tmp/fm_cache --exclude='*.llir' --exclude='*.ptx' \
+            --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.source' --exclude='*.glir' . \
+            2>/dev/null
+        local size
+        size=$(stat -c %s "$OUT/compile_cache.tgz")
+        echo "== compile cache: packed $((size / 1048576)) MiB"
+        [ "$size" -lt 15728640 ] || rm -f "$OUT/compile_cache.tgz"
+    }
+    trap pack_cache EXIT
+fi
 
 run_step() {
     local name=$1
