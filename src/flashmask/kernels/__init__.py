@@ -592,7 +592,7 @@ def gluon_available() -> bool:
     (Triton 3.6 and later; checked by importing the kernels' modules once). Without it the
     Triton kernels run, with one warning."""
     try:
-        from flashmask.kernels import gluon_bwd, gluon_fwd  # noqa: F401
+        from flashmask.kernels import gluon_bwd, gluon_bwd256, gluon_fwd  # noqa: F401
     except (ImportError, AttributeError) as exc:
         warnings.warn(
             f"flashmask: the Gluon kernels are unavailable with this Triton ({exc}); using the "
