@@ -40,6 +40,8 @@
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
+#   tune-launch-hd256 tune.py --set launch at 8K, hd256: the Triton forward with TMA loads (never
+#                 measured at hd256) and other tiles, against the shipped pointer-loaded 128x64
 #   tune-dq-hd256 tune.py --set dq at 8K, hd256 only: the Triton backward's one-grid forms (dQ pass
 #                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
 #   gluon-hd256-bwd gluon_backward.py --head-dim 256: the head-dim-256 Gluon backward against the
@@ -195,6 +197,10 @@ for step in "$@"; do
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
                 --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
         done
+        ;;
+    tune-launch-hd256)
+        run_step tune_launch_hd256 python benchmarks/tune.py --set launch --seqlen 8192 \
+            --head-dims 256 --masks full,causal,causal_document,share_question --rounds 2 --rep-ms 50
         ;;
     tune-dq-hd256)
         run_step tune_dq_hd256 python benchmarks/tune.py --set dq --seqlen 8192 --head-dims 256 \
