@@ -144,15 +144,15 @@ def load_partition(
 
 @gluon.jit
 def pingpong_tile(
-    q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries, it, g,
-    prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k, qk_scale,
+    q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries, it, prev,
+    bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup's step ``it`` over a query tile's list: wait for the key tile's
-    slot (the ``g``-th of the program's ring) and this warpgroup's turn, issue ``S = Q K^T`` and
+    slot (the ``it``-th of the program's ring) and this warpgroup's turn, issue ``S = Q K^T`` and
     the previous tile's ``O += P V`` (from slot ``prev``; ``0 · V`` on the first step), hand the
     turn over, release the previous slot, then the online softmax of this tile. Returns the
     updated ``(m_i, l_i, acc, p)``; the last tile's ``P V`` is :func:`finish_rows`'s."""
@@ -163,9 +163,9 @@ def pingpong_tile(
     p_layout: gl.constexpr = p_prev.type.layout
     entry = gl.load(entries + it)
     n_tile = gl.where(entry >= 0, entry, -entry - 1)
-    slot = g % num_buffers
-    mbarrier.wait(kv_ready.index(slot), (g // num_buffers) & 1)
-    mbarrier.wait(my_turn, g & 1)
+    slot = it % num_buffers
+    mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
+    mbarrier.wait(my_turn, it & 1)
     s_token = warpgroup_mma(
         q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
@@ -262,7 +262,7 @@ def _compute_partition(
         prev = gl.maximum(it - 1, 0) % num_buffers
         m_i, l_i, acc, p_prev = pingpong_tile(
             q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries,
-            it, it, prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k,
+            it, prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k,
             qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
         )  # fmt: skip
     finish_rows(
