@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import gluon_bwd
+from flashmask.kernels import GLUON_BWD256_KEYS, gluon_bwd
 from flashmask.kernels.gluon_bwd import (
     _bwd_dq_writer_partition,
     _bwd_load_partition,
@@ -56,7 +56,7 @@ from flashmask.kernels.gluon_bwd import (
 from flashmask.kernels.gluon_fwd import load_column_bounds
 
 BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
-BLOCK_N = 64  # keys per program
+BLOCK_N = GLUON_BWD256_KEYS  # keys per program
 # One Q/dO slot and one fp32 dQ buffer: 224 KB with K, V and the P^T/dS^T buffers.
 NUM_BUFFERS = 1
 DQ_BUFFERS = 1
@@ -74,11 +74,27 @@ def _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st):
 
 
 @gluon.jit
-def _tile_products(k_smem, q_smem, do_smem, pt_bufs, ds_bufs, pt, dst, dk, dv, zero_dq, it):
-    """One tile's ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared memory,
-    then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
-    awaited): ``(dv, dk, dq)`` pending."""
+def _tile_products(
+    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m, keys, lse_ptr,
+    delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One tile (list ``entry``, query tile ``m_tile``) from its issued scores ``st``/``dpt``:
+    ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared memory, then
+    ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not awaited):
+    ``(dv, dk, dq)`` pending."""
     dtype: gl.constexpr = k_smem.dtype
+    block_m: gl.constexpr = q_smem.type.shape[0]
+    rows = m_tile * block_m + offs_m
+    lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+    scores = warpgroup_mma_wait(1, deps=(st,))
+    pt = transposed_probabilities(
+        scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset, HAS_MASK,
+        HAS_UPPER, CAUSAL,
+    )  # fmt: skip
+    dst = pt * (warpgroup_mma_wait(0, deps=(dpt,)) - delta[None, :])
     # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
     # tiles ago, before the previous tile's barrier.
     pt_smem = pt_bufs.index(it % 2)
@@ -161,17 +177,10 @@ def _bwd256_compute_partition(
                 entry = gl.load(entries + j)
                 m_tile = gl.where(entry >= 0, entry, -entry - 1)
                 slot = it % num_buffers
-                rows = m_tile * BLOCK_M + offs_m
-                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
-                scores = warpgroup_mma_wait(1, deps=(st,))
-                pt = transposed_probabilities(
-                    scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute,
-                    causal_offset, HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                dp_scores = warpgroup_mma_wait(0, deps=(dpt,))
                 dv, dk, dq = _tile_products(
-                    k_smem, q_bufs.index(slot), do_bufs.index(slot), pt_bufs, ds_bufs, pt,
-                    pt * (dp_scores - delta[None, :]), dk, dv, zero_dq, it,
+                    k_smem, q_bufs.index(slot), do_bufs.index(slot), pt_bufs, ds_bufs, st, dpt,
+                    entry, m_tile, offs_m, keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute,
+                    causal_offset, dk, dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
                 )  # fmt: skip
                 if j + 1 < count:
                     nxt = (it + 1) % num_buffers
@@ -195,18 +204,11 @@ def _bwd256_compute_partition(
                 q_smem = q_bufs.index(slot)
                 do_smem = do_bufs.index(slot)
                 mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-                st_token, dpt_token = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
-                rows = m_tile * BLOCK_M + offs_m
-                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
-                st = warpgroup_mma_wait(1, deps=(st_token,))
-                pt = transposed_probabilities(
-                    st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset,
-                    HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                dpt = warpgroup_mma_wait(0, deps=(dpt_token,))
+                st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
                 dv, dk, dq = _tile_products(
-                    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, pt, pt * (dpt - delta[None, :]),
-                    dk, dv, zero_dq, it,
+                    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m,
+                    keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk,
+                    dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
                 )  # fmt: skip
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                 mbarrier.arrive(empty.index(slot), count=1)
