@@ -47,11 +47,6 @@ from flashmask.kernels.gluon_fwd import shared_layout
 OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
-def backward_module(head_dim: int):
-    """The module whose kernel and launch constants serve ``head_dim``."""
-    return gluon_bwd256 if head_dim == 256 else gluon_bwd
-
-
 def _kernel(module):
     if module is gluon_bwd256:
         return gluon_bwd256.gluon_bwd256_kernel
@@ -66,7 +61,7 @@ def compile_only(
     ``split``: ``gluon_bwd256``'s kernel at this head dim with ``(Q/dO slots, dQ buffers)``,
     the ``--split`` experiment, with ``pipeline`` its ``PIPELINE`` form); registers, spills,
     shared memory and key instructions."""
-    module = gluon_bwd256 if split else backward_module(head_dim)
+    module = gluon_bwd256 if split else kernels.gluon_backward_module(head_dim)
     num_buffers, dq_buffers = split or (module.NUM_BUFFERS, module.DQ_BUFFERS)
     if dq_tma is None:
         dq_tma = module.DQ_TMA
@@ -159,10 +154,10 @@ def check_and_time(
     variants: list[dict[str, int]] = (),
 ) -> None:  # fmt: skip
     """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; each
-    of ``variants`` (``backward_module(d)``'s constants to set, e.g. ``{"DQ_TMA": 0}``) also
-    timed, with
-    its dK/dV compared bitwise against the default's (the same products in the same order) and
-    its dQ's relative difference (fp32 additions in another order)."""
+    of ``variants`` (constants of ``kernels.gluon_backward_module(d)`` to set, e.g.
+    ``{"DQ_TMA": 0}``) also timed, with its dK/dV compared bitwise against the default's (the
+    same products in the same order) and its dQ's relative difference (fp32 additions in
+    another order)."""
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
@@ -186,7 +181,7 @@ def check_and_time(
         errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
         g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
-        module = backward_module(d)
+        module = kernels.gluon_backward_module(d)
         for settings in variants:
             defaults = {const: getattr(module, const) for const in settings}
             for const, value in settings.items():
@@ -290,7 +285,7 @@ def time_without_dq_writes(
     """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``; the
     ``red.global`` writer's, so ``DQ_TMA`` is turned off: the bound of both writers)."""
     gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
-    backward_module(d).DQ_TMA = False
+    kernels.gluon_backward_module(d).DQ_TMA = False
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         cfg = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)

@@ -709,6 +709,18 @@ def gluon_backward_keys(head_dim: int) -> int:
     return GLUON_BWD256_KEYS if head_dim == 256 else GLUON_BWD_KEYS
 
 
+def gluon_backward_module(head_dim: int):
+    """The module of the Gluon backward at ``head_dim`` (``kernels.gluon_bwd256`` at 256, else
+    ``kernels.gluon_bwd``); imports it, so only where the interpreter is off."""
+    if head_dim == 256:
+        from flashmask.kernels import gluon_bwd256
+
+        return gluon_bwd256
+    from flashmask.kernels import gluon_bwd
+
+    return gluon_bwd
+
+
 def _backward_shapes(
     use_gluon: bool, deterministic: bool, head_dim: int, config: TileConfig
 ) -> list[tuple[int, int, bool]]:
@@ -915,15 +927,10 @@ def backward(
     use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
     shapes = _backward_shapes(use_gluon, deterministic, d, config)
     if use_gluon:
-        if d == 256:
-            from flashmask.kernels import gluon_bwd256 as gluon_bwd
-        else:
-            from flashmask.kernels import gluon_bwd
-
         bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
         delta = backward_delta(out, dout, dlse)
-        return gluon_bwd.backward(
+        return gluon_backward_module(d).backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
             softmax_scale,
         )  # fmt: skip
