@@ -52,6 +52,9 @@
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
+#   host-overhead host_overhead.py at 8K, hd128: host enqueue time against GPU time per call
+#                 (FlashMask with its mask prepared per call and cached, flex), on five masks;
+#                 host-profile: the same on sliding_window with a cProfile of the cached call
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
 # session's quick check needed ~330 s cold after it gained the hd256 fp16 and Sq != Sk cases).
 #
@@ -217,6 +220,14 @@ for step in "$@"; do
     gluon-split-hd64)
         run_step gluon_backward_split_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
             --split 2/2,3/2,2/2p --masks full,causal,sliding_window,share_question,causal_document,document
+        ;;
+    host-overhead)
+        run_step host_overhead python benchmarks/host_overhead.py --seqlens 8192 \
+            --masks full,sliding_window,share_question,causal_document,document
+        ;;
+    host-profile)
+        run_step host_profile python benchmarks/host_overhead.py --seqlens 8192 \
+            --masks sliding_window --profile
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \

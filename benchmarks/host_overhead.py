@@ -1,0 +1,133 @@
+"""Is a call host-bound? Per call, the host's enqueue time against the GPU's time, for FlashMask
+(with its mask prepared in every call, as ``flashmask bench`` times it, and with the mask
+prepared once, as a model's later layers and the backward find it) and FlexAttention (its block
+mask built once, as ``flashmask bench`` times it).
+
+Columns, per implementation and pass (``fwd``, ``fwd+bwd``), all in ms per call:
+* ``bench``: ``triton.testing.do_bench``'s median, which is what ``flashmask bench`` reports;
+* ``host``: the host's time to enqueue one call (many calls back to back, one synchronize);
+* ``gpu``: the device time with the host queued ahead (``bench._gpu_time``: the calls wait
+  behind a GPU sleep, so launch gaps vanish), as in a training step whose host runs ahead.
+
+``bench`` close to ``host`` and above ``gpu`` means the bench measured the host, not the kernels.
+
+Usage (H200): ``PYTHONPATH=src python benchmarks/host_overhead.py --seqlens 8192``;
+``--profile`` also prints where the host time of one cached forward + backward goes (cProfile,
+the first mask and length only).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+from bench_cases import case_parser, mask_case
+
+from flashmask import bench, flashmask_attention
+from flashmask.kernels import clear_prepared
+
+
+def host_ms(fn, repeats: int = 50) -> float:
+    """Host enqueue time per call (ms): ``repeats`` calls timed before the one synchronize that
+    follows them (the launch queue holds far more than ``repeats`` calls' kernels, so the host
+    does not wait for the GPU unless the call itself synchronizes)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / repeats
+
+
+def measure(fn, rep_ms: int) -> tuple[float, float, float]:
+    b = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    return float(b), host_ms(fn), bench._gpu_time(fn)
+
+
+def main() -> None:
+    parser = case_parser(__doc__)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention)
+    d = args.head_dim
+    print(f"{'S':>6} {'mask':<22} {'impl':<18} {'pass':<8} {'bench':>7} {'host':>7} {'gpu':>7}")
+    for s in args.seqlens:
+        batch, heads = max(1, args.tokens // s), max(1, args.hidden // d)
+        for name in args.masks:
+            mask, _, causal = mask_case(name, s, batch)
+            mask = mask.to("cuda") if mask is not None else None
+            q, k, v, do = (
+                torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(4)
+            )
+            qg, kg, vg = (x.requires_grad_() for x in (q.clone(), k.clone(), v.clone()))
+
+            def fm_fwd(fresh: bool):
+                def call():
+                    if fresh:
+                        clear_prepared()
+                    return flashmask_attention(qg, kg, vg, mask, causal=causal)
+
+                return call
+
+            def fm_total(fresh: bool):
+                def call():
+                    if fresh:
+                        clear_prepared()
+                    flashmask_attention(qg, kg, vg, mask, causal=causal).backward(do)
+
+                return call
+
+            block_mask = bench._flex_block_mask(mask, causal, batch, heads, s, "cuda")()
+            qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+            qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
+
+            def fx_fwd():
+                return flex(qf, kf, vf, block_mask=block_mask)
+
+            def fx_total():
+                flex(qf, kf, vf, block_mask=block_mask).backward(dof)
+
+            cases = [
+                ("flashmask prep/call", "fwd", fm_fwd(True)),
+                ("flashmask prep/call", "fwd+bwd", fm_total(True)),
+                ("flashmask cached", "fwd", fm_fwd(False)),
+                ("flashmask cached", "fwd+bwd", fm_total(False)),
+                ("flex", "fwd", fx_fwd),
+                ("flex", "fwd+bwd", fx_total),
+            ]
+            for impl, part, fn in cases:
+                b, h, g = measure(fn, args.rep_ms)
+                print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
+            if args.profile:
+                args.profile = False
+                profile_host(fm_total(False))
+            clear_prepared()
+
+
+def profile_host(fn, repeats: int = 200) -> None:
+    """cProfile of ``repeats`` calls (the GPU runs behind; one synchronize at the end): the
+    host-side functions by their own time."""
+    import cProfile
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
