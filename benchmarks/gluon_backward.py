@@ -15,13 +15,6 @@ Usage:
   backward (max abs difference over max abs value) and both timed, with a profiler split of the
   Triton backward's kernels, at 8K and 32K on full, causal and four interval masks
   (``--head-dim 256``: the head-dim-256 kernel, ninth session);
-* ``... gluon_backward.py --split 2/2,3/1,2/2p`` (H200, an experiment, ninth session): the
-  head-dim-256 kernel's layout (``gluon_bwd256``: 64 keys per program) at ``--head-dim`` (128),
-  with these Q/dO-slot/dQ-buffer rings (``p``: its ``PIPELINE`` form, the next tile's scores
-  issued before this tile's products are awaited), against the Triton backward and the
-  library's Gluon backward. Its 64-key tiles skip as finely as the Triton backward's, so it may
-  beat both on the sparse masks at 8K, where the library's 128-key Gluon backward loses;
-  cuDNN's backward uses 64x64 tiles;
 * ``... gluon_backward.py --no-dq-writes`` (H200, a diagnostic): the Gluon backward timed with its
   dQ writer's atomic adds compiled out (dQ is then wrong): how much of the time the dQ writes
   cost at most, the gain a cheaper reduction (TMA bulk reduce-add) could bring. Run it as its
@@ -55,14 +48,11 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None, split: tuple[int, int] | None = None, pipeline: bool = False,
+    dq_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given;
-    ``split``: ``gluon_bwd256``'s kernel at this head dim with ``(Q/dO slots, dQ buffers)``,
-    the ``--split`` experiment, with ``pipeline`` its ``PIPELINE`` form); registers, spills,
-    shared memory and key instructions."""
-    module = gluon_bwd256 if split else kernels.gluon_backward_module(head_dim)
-    num_buffers, dq_buffers = split or (module.NUM_BUFFERS, module.DQ_BUFFERS)
+    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given);
+    registers, spills, shared memory and key instructions."""
+    module = kernels.gluon_backward_module(head_dim)
     if dq_tma is None:
         dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -87,10 +77,9 @@ def compile_only(
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
-              "NUM_BUFFERS": num_buffers, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
+              "NUM_BUFFERS": module.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
-              "DQ_BUFFERS": dq_buffers,
-              **({"PIPELINE": pipeline} if module is gluon_bwd256 else {}),
+              "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -102,8 +91,6 @@ def compile_only(
         "has_mask": has_mask,
         "dtype": short,
         "dq_tma": dq_tma,
-        "split": list(split) if split else None,
-        "pipeline": pipeline,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -126,9 +113,6 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
                 times[name] += event.device_time_total / 1000 / calls
     return times
 
-
-# The ``--split`` experiment's rings at hd128, (Q/dO slots, dQ buffers, PIPELINE): 192 KB each.
-SPLIT_RINGS = ((2, 2, False), (3, 1, False), (2, 2, True))
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
@@ -202,77 +186,6 @@ def check_and_time(
         print(line, flush=True)
 
 
-def parse_ring(text: str) -> tuple[int, int, bool]:
-    """``"2/2"`` -> ``(2, 2, False)``, ``"2/2p"`` -> ``(2, 2, True)`` (``--split``'s rings)."""
-    pipeline = text.endswith("p")
-    slots, _, buffers = text.removesuffix("p").partition("/")
-    if not (slots.isdigit() and buffers.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected SLOTS/BUFFERS[p] (2/2, 2/2p), got {text!r}")
-    if pipeline and int(slots) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: the PIPELINE form needs two Q/dO slots")
-    return int(slots), int(buffers), pipeline
-
-
-def split_backward(case, num_buffers: int, dq_buffers: int, pipeline: bool = False):
-    """``(dq, dk, dv)`` of ``case`` through ``gluon_bwd256``'s kernel at the case's head dim (64
-    keys per program; the query columns of ``S^T``/``dP^T`` and the head dim of dV/dK/dQ split
-    between the warpgroups) with ``num_buffers`` Q/dO slots and ``dq_buffers`` dQ buffers
-    (``pipeline``: its ``PIPELINE`` form, the next tile's scores issued before this tile's
-    products are awaited)."""
-    q, k, v, dout = (kernels.tma_ready(x) for x in (case.q, case.k, case.v, case.dout))
-    b, sq, _, _ = q.shape
-    keys = gluon_bwd256.BLOCK_N
-    bounds, (lists,) = kernels.prepare_cached(
-        case.sri, case.causal, sq, k.shape[1], b, q.device, [(gluon_bwd.BLOCK_M, keys, False)]
-    )
-    delta = kernels.backward_delta(case.out, dout, None)
-    hm = 1 if case.sri is None else case.sri.shape[1]
-    return gluon_bwd.launch(
-        gluon_bwd256.gluon_bwd256_kernel, keys, num_buffers, dq_buffers, True, dout, q, k, v,
-        case.lse.float().contiguous(), delta, bounds, lists, hm, case.causal, case.scale,
-        PIPELINE=pipeline,
-    )  # fmt: skip
-
-
-def time_split_kernel(
-    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    rings: list[tuple[int, int, bool]],
-) -> None:  # fmt: skip
-    """``--split``: per case the Triton backward, the library's Gluon backward and the split
-    kernel with each ``(Q/dO slots, dQ buffers, pipelined)`` of ``rings``, timed; the split
-    kernel's results against the Triton backward's."""
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
-    for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
-        flop = case.flop
-        base = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
-        ref = case.run_backward(True, base)
-        line = f"S={case.seqlen} {case.name:16s}"
-        for label, deterministic in (("triton", True), ("gluon", False)):
-            ms = triton.testing.do_bench(
-                lambda case=case, det=deterministic: case.run_backward(det, base), rep=100
-            )
-            line += f" {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) |"
-        for num_buffers, dq_buffers, pipeline in rings:
-            label = f"split {num_buffers}/{dq_buffers}{'p' if pipeline else ''}"
-            try:
-                got = split_backward(case, num_buffers, dq_buffers, pipeline)
-                torch.cuda.synchronize()
-            except Exception as exc:  # report and go on
-                line += f" {label}: {type(exc).__name__}: {exc}"[:300]
-                continue
-            errs = " ".join(
-                f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)
-            )
-            ms = triton.testing.do_bench(
-                lambda case=case, nb=num_buffers, db=dq_buffers, p=pipeline: split_backward(
-                    case, nb, db, p
-                ),
-                rep=100,
-            )
-            line += f" {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) rel err {errs} |"
-        print(line, flush=True)
-
-
 @gluon.jit
 def _discard_dq(dq_head, row0, stride_dqs, values):
     """Stands in for ``gluon_bwd._red_add_v4`` under ``--no-dq-writes``: adds nothing."""
@@ -316,21 +229,7 @@ def main() -> None:
         help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=0 or "
         "NUM_BUFFERS=3,DQ_BUFFERS=1 (repeatable)",
     )
-    parser.add_argument(
-        "--split",
-        default="",
-        help="time gluon_bwd256's kernel (64 keys per program, the head dim split between the "
-        "warpgroups) at --head-dim with these Q/dO-slot/dQ-buffer rings, e.g. 2/2,3/1,2/2p "
-        "(p: its PIPELINE form)",
-    )
     args = parser.parse_args()
-    if args.split:
-        try:
-            rings = [parse_ring(ring) for ring in args.split.split(",")]
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--split: {exc}")
-        time_split_kernel(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, rings)
-        return
     if args.no_dq_writes:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
         return
@@ -343,9 +242,6 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
-        for slots, buffers, pipeline in SPLIT_RINGS:  # the --split experiment at hd128
-            split = (slots, buffers)
-            print(json.dumps(compile_only(128, True, True, split=split, pipeline=pipeline)))
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 

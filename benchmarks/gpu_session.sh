@@ -46,9 +46,6 @@
 #                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
 #   gluon-hd256-bwd gluon_backward.py --head-dim 256: the head-dim-256 Gluon backward against the
 #                 Triton hd256 backward at 8K and 32K, and with the red.global dQ writer
-#   gluon-split   gluon_backward.py --split: the hd256 kernel's layout (64 keys per program) at
-#                 hd128 against the Triton and library Gluon backwards, 8K and 32K, seven masks
-#   gluon-split-hd64 the same at hd64 (rings 2/2, 3/2: 112 and 128 KB), six masks
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -212,14 +209,6 @@ for step in "$@"; do
     gluon-hd256-bwd)
         run_step gluon_backward_hd256 python benchmarks/gluon_backward.py --head-dim 256 \
             --variant DQ_TMA=0
-        ;;
-    gluon-split)
-        run_step gluon_backward_split python benchmarks/gluon_backward.py --split 2/2,3/1,2/2p,3/1p \
-            --masks full,causal,sliding_window,share_question,causal_document,document,global_sliding_window
-        ;;
-    gluon-split-hd64)
-        run_step gluon_backward_split_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
-            --split 2/2,3/2,2/2p --masks full,causal,sliding_window,share_question,causal_document,document
         ;;
     host-overhead)
         run_step host_overhead python benchmarks/host_overhead.py --seqlens 8192 \

@@ -571,12 +571,11 @@ def launch(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
-    **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
     ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
-    Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
-    kernel's further ``constants``; the other arguments and the result as :func:`backward`'s."""
+    Q/dO slots, ``dq_buffers`` dQ buffers and dQ through TMA reduce-adds if ``dq_tma``; the
+    other arguments and the result as :func:`backward`'s."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -607,7 +606,7 @@ def launch(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
-        DQ_BUFFERS=dq_buffers, **constants,
+        DQ_BUFFERS=dq_buffers,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv

@@ -122,12 +122,9 @@ def _bwd256_compute_partition(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
-    accumulating products split by head dim (module docstring). With ``PIPELINE`` (two or more
-    Q/dO slots) the next tile's ``S^T``/``dP^T`` are issued before this tile's dV/dK/dQ are
-    awaited, so the tensor cores have work while the dQ tile is handed to the writer."""
+    accumulating products split by head dim (module docstring)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
@@ -160,60 +157,23 @@ def _bwd256_compute_partition(
             bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
         )
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
-        if PIPELINE:
-            # The first tile's scores, issued before the loop; each iteration issues the next
-            # tile's. Where there is no next tile, a stand-in product of the resident K and V
-            # (discarded) keeps the issue pattern the same: an asynchronous result cannot be
-            # merged with a plain one across branches.
-            if count > 0:
-                slot = it % num_buffers
-                mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-                st, dpt = _issue_scores(
-                    k_smem, v_smem, q_bufs.index(slot), do_bufs.index(slot), zero_st
-                )
-            else:
-                st, dpt = _issue_scores(k_smem, v_smem, k_smem, v_smem, zero_st)
-            for j in range(count):
-                entry = gl.load(entries + j)
-                m_tile = gl.where(entry >= 0, entry, -entry - 1)
-                slot = it % num_buffers
-                dv, dk, dq = _tile_products(
-                    k_smem, q_bufs.index(slot), do_bufs.index(slot), pt_bufs, ds_bufs, st, dpt,
-                    entry, m_tile, offs_m, keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute,
-                    causal_offset, dk, dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                if j + 1 < count:
-                    nxt = (it + 1) % num_buffers
-                    mbarrier.wait(ready.index(nxt), ((it + 1) // num_buffers) & 1)
-                    st, dpt = _issue_scores(
-                        k_smem, v_smem, q_bufs.index(nxt), do_bufs.index(nxt), zero_st
-                    )
-                else:
-                    st, dpt = _issue_scores(k_smem, v_smem, k_smem, v_smem, zero_st)
-                # This tile's three products are done; the next scores stay in flight.
-                dv, dk, dq = warpgroup_mma_wait(2, deps=(dv, dk, dq))
-                mbarrier.arrive(empty.index(slot), count=1)
-                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
-                it += 1
-            warpgroup_mma_wait(0, deps=(st, dpt))  # the last issued scores (a stand-in)
-        else:
-            for j in range(count):
-                entry = gl.load(entries + j)
-                m_tile = gl.where(entry >= 0, entry, -entry - 1)
-                slot = it % num_buffers
-                q_smem = q_bufs.index(slot)
-                do_smem = do_bufs.index(slot)
-                mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-                st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
-                dv, dk, dq = _tile_products(
-                    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m,
-                    keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk,
-                    dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
-                )  # fmt: skip
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                mbarrier.arrive(empty.index(slot), count=1)
-                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
-                it += 1
+        for j in range(count):
+            entry = gl.load(entries + j)
+            m_tile = gl.where(entry >= 0, entry, -entry - 1)
+            slot = it % num_buffers
+            q_smem = q_bufs.index(slot)
+            do_smem = do_bufs.index(slot)
+            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+            st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
+            dv, dk, dq = _tile_products(
+                k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m,
+                keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk,
+                dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+            mbarrier.arrive(empty.index(slot), count=1)
+            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+            it += 1
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
                 softmax_scale)  # fmt: skip
@@ -237,11 +197,10 @@ def gluon_bwd256_kernel(
     WRITER_REGISTERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
-    PIPELINE: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s plus
-    ``PIPELINE`` (:func:`_bwd256_compute_partition`): dK and dV (sharing K's strides) and dQ
-    added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc`` and TMA reduce-adds)."""
+    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
+    and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
+    ``dq_desc`` and TMA reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -266,7 +225,7 @@ def gluon_bwd256_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, PIPELINE,
+                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
                 ),
             ),
             (
@@ -311,5 +270,4 @@ def backward(
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        PIPELINE=False,  # needs two Q/dO slots: one fits at D = 256
     )  # fmt: skip
