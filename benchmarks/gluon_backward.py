@@ -145,7 +145,7 @@ def check_and_time(
 
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 16K keys).
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         flop = case.flop
         # The Gluon backward forced on (the defaults use it at D = 128 only).
@@ -199,7 +199,7 @@ def time_without_dq_writes(
     ``red.global`` writer's, so ``DQ_TMA`` is turned off: the bound of both writers)."""
     gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
     kernels.gluon_backward_module(d).DQ_TMA = False
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         cfg = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
         ms = triton.testing.do_bench(

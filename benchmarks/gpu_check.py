@@ -251,7 +251,7 @@ def main() -> int:
         _override_defaults(args.variant, args.variant_max_head_dim)
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
-        kernels.GLUON_BWD_MIN_MASKED_SEQLEN = 0
+        kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     if args.gluon_bwd:
         from gluon_backward import parse_variant
 

@@ -9,7 +9,7 @@
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
-#   bench-hd256-128k flashmask bench, 128K, hd256, six masks
+#   bench-hd256-128k flashmask bench, 128K, hd256, six masks; bench-hd256-128k-b the other six
 #   bench-hd64    flashmask bench, 8K and 32K, hd64, full, causal and document
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
@@ -138,6 +138,11 @@ for step in "$@"; do
         run_step bench_hd256_128k python -m flashmask bench --seqlens 131072 --head-dims 256 \
             --masks full,causal,causal_document,document,share_question,sliding_window \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_128k"
+        ;;
+    bench-hd256-128k-b)
+        run_step bench_hd256_128k_b python -m flashmask bench --seqlens 131072 --head-dims 256 \
+            --masks global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd256_128k_b"
         ;;
     bench-hd256-8k)
         run_step bench_hd256_8k python -m flashmask bench --seqlens 8192 --head-dims 256 \

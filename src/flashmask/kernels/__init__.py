@@ -542,16 +542,20 @@ GLUON_BWD_KEYS = 128
 GLUON_BWD_HEAD_DIMS = (64, 128, 256)
 # At D = 256 a program owns 64 keys (two 128-key dK/dV accumulators would not fit the registers).
 GLUON_BWD256_KEYS = 64
-# With an interval mask, the Gluon backward at D <= 128 only from this many keys: at 8K its
-# 128-key tiles skip less finely than the Triton backward's 64-key ones, and sparse masks lost
-# (sliding_window 0.91x, share_question 0.93x, causal_document 1.01x, document 1.09x); at 16K
-# it was 0.87x-1.03x (``results/gluon_backward_16k_s9.log``, before the 2-4% of ``DQ_TMA``);
-# at 32K 0.98-1.13x (benchmarks/results/gluon_backward_s6d.log). Without a mask it is used at
-# every length (full/causal 1.15x at 8K). At D = 256 (64-key tiles, as the Triton backward's)
-# it is used at every length: 1.43-1.69x the Triton backward on every mask measured at 8K and
-# 32K (``results/gluon_backward_hd256_s9.log``). ``benchmarks/gpu_check.py --gluon-everywhere``
-# lifts this limit and the forward's to check both kernels on its short masked cases.
-GLUON_BWD_MIN_MASKED_SEQLEN = 16384
+# With an interval mask, the Gluon backward only from this many keys, per head dim (absent: at
+# every length). Its 128-key tiles skip less finely than the Triton backward's 64-key ones, so
+# short sparse masks can lose. At D = 128 from 8K: there it beat the Triton backward on seven of
+# ten masks (1.03-1.24x: causal_document, document, causal_blockwise, prefix_lm_document,
+# prefix_lm_causal, qk_sparse, random_eviction) and lost 7-8% on the three sparsest
+# (sliding_window, share_question, global_sliding_window; ``results/gluon_backward_split_s10.log``,
+# ``gluon_backward_8k_masks_s10.log``); the worst mask's ratio to flex rises from 1.03x to 1.1x.
+# At D = 64 from 16K (at 8K 0.98x on causal_document, 1.04x on document,
+# ``results/gluon_backward_split_hd64_s10.log``; 16K and 32K as at D = 128). At D = 256 (64-key
+# tiles, as the Triton backward's) at every length: 1.43-1.69x the Triton backward on every mask
+# measured at 8K and 32K (``results/gluon_backward_hd256_s9.log``). Without a mask at every
+# length (full/causal 1.15-1.2x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts
+# these limits and the forward's to check both kernels on its short masked cases.
+GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 16384, 128: 8192}
 # The same for the Gluon forward: at 8K its 128x128 tiles lost to the Triton forward's 64x64
 # ones on the sparse masks (sliding_window 0.81x, share_question 0.83x, global_sliding_window
 # 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 16K it still lost
@@ -638,12 +642,12 @@ def _use_gluon_backward(
     """``config.bwd_gluon``, ``deterministic=False`` and no
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
     skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
-    (``masked``) and ``D <= 128`` also at least :data:`GLUON_BWD_MIN_MASKED_SEQLEN` keys."""
+    (``masked``) also at least the keys :data:`GLUON_BWD_MIN_MASKED_SEQLEN` asks at its head dim."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
-    if masked and q.shape[-1] != 256 and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN:
+    if masked and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN.get(q.shape[-1], 0):
         return False
     capability = _gpu_capability(q)
     return (
