@@ -85,7 +85,7 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
     # deterministic=False exercises an atomic dQ path: at hd128 on Hopper the Gluon backward
-    # (without a mask, or with one from 16K keys or under --gluon-everywhere), else the Triton
+    # (without a mask, or with one from 8K keys or under --gluon-everywhere), else the Triton
     # kernels'
     # fp32-atomic dQ (atomic_dq).
     cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
@@ -224,7 +224,7 @@ def main() -> int:
     parser.add_argument(
         "--gluon-everywhere",
         action="store_true",
-        help="lift the library's length limits for masked inputs (16K keys), so every case the "
+        help="lift the library's length limits for masked inputs (8K-32K keys), so every case the "
         "Gluon kernels take at their default head dim (128) runs them: the forward, and the "
         "backward with deterministic=False (add --variant fwd_gluon=1 for the forward at hd64)",
     )
