@@ -48,14 +48,11 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None, groups: bool = False,
+    dq_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given;
-    ``groups``: ``gluon_bwd``'s consumer warpgroups as two partitions, its
-    ``WARPGROUP_PARTITIONS`` form); registers, spills, shared memory and key instructions."""
+    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given);
+    registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
-    if groups and module is not gluon_bwd:
-        raise ValueError(f"the warpgroup-partition form is gluon_bwd's (D = 64, 128): D = {head_dim}")
     if dq_tma is None:
         dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -83,12 +80,10 @@ def compile_only(
               "NUM_BUFFERS": module.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
-              **({} if dq_tma else {"dq_desc": None}),
-              **({"GROUP_REGISTERS": gluon_bwd.GROUP_REGISTERS} if groups else {})}  # fmt: skip
-    kernel = gluon_bwd.gluon_bwd_groups_kernel if groups else _kernel(module)
+              **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
-        kernel, signature, values,
-        {"num_warps": 4 if groups else gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
+        _kernel(module), signature, values,
+        {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
     )  # fmt: skip
     return {
         "head_dim": head_dim,
@@ -96,7 +91,6 @@ def compile_only(
         "has_mask": has_mask,
         "dtype": short,
         "dq_tma": dq_tma,
-        "groups": groups,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -122,7 +116,7 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
-VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS", "WARPGROUP_PARTITIONS")
+VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS")
 
 
 def parse_variant(text: str) -> dict[str, int]:

@@ -102,18 +102,6 @@ WRITER_REGISTERS = 24
 DQ_TMA = True
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
-# The two consumer warpgroups as two 4-warp partitions (``gluon_bwd_groups_kernel``, 64 keys
-# each) that meet only where the data needs it: once per tile, when both halves of ``dS^T`` are
-# in shared memory for ``dQ = dS K``. In one 8-warp partition (the default) Triton turns every
-# ``warpgroup_mma_wait`` into a barrier of all 256 consumer threads (its membar analysis treats
-# a wait in a partition of more than 4 warps as a rendezvous), five per tile in the SASS, which
-# keeps the warpgroups in lockstep: neither can compute ``P^T``/``dS^T`` or hand off dQ while
-# the other's products run. Compiled for sm_90 offline (tenth session), not yet run on a GPU:
-# off until the H200 measures it and its GPU check passes (``gluon_backward.py --variant
-# WARPGROUP_PARTITIONS=1``, ``gpu_check.py --gluon-bwd WARPGROUP_PARTITIONS=1``).
-WARPGROUP_PARTITIONS = False
-# Consumer registers in that form (the forward's ``COMPUTE_REGISTERS``).
-GROUP_REGISTERS = 240
 
 
 @gluon.jit
@@ -408,119 +396,6 @@ def _bwd_compute_partition(
 
 
 @gluon.jit
-def _bwd_group_compute_partition(
-    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_ready, dq_full,
-    dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
-    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale,
-    CAUSAL: gl.constexpr,
-    HAS_MASK: gl.constexpr,
-    HAS_UPPER: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-    GROUP: gl.constexpr,
-):  # fmt: skip
-    """One consumer warpgroup of ``gluon_bwd_groups_kernel`` (a 4-warp partition; ``GROUP`` 0 or
-    1): dK and dV of keys ``GROUP * 64 ...`` of the program's ``BLOCK_N``, from the same
-    products as :func:`_bwd_compute_partition`'s warpgroup ``GROUP``. The two warpgroups meet
-    once per tile: each stores its half of ``dS^T`` and arrives on ``ds_ready`` (two arrivals),
-    then waits for the other's before ``dQ = dS K`` over all the program's keys, of which it
-    computes head-dim columns ``GROUP * HEAD_DIM / 2 ...`` and leaves them in the writer's
-    ring (``dq_full`` takes both warpgroups' arrivals). ``ds_bufs[it % 2]`` is written again two
-    tiles later only after the other warpgroup's arrival on the tile between, which follows its
-    wait for the dQ product that read it."""
-    num_buffers: gl.constexpr = q_bufs.type.shape[0]
-    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
-    dtype: gl.constexpr = k_smem.dtype
-    keys_per_group: gl.constexpr = BLOCK_N // 2
-    cols_per_group: gl.constexpr = HEAD_DIM // 2
-    # Transposed scores [64 keys, BLOCK_M queries] and dK/dV [64 keys, HEAD_DIM]: one warpgroup.
-    st_layout: gl.constexpr = wgmma_layout(4, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    dq_layout: gl.constexpr = wgmma_layout(4, cols_per_group)
-    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
-    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-
-    k_group = k_smem.slice(GROUP * keys_per_group, keys_per_group)
-    v_group = v_smem.slice(GROUP * keys_per_group, keys_per_group)
-    k_cols = k_smem.slice(GROUP * cols_per_group, cols_per_group, dim=1)
-    key_tile = n_tile * 2 + GROUP  # this warpgroup's keys as a 64-key tile index
-    keys = key_tile * keys_per_group + gl.arange(0, keys_per_group, key_layout)
-    offs_m = gl.arange(0, BLOCK_M, query_layout)
-    dk = gl.zeros([keys_per_group, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([keys_per_group, HEAD_DIM], gl.float32, acc_layout)
-    zero_st = gl.zeros([keys_per_group, BLOCK_M], gl.float32, st_layout)
-    zero_dq = gl.zeros([BLOCK_M, cols_per_group], gl.float32, dq_layout)
-
-    mbarrier.wait(kv_bar, 0)
-    it = 0
-    for g in range(heads_per_kv):
-        h, mask_head, count, entries = _head_list(
-            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
-            num_mask_heads, num_m_tiles, num_n_tiles,
-        )  # fmt: skip
-        lts, lte, uts, ute = load_column_bounds(
-            bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
-        )
-        row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
-        for j in range(count):
-            entry = gl.load(entries + j)
-            m_tile = gl.where(entry >= 0, entry, -entry - 1)
-            slot = it % num_buffers
-            q_smem = q_bufs.index(slot)
-            do_smem = do_bufs.index(slot)
-            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
-            st_token = warpgroup_mma(
-                k_group, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-            )
-            dpt_token = warpgroup_mma(
-                v_group, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
-            )
-            rows = m_tile * BLOCK_M + offs_m
-            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
-            st = warpgroup_mma_wait(1, deps=(st_token,))
-            pt = transposed_probabilities(
-                st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
-                HAS_MASK, HAS_UPPER, CAUSAL,
-            )  # fmt: skip
-            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-            dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dst_op = gl.convert_layout(dst, a_layout)
-            dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
-            ds_smem = ds_bufs.index(it % 2)
-            ds_smem.slice(GROUP * keys_per_group, keys_per_group).store(dst)
-            fence_async_shared()
-            # Lowered as a barrier of this warpgroup (its rows are stored), then one arrive.
-            mbarrier.arrive(ds_ready.index(it % 2), count=1)
-            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-            dq_token = warpgroup_mma(
-                ds_smem.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True
-            )
-            dv, dk, dq, _, _ = warpgroup_mma_wait(
-                0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
-            )
-            mbarrier.arrive(empty.index(slot), count=1)
-            dq_buf = it % num_dq_buffers
-            mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
-            dq_bufs.index(dq_buf).slice(GROUP * cols_per_group, cols_per_group, dim=1).store(
-                dq * softmax_scale
-            )
-            if DQ_TMA:
-                fence_async_shared()
-            mbarrier.arrive(dq_full.index(dq_buf), count=1)
-            it += 1
-
-    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, key_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale)  # fmt: skip
-
-
-@gluon.jit
 def allocate_operands(q_desc, k_desc, v_desc, do_desc, BLOCK_N: gl.constexpr,
                       NUM_BUFFERS: gl.constexpr):  # fmt: skip
     """``(k_smem, v_smem, q_bufs, do_bufs)``: a program's K and V tiles (``BLOCK_N`` keys) and
@@ -543,19 +418,17 @@ def allocate_rings(
     NUM_BUFFERS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    CONSUMERS: gl.constexpr,
 ):
     """``(kv_bar, ready, empty, dq_bufs, dq_full, dq_empty)``, initialised: the K/V barrier, the
     Q/dO slots' "ready"/"empty" barriers and the ring of ``DQ_BUFFERS`` fp32 dQ tiles with its
-    "dq_full"/"dq_empty" barriers (see :func:`_bwd_dq_writer_partition`). ``CONSUMERS``: the
-    consumer partitions, each of which arrives once on "empty" and "dq_full" per tile."""
+    "dq_full"/"dq_empty" barriers (see :func:`_bwd_dq_writer_partition`)."""
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(empty.index(i), count=1)
     if DQ_TMA:
         # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
         dq_bufs = gl.allocate_shared_memory(
@@ -571,7 +444,7 @@ def allocate_rings(
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(DQ_BUFFERS):
-        mbarrier.init(dq_full.index(i), count=CONSUMERS)
+        mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     return kv_bar, ready, empty, dq_bufs, dq_full, dq_empty
 
@@ -609,7 +482,7 @@ def gluon_bwd_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
     )
     # The dQ writer is a second worker (hence two warp_specialize calls).
     gl.warp_specialize(
@@ -649,93 +522,6 @@ def gluon_bwd_kernel(
     )  # fmt: skip
 
 
-@gluon.jit
-def gluon_bwd_groups_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
-    bounds_ptr,
-    entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
-    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
-    CAUSAL: gl.constexpr,
-    HAS_MASK: gl.constexpr,
-    HAS_UPPER: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr,
-    WRITER_WARPS: gl.constexpr,
-    WRITER_REGISTERS: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-    DQ_BUFFERS: gl.constexpr,
-    GROUP_REGISTERS: gl.constexpr,
-):  # fmt: skip
-    """:func:`gluon_bwd_kernel` with its consumer warpgroups as two partitions
-    (:data:`WARPGROUP_PARTITIONS`; launched with 4 warps: the first warpgroup is the default
-    partition). Same arguments and results."""
-    dtype: gl.constexpr = q_desc.dtype
-    n_tile = gl.program_id(0)
-    h_kv = gl.program_id(1)
-    b = gl.program_id(2)
-
-    k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
-        q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
-    )
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 2
-    )
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (
-                _bwd_group_compute_partition,
-                (
-                    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                    ds_ready, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
-                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, 0,
-                ),
-            ),
-            (
-                _bwd_group_compute_partition,
-                (
-                    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                    ds_ready, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
-                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, 1,
-                ),
-            ),
-            (
-                _bwd_load_partition,
-                (
-                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
-                    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
-                ),
-            ),
-            (
-                _bwd_dq_writer_partition,
-                (
-                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
-                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                    HEAD_DIM, DQ_TMA,
-                ),
-            ),
-        ],
-        [4, 1, WRITER_WARPS],
-        [GROUP_REGISTERS, 24, WRITER_REGISTERS],
-    )  # fmt: skip
-
-
 def dq_shared_layout(head_dim: int):
     """The shared layout of a ``[BLOCK_M, head_dim]`` fp32 dQ tile that ``DQ_TMA``'s reduce
     reads (NVMMA)."""
@@ -762,12 +548,6 @@ def backward(
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
     ``kernels.prepare_cached``."""
-    if WARPGROUP_PARTITIONS:
-        return launch(
-            gluon_bwd_groups_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
-            dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-            num_warps=4, GROUP_REGISTERS=GROUP_REGISTERS,
-        )  # fmt: skip
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
@@ -791,14 +571,11 @@ def launch(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
-    num_warps: int = NUM_WARPS,
-    **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
-    ``gluon_bwd256.gluon_bwd256_kernel`` or ``gluon_bwd_groups_kernel``) with ``block_n`` keys
-    per program, ``num_buffers`` Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA
-    reduce-adds if ``dq_tma``, ``num_warps`` warps in the default partition and the kernel's
-    further ``constants``; the other arguments and the result as :func:`backward`'s."""
+    ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
+    Q/dO slots, ``dq_buffers`` dQ buffers and dQ through TMA reduce-adds if ``dq_tma``; the
+    other arguments and the result as :func:`backward`'s."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -829,7 +606,7 @@ def launch(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
-        DQ_BUFFERS=dq_buffers, **constants,
-        num_warps=num_warps, maxnreg=MAX_REGISTERS,
+        DQ_BUFFERS=dq_buffers,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
