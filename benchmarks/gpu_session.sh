@@ -40,6 +40,9 @@
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
+#   ncu-backward-source Nsight Compute's warp-state sampling per SASS instruction on one 32K full
+#                 hd128 backward call (ours): ncu_backward_source.ncu-rep and its source page as CSV
+#                 (ncu_backward_source.log)
 #   tune-launch-hd256 tune.py --set launch at 8K, hd256: the Triton forward with TMA loads (never
 #                 measured at hd256) and other tiles, against the shipped pointer-loaded 128x64
 #   tune-dq-hd256 tune.py --set dq at 8K, hd256 only: the Triton backward's one-grid forms (dQ pass
@@ -202,6 +205,16 @@ for step in "$@"; do
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
                 --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
         done
+        ;;
+    ncu-backward-source)
+        # Where the library hd128 backward's stall cycles sit, per SASS instruction (warp-state
+        # sampling with the source counters): the report, and its source page as CSV.
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        run_step ncu_backward_source_run "$ncu" --clock-control none -k regex:gluon_bwd_kernel \
+            -s 1 -c 1 --section WarpStateStats --section SourceCounters --import-source yes \
+            -f -o "$OUT/ncu_backward_source" python benchmarks/profile_backward.py --impl flashmask
+        run_step ncu_backward_source "$ncu" -i "$OUT/ncu_backward_source.ncu-rep" --page source \
+            --csv --print-source sass
         ;;
     tune-launch-hd256)
         run_step tune_launch_hd256 python benchmarks/tune.py --set launch --seqlen 8192 \
