@@ -86,15 +86,7 @@ def main() -> None:
                 return call
 
             block_mask = bench._flex_block_mask(mask, causal, batch, heads, s, "cuda")()
-            qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
-            qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
-
-            def fx_fwd():
-                return flex(qf, kf, vf, block_mask=block_mask)
-
-            def fx_total():
-                flex(qf, kf, vf, block_mask=block_mask).backward(dof)
-
+            fx_fwd, fx_total = bench.flex_calls(flex, block_mask, q, k, v, do)
             cases = [
                 ("flashmask prep/call", "fwd", fm_fwd(True)),
                 ("flashmask prep/call", "fwd+bwd", fm_total(True)),

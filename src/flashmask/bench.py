@@ -192,6 +192,29 @@ def _flex_block_mask(mask: FlashMask | None, causal: bool, b: int, hq: int, s: i
     return build
 
 
+def flex_calls(
+    flex: Callable,
+    block_mask,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+) -> tuple[Callable[[], object], Callable[[], None]]:
+    """``(forward, forward + backward)`` calls of a compiled ``flex_attention`` with a built
+    ``block_mask``, on copies of ``q, k, v, do [B, S, H, D]`` laid out as flex takes them
+    (``[B, H, S, D]``, contiguous; q/k/v requiring grad)."""
+    qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
+
+    def forward():
+        return flex(qf, kf, vf, block_mask=block_mask)
+
+    def forward_backward():
+        flex(qf, kf, vf, block_mask=block_mask).backward(dof)
+
+    return forward, forward_backward
+
+
 def run_case(
     name: str,
     seqlen: int,
@@ -296,16 +319,7 @@ def run_case(
         build = _flex_block_mask(mask, causal, batch, heads, seqlen, device)
         block_mask = build()
         prep_ms = _cuda_time(build)
-        qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
-        qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
-
-        def fx_fwd():
-            return flex(qf, kf, vf, block_mask=block_mask)
-
-        def fx_total():
-            flex(qf, kf, vf, block_mask=block_mask).backward(dof)
-
-        row = finish(base("flex"), fx_fwd, fx_total)
+        row = finish(base("flex"), *flex_calls(flex, block_mask, q, k, v, do))
         row.mask_prep_ms = prep_ms
         rows.append(row)
 
