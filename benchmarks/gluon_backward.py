@@ -48,11 +48,16 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None,
+    dq_tma: bool | None = None, row_terms_smem: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given);
+    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given;
+    ``row_terms_smem``: ``gluon_bwd.ROW_TERMS_SMEM`` unless given, at D = 64/128 only);
     registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
+    if row_terms_smem is None:
+        row_terms_smem = module is gluon_bwd and gluon_bwd.ROW_TERMS_SMEM
+    if row_terms_smem and module is not gluon_bwd:
+        raise ValueError(f"ROW_TERMS_SMEM is gluon_bwd's (D = 64, 128), not D = {head_dim}'s")
     if dq_tma is None:
         dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -80,7 +85,8 @@ def compile_only(
               "NUM_BUFFERS": module.NUM_BUFFERS, "WRITER_WARPS": gluon_bwd.WRITER_WARPS,
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
-              **({} if dq_tma else {"dq_desc": None})}  # fmt: skip
+              **({} if dq_tma else {"dq_desc": None}),
+              **({"ROW_TERMS_SMEM": row_terms_smem} if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -91,6 +97,7 @@ def compile_only(
         "has_mask": has_mask,
         "dtype": short,
         "dq_tma": dq_tma,
+        "row_terms_smem": row_terms_smem,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -116,7 +123,7 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
-VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS")
+VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS", "ROW_TERMS_SMEM")
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -143,6 +150,11 @@ def check_and_time(
     same products in the same order) and its dQ's relative difference (fp32 additions in
     another order)."""
 
+    module = kernels.gluon_backward_module(d)
+    for settings in variants:
+        missing = [name for name in settings if not hasattr(module, name)]
+        if missing:
+            raise SystemExit(f"--variant: {module.__name__} (D = {d}) has no {missing}")
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
     # takes the Gluon backward only from 8K keys at hd128, 16K at hd64).
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
@@ -165,7 +177,6 @@ def check_and_time(
         errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
         g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
-        module = kernels.gluon_backward_module(d)
         for settings in variants:
             defaults = {const: getattr(module, const) for const in settings}
             for const, value in settings.items():
@@ -242,6 +253,10 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
+        for d in (64, 128):  # lse/delta staged by the producer (ROW_TERMS_SMEM, off)
+            for causal, has_mask in ((False, False), (True, True), (False, True)):
+                report = compile_only(d, causal, has_mask, row_terms_smem=True)
+                print(json.dumps(report), flush=True)
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 

@@ -35,6 +35,9 @@
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
 #   gluon-backward-variants gluon_backward.py timing dQ through the red.global writer (DQ_TMA=0),
 #                 three Q/dO slots with one dQ buffer, and both, against the default (TMA)
+#   gluon-row-terms gluon_backward.py timing the producer-staged lse/delta rows
+#                 (ROW_TERMS_SMEM=1) against the default at 8K and 32K on six masks; its GPU
+#                 check: GLUON_BWD=ROW_TERMS_SMEM=1 ... check-dq-tma
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -190,6 +193,11 @@ for step in "$@"; do
         run_step gluon_backward_variants python benchmarks/gluon_backward.py \
             --variant DQ_TMA=0 --variant NUM_BUFFERS=3,DQ_BUFFERS=1 \
             --variant DQ_TMA=0,NUM_BUFFERS=3,DQ_BUFFERS=1 \
+            --masks full,causal,document,causal_document,share_question,sliding_window
+        ;;
+    gluon-row-terms)
+        run_step gluon_backward_row_terms python benchmarks/gluon_backward.py \
+            --variant ROW_TERMS_SMEM=1 \
             --masks full,causal,document,causal_document,share_question,sliding_window
         ;;
     check-dq-tma)

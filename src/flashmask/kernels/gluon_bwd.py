@@ -102,6 +102,17 @@ WRITER_REGISTERS = 24
 DQ_TMA = True
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
+# The producer also loads each listed query tile's lse and delta rows (``BLOCK_M`` fp32 each)
+# and leaves them in shared memory beside the tile's Q/dO slot, so the consumers read them from
+# there (a few cycles) instead of from global memory right after issuing the tile's score
+# products and before ``P^T`` needs them. Nsight Compute on the default kernel (ninth session,
+# ``results/ncu_backward_flashmask_s9.log``): 5.0 of the 13.0 cycles between a warp's
+# instructions are waits on L1TEX (global and local) loads, and in the SASS these 32 scalar
+# loads per thread and tile are issued a few hundred cycles before their first use (tenth
+# session). Same values, same arithmetic. Compiled for sm_90 offline, not yet run on a GPU: off
+# until the H200 measures it and its GPU check passes (``gluon_backward.py --variant
+# ROW_TERMS_SMEM=1``, ``gpu_check.py --gluon-bwd ROW_TERMS_SMEM=1``).
+ROW_TERMS_SMEM = False
 
 
 @gluon.jit
@@ -151,13 +162,18 @@ def _red_add_v4(dq_head, row0, stride_dqs, values):
 def _bwd_load_partition(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
     entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
-    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
+    delta_ptr, num_heads_q,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
-    """Producer warp: K and V once, then Q and dO of every listed query tile of every head."""
+    """Producer warp: K and V once, then Q and dO of every listed query tile of every head (with
+    ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
+    ``delta_bufs[slot]``, stored before the slot's "ready" arrival releases them)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     kv_row = b * seqlen_k + n_tile * BLOCK_N
     tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
@@ -174,6 +190,13 @@ def _bwd_load_partition(
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             slot = it % num_buffers
             mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
+            if ROW_TERMS_SMEM:
+                rows = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+                offs = rows + gl.arange(0, BLOCK_M, row_layout)
+                lse_bufs.index(slot).store(gl.load(lse_ptr + offs))
+                delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
+                # Every lane's stores happen before the one lane's release-arrive below.
+                _partition_barrier()
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
             row = b * seqlen_q + m_tile * BLOCK_M
@@ -233,6 +256,16 @@ def row_terms(lse_ptr, delta_ptr, row_base, rows):
     lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = gl.load(delta_ptr + row_base + rows)
     return lse, delta
+
+
+@gluon.jit
+def staged_lse(lse_bufs, slot, layout: gl.constexpr):
+    """:func:`row_terms`'s lse of the tile in Q/dO slot ``slot`` from the rows the producer
+    left in ``lse_bufs`` (``ROW_TERMS_SMEM``), in ``layout``: the same values. Its delta is read
+    where it is used (``delta_bufs.index(slot).load``), so that it does not hold registers
+    through ``P^T``."""
+    lse = lse_bufs.index(slot).load(layout)
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @gluon.jit
@@ -301,7 +334,7 @@ def _bwd_compute_partition(
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
     n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -309,9 +342,11 @@ def _bwd_compute_partition(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
-    warps through ``dq_bufs``. All five products of a tile are awaited before its dQ is stored:
+    warps through ``dq_bufs`` (``lse_bufs``/``delta_bufs``: the producer's rows with
+    ``ROW_TERMS_SMEM``). All five products of a tile are awaited before its dQ is stored:
     issuing dK after dQ (to overlap it with the store) or leaving it running into the next tile
     were measured on the H200 and lost on full attention at 32K (benchmarks/NOTES.md, change 16
     and the eighth session)."""
@@ -363,7 +398,10 @@ def _bwd_compute_partition(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
             rows = m_tile * BLOCK_M + offs_m
-            lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+            if ROW_TERMS_SMEM:
+                lse = staged_lse(lse_bufs, slot, query_layout)
+            else:
+                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
             pt = transposed_probabilities(
                 st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
@@ -372,6 +410,8 @@ def _bwd_compute_partition(
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
+            if ROW_TERMS_SMEM:
+                delta = delta_bufs.index(slot).load(query_layout)
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
             dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
@@ -467,6 +507,7 @@ def gluon_bwd_kernel(
     WRITER_REGISTERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a
@@ -484,6 +525,14 @@ def gluon_bwd_kernel(
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
         dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
     )
+    # warp_specialize captures values only: without ROW_TERMS_SMEM stand-ins the partitions
+    # never read.
+    lse_bufs = lse_ptr
+    delta_bufs = delta_ptr
+    if ROW_TERMS_SMEM:
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
     # The dQ writer is a second worker (hence two warp_specialize calls).
     gl.warp_specialize(
         [
@@ -494,8 +543,9 @@ def gluon_bwd_kernel(
                     dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
+                    delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -504,7 +554,8 @@ def gluon_bwd_kernel(
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
                     ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
                     seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
+                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -551,6 +602,7 @@ def backward(
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
+        ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip
 
 
@@ -571,11 +623,12 @@ def launch(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
+    **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
     ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
-    Q/dO slots, ``dq_buffers`` dQ buffers and dQ through TMA reduce-adds if ``dq_tma``; the
-    other arguments and the result as :func:`backward`'s."""
+    Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
+    kernel's further ``constants``; the other arguments and the result as :func:`backward`'s."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -606,7 +659,7 @@ def launch(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
-        DQ_BUFFERS=dq_buffers,
+        DQ_BUFFERS=dq_buffers, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv
