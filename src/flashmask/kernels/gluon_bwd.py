@@ -171,7 +171,8 @@ def _bwd_load_partition(
 ):  # fmt: skip
     """Producer warp: K and V once, then Q and dO of every listed query tile of every head (with
     ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
-    ``delta_bufs[slot]``, stored before the slot's "ready" arrival releases them)."""
+    ``delta_bufs[slot]``, loaded while the tile's copies run and released by a second arrival on
+    its "ready" barrier)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -190,18 +191,20 @@ def _bwd_load_partition(
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             slot = it % num_buffers
             mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
-            if ROW_TERMS_SMEM:
-                rows = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
-                offs = rows + gl.arange(0, BLOCK_M, row_layout)
-                lse_bufs.index(slot).store(gl.load(lse_ptr + offs))
-                delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
-                # Every lane's stores happen before the one lane's release-arrive below.
-                _partition_barrier()
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
             row = b * seqlen_q + m_tile * BLOCK_M
             tma_load(q_desc, [row, h * HEAD_DIM], bar, q_bufs.index(slot))
             tma_load(do_desc, [row, h * HEAD_DIM], bar, do_bufs.index(slot))
+            if ROW_TERMS_SMEM:
+                # While the copies run: the rows, then the slot's second arrival ("ready"
+                # counts two with ROW_TERMS_SMEM), lowered as a barrier of this warp and one
+                # release-arrive, so the consumers' wait sees every lane's stores.
+                rows = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
+                offs = rows + gl.arange(0, BLOCK_M, row_layout)
+                lse_bufs.index(slot).store(gl.load(lse_ptr + offs))
+                delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
+                mbarrier.arrive(bar, count=1)
             it += 1
 
 
@@ -458,16 +461,18 @@ def allocate_rings(
     NUM_BUFFERS: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    READY_ARRIVALS: gl.constexpr,
 ):
     """``(kv_bar, ready, empty, dq_bufs, dq_full, dq_empty)``, initialised: the K/V barrier, the
-    Q/dO slots' "ready"/"empty" barriers and the ring of ``DQ_BUFFERS`` fp32 dQ tiles with its
+    Q/dO slots' "ready"/"empty" barriers ("ready" completing after ``READY_ARRIVALS`` arrivals
+    and the copies' bytes) and the ring of ``DQ_BUFFERS`` fp32 dQ tiles with its
     "dq_full"/"dq_empty" barriers (see :func:`_bwd_dq_writer_partition`)."""
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(empty.index(i), count=1)
     if DQ_TMA:
         # The layout the TMA reduce reads (NVMMA, 128-byte swizzle).
@@ -523,7 +528,7 @@ def gluon_bwd_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + ROW_TERMS_SMEM
     )
     # warp_specialize captures values only: without ROW_TERMS_SMEM stand-ins the partitions
     # never read.

@@ -213,7 +213,7 @@ def gluon_bwd256_kernel(
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1
     )
     gl.warp_specialize(
         [
