@@ -548,7 +548,8 @@ GLUON_BWD256_KEYS = 64
 # ten masks (1.03-1.24x: causal_document, document, causal_blockwise, prefix_lm_document,
 # prefix_lm_causal, qk_sparse, random_eviction) and lost 7-8% on the three sparsest
 # (sliding_window, share_question, global_sliding_window; ``results/gluon_backward_split_s10.log``,
-# ``gluon_backward_8k_masks_s10.log``); the worst mask's ratio to flex rises from 1.03x to 1.1x.
+# ``gluon_backward_8k_masks_s10.log``); the 8K bench's worst ratio to flex rose from 1.03x to
+# 1.15x (``results/bench_hd128_8k_s10.md``).
 # At D = 64 from 16K (at 8K 0.98x on causal_document, 1.04x on document,
 # ``results/gluon_backward_split_hd64_s10.log``; 16K and 32K as at D = 128). At D = 256 (64-key
 # tiles, as the Triton backward's) at every length: 1.43-1.69x the Triton backward on every mask

@@ -252,6 +252,21 @@ def _bwd_dq_writer_partition(
 
 
 @gluon.jit
+def await_tile(entries, j, it, q_bufs, do_bufs, ready):
+    """``(entry, m_tile, slot, q_smem, do_smem)`` of a consumer's ``j``-th listed tile of this
+    head (its ``it``-th in all): the list entry (``>= 0``: a partial tile), its query tile, and
+    the Q/dO slot the producer loads it into, once that slot's "ready" barrier has completed."""
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    entry = gl.load(entries + j)
+    m_tile = gl.where(entry >= 0, entry, -entry - 1)
+    slot = it % num_buffers
+    q_smem = q_bufs.index(slot)
+    do_smem = do_bufs.index(slot)
+    mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+    return entry, m_tile, slot, q_smem, do_smem
+
+
+@gluon.jit
 def row_terms(lse_ptr, delta_ptr, row_base, rows):
     """``(lse, delta)`` of query rows ``rows`` (offset ``row_base`` into ``[B * H, Sq]``): the
     forward's lse in base-2 units, +inf for a fully masked row (-inf) so that its P is zero."""
@@ -353,7 +368,6 @@ def _bwd_compute_partition(
     issuing dK after dQ (to overlap it with the store) or leaving it running into the next tile
     were measured on the H200 and lost on full attention at 32K (benchmarks/NOTES.md, change 16
     and the eighth session)."""
-    num_buffers: gl.constexpr = q_bufs.type.shape[0]
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -388,12 +402,9 @@ def _bwd_compute_partition(
         )
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
         for j in range(count):
-            entry = gl.load(entries + j)
-            m_tile = gl.where(entry >= 0, entry, -entry - 1)
-            slot = it % num_buffers
-            q_smem = q_bufs.index(slot)
-            do_smem = do_bufs.index(slot)
-            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+            entry, m_tile, slot, q_smem, do_smem = await_tile(
+                entries, j, it, q_bufs, do_bufs, ready
+            )
             st_token = warpgroup_mma(
                 k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )

@@ -48,6 +48,7 @@ from flashmask.kernels.gluon_bwd import (
     _partition_barrier,
     allocate_operands,
     allocate_rings,
+    await_tile,
     hand_dq_to_writer,
     row_terms,
     store_dk_dv,
@@ -125,7 +126,6 @@ def _bwd256_compute_partition(
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
     accumulating products split by head dim (module docstring)."""
-    num_buffers: gl.constexpr = q_bufs.type.shape[0]
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -158,12 +158,9 @@ def _bwd256_compute_partition(
         )
         row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
         for j in range(count):
-            entry = gl.load(entries + j)
-            m_tile = gl.where(entry >= 0, entry, -entry - 1)
-            slot = it % num_buffers
-            q_smem = q_bufs.index(slot)
-            do_smem = do_bufs.index(slot)
-            mbarrier.wait(ready.index(slot), (it // num_buffers) & 1)
+            entry, m_tile, slot, q_smem, do_smem = await_tile(
+                entries, j, it, q_bufs, do_bufs, ready
+            )
             st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
             dv, dk, dq = _tile_products(
                 k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m,
