@@ -218,11 +218,13 @@ for step in "$@"; do
         # Where the library hd128 backward's stall cycles sit, per SASS instruction (warp-state
         # sampling with the source counters): the report, and its source page as CSV.
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-        run_step ncu_backward_source_run "$ncu" --clock-control none -k regex:gluon_bwd_kernel \
+        # NCU_GLUON_BWD=ROW_TERMS_SMEM=1 profiles a candidate setting instead (files tagged _variant).
+        tag=ncu_backward_source${NCU_GLUON_BWD:+_variant}
+        run_step "${tag}_run" "$ncu" --clock-control none -k regex:gluon_bwd_kernel \
             -s 1 -c 1 --section WarpStateStats --section SourceCounters --import-source yes \
-            -f -o "$OUT/ncu_backward_source" python benchmarks/profile_backward.py --impl flashmask
-        run_step ncu_backward_source "$ncu" -i "$OUT/ncu_backward_source.ncu-rep" --page source \
-            --csv --print-source sass
+            -f -o "$OUT/$tag" python benchmarks/profile_backward.py --impl flashmask \
+            --gluon-bwd "${NCU_GLUON_BWD:-}"
+        run_step "$tag" "$ncu" -i "$OUT/$tag.ncu-rep" --page source --csv --print-source sass
         ;;
     tune-launch-hd256)
         run_step tune_launch_hd256 python benchmarks/tune.py --set launch --seqlen 8192 \

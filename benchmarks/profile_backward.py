@@ -29,7 +29,24 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument(
+        "--gluon-bwd",
+        default="",
+        help="gluon_bwd launch constants for the profiled call, e.g. ROW_TERMS_SMEM=1 "
+        "(as gluon_backward.py --variant)",
+    )
     args = parser.parse_args()
+    if args.gluon_bwd:
+        from gluon_backward import parse_variant
+
+        from flashmask.kernels import gluon_bwd
+
+        try:
+            settings = parse_variant(args.gluon_bwd)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--gluon-bwd: {exc}")
+        for name, value in settings.items():
+            setattr(gluon_bwd, name, type(getattr(gluon_bwd, name))(value))
     if not torch.cuda.is_available():
         raise SystemExit("profile_backward.py needs a CUDA GPU")
     batch, heads = max(1, args.tokens // args.seqlen), args.hidden // args.head_dim
@@ -49,7 +66,9 @@ def main() -> None:
     for _ in range(2):  # warm-up, then the profiled call
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
-    print(f"{args.impl} {args.mask} S={args.seqlen} D={args.head_dim}: two backward calls done")
+    variant = f" ({args.gluon_bwd})" if args.gluon_bwd else ""
+    shape_text = f"{args.mask} S={args.seqlen} D={args.head_dim}"
+    print(f"{args.impl}{variant} {shape_text}: two backward calls done")
 
 
 if __name__ == "__main__":
