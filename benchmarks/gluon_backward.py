@@ -48,16 +48,14 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None, row_terms_smem: bool | None = None,
+    dq_tma: bool | None = None, row_terms_smem: int | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``dq_tma``: the module's ``DQ_TMA`` unless given;
-    ``row_terms_smem``: ``gluon_bwd.ROW_TERMS_SMEM`` unless given, at D = 64/128 only);
-    registers, spills, shared memory and key instructions."""
+    """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
+    and ``ROW_TERMS_SMEM`` unless given); registers, spills, shared memory and key
+    instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
-        row_terms_smem = module is gluon_bwd and gluon_bwd.ROW_TERMS_SMEM
-    if row_terms_smem and module is not gluon_bwd:
-        raise ValueError(f"ROW_TERMS_SMEM is gluon_bwd's (D = 64, 128), not D = {head_dim}'s")
+        row_terms_smem = module.ROW_TERMS_SMEM
     if dq_tma is None:
         dq_tma = module.DQ_TMA
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -86,7 +84,7 @@ def compile_only(
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
-              **({"ROW_TERMS_SMEM": row_terms_smem} if module is gluon_bwd else {})}  # fmt: skip
+              "ROW_TERMS_SMEM": row_terms_smem}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -253,10 +251,12 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
-        for d in (64, 128):  # lse/delta staged by the producer (ROW_TERMS_SMEM, off)
-            for causal, has_mask in ((False, False), (True, True), (False, True)):
-                report = compile_only(d, causal, has_mask, row_terms_smem=True)
-                print(json.dumps(report), flush=True)
+        # lse/delta staged by the producer (ROW_TERMS_SMEM: its forms, each off by default)
+        for d in kernels.GLUON_BWD_HEAD_DIMS:
+            for mode in (1, 2, 3) if d < 256 else (2, 3):
+                for causal, has_mask in ((False, False), (True, True), (False, True)):
+                    report = compile_only(d, causal, has_mask, row_terms_smem=mode)
+                    print(json.dumps(report), flush=True)
         return
     check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
 

@@ -38,6 +38,9 @@
 #   gluon-row-terms gluon_backward.py timing the producer-staged lse/delta rows
 #                 (ROW_TERMS_SMEM=1) against the default at 8K and 32K on six masks; its GPU
 #                 check: GLUON_BWD=ROW_TERMS_SMEM=1 ... check-dq-tma
+#   gluon-row-terms-modes gluon_backward.py timing ROW_TERMS_SMEM's forms (1: lse read after
+#                 the scores are issued; 2: the lse staged ready to use and read before; 3: as 2
+#                 with delta read once the scores are in) at hd128, and 2 and 3 at hd256 and hd64
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -199,6 +202,17 @@ for step in "$@"; do
         run_step gluon_backward_row_terms python benchmarks/gluon_backward.py \
             --variant ROW_TERMS_SMEM=1 \
             --masks full,causal,document,causal_document,share_question,sliding_window
+        ;;
+    gluon-row-terms-modes)
+        run_step gluon_backward_row_terms_modes python benchmarks/gluon_backward.py \
+            --variant ROW_TERMS_SMEM=1 --variant ROW_TERMS_SMEM=2 --variant ROW_TERMS_SMEM=3 \
+            --masks full,causal,document,causal_document,share_question,sliding_window
+        run_step gluon_backward_row_terms_hd256 python benchmarks/gluon_backward.py --head-dim 256 \
+            --variant ROW_TERMS_SMEM=2 --variant ROW_TERMS_SMEM=3 \
+            --masks full,causal,document,causal_document,share_question,sliding_window
+        run_step gluon_backward_row_terms_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
+            --variant ROW_TERMS_SMEM=2 --variant ROW_TERMS_SMEM=3 \
+            --masks full,causal,document,share_question,sliding_window
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma

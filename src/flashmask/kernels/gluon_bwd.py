@@ -112,7 +112,7 @@ MAX_REGISTERS = 168
 # session). Same values, same arithmetic. Compiled for sm_90 offline, not yet run on a GPU: off
 # until the H200 measures it and its GPU check passes (``gluon_backward.py --variant
 # ROW_TERMS_SMEM=1``, ``gpu_check.py --gluon-bwd ROW_TERMS_SMEM=1``).
-ROW_TERMS_SMEM = False
+ROW_TERMS_SMEM = 0
 
 
 @gluon.jit
@@ -202,7 +202,12 @@ def _bwd_load_partition(
                 # release-arrive, so the consumers' wait sees every lane's stores.
                 rows = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
                 offs = rows + gl.arange(0, BLOCK_M, row_layout)
-                lse_bufs.index(slot).store(gl.load(lse_ptr + offs))
+                lse = gl.load(lse_ptr + offs)
+                if ROW_TERMS_SMEM >= 2:
+                    # Staged ready to use (base 2, +inf for a fully masked row): the consumers'
+                    # first use of their registers is the exponent, after the scores' wait.
+                    lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                lse_bufs.index(slot).store(lse)
                 delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
                 mbarrier.arrive(bar, count=1)
             it += 1
@@ -405,6 +410,10 @@ def _bwd_compute_partition(
             entry, m_tile, slot, q_smem, do_smem = await_tile(
                 entries, j, it, q_bufs, do_bufs, ready
             )
+            if ROW_TERMS_SMEM >= 2:
+                # Read before the tile's products are issued: a shared-memory load issued after
+                # them waited behind them (ncu_backward_source_variant_s11.log).
+                lse = lse_bufs.index(slot).load(query_layout)
             st_token = warpgroup_mma(
                 k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
@@ -412,11 +421,13 @@ def _bwd_compute_partition(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
             rows = m_tile * BLOCK_M + offs_m
-            if ROW_TERMS_SMEM:
+            if ROW_TERMS_SMEM == 1:
                 lse = staged_lse(lse_bufs, slot, query_layout)
-            else:
+            elif ROW_TERMS_SMEM == 0:
                 lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
+            if ROW_TERMS_SMEM == 3:
+                delta = delta_bufs.index(slot).load(query_layout)
             pt = transposed_probabilities(
                 st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
                 HAS_MASK, HAS_UPPER, CAUSAL,
@@ -424,7 +435,7 @@ def _bwd_compute_partition(
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
-            if ROW_TERMS_SMEM:
+            if ROW_TERMS_SMEM == 1 or ROW_TERMS_SMEM == 2:
                 delta = delta_bufs.index(slot).load(query_layout)
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
@@ -506,6 +517,21 @@ def allocate_rings(
 
 
 @gluon.jit
+def allocate_row_terms(lse_ptr, delta_ptr, BLOCK_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                       ROW_TERMS_SMEM: gl.constexpr):  # fmt: skip
+    """``(lse_bufs, delta_bufs)``: with ``ROW_TERMS_SMEM`` one fp32 row of ``BLOCK_M`` per Q/dO
+    slot for each; without, the pointers as stand-ins that no partition reads
+    (``warp_specialize`` captures values only)."""
+    lse_bufs = lse_ptr
+    delta_bufs = delta_ptr
+    if ROW_TERMS_SMEM:
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
+    return lse_bufs, delta_bufs
+
+
+@gluon.jit
 def gluon_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
     bounds_ptr,
@@ -539,16 +565,11 @@ def gluon_bwd_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + ROW_TERMS_SMEM
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + (ROW_TERMS_SMEM > 0)
     )
-    # warp_specialize captures values only: without ROW_TERMS_SMEM stand-ins the partitions
-    # never read.
-    lse_bufs = lse_ptr
-    delta_bufs = delta_ptr
-    if ROW_TERMS_SMEM:
-        row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
-        delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], row_layout)
+    lse_bufs, delta_bufs = allocate_row_terms(
+        lse_ptr, delta_ptr, BLOCK_M, NUM_BUFFERS, ROW_TERMS_SMEM
+    )
     # The dQ writer is a second worker (hence two warp_specialize calls).
     gl.warp_specialize(
         [

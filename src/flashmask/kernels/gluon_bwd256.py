@@ -64,6 +64,10 @@ DQ_BUFFERS = 1
 # dQ through TMA reduce-adds (False: the writer's 16-byte red.global adds, kept for measurement;
 # read when a call launches).
 DQ_TMA = True
+# As ``gluon_bwd.ROW_TERMS_SMEM`` (2 or 3; 1 is the hd128 kernel's first form only): the
+# producer stages each tile's lse (ready to use) and delta rows in shared memory. Off until the
+# H200 measures it (``gluon_backward.py --head-dim 256 --variant ROW_TERMS_SMEM=2``).
+ROW_TERMS_SMEM = 0
 
 
 @gluon.jit
@@ -76,26 +80,31 @@ def _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st):
 
 @gluon.jit
 def _tile_products(
-    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m, keys, lse_ptr,
-    delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
+    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse, delta,
+    delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     CAUSAL: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
-    """One tile (list ``entry``, query tile ``m_tile``) from its issued scores ``st``/``dpt``:
-    ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared memory, then
-    ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not awaited):
-    ``(dv, dk, dq)`` pending."""
+    """One tile (list ``entry``, query rows ``rows`` with their ``lse``) from its issued scores
+    ``st``/``dpt``: ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared
+    memory, then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
+    awaited): ``(dv, dk, dq)`` pending. The rows' ``delta`` is given, or with ``ROW_TERMS_SMEM``
+    read from the staged ``delta_row`` (3: once the scores are in, 2: where it is used)."""
     dtype: gl.constexpr = k_smem.dtype
-    block_m: gl.constexpr = q_smem.type.shape[0]
-    rows = m_tile * block_m + offs_m
-    lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+    query_layout: gl.constexpr = rows.type.layout
     scores = warpgroup_mma_wait(1, deps=(st,))
+    if ROW_TERMS_SMEM == 3:
+        delta = delta_row.load(query_layout)
     pt = transposed_probabilities(
         scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset, HAS_MASK,
         HAS_UPPER, CAUSAL,
     )  # fmt: skip
-    dst = pt * (warpgroup_mma_wait(0, deps=(dpt,)) - delta[None, :])
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    if ROW_TERMS_SMEM == 2:
+        delta = delta_row.load(query_layout)
+    dst = pt * (dpt - delta[None, :])
     # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
     # tiles ago, before the previous tile's barrier.
     pt_smem = pt_bufs.index(it % 2)
@@ -115,7 +124,8 @@ def _bwd256_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
     dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
     n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
+    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
+    delta_bufs,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -123,9 +133,11 @@ def _bwd256_compute_partition(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
-    accumulating products split by head dim (module docstring)."""
+    accumulating products split by head dim (module docstring); ``lse_bufs``/``delta_bufs``:
+    the producer's rows with ``ROW_TERMS_SMEM``."""
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -161,11 +173,20 @@ def _bwd256_compute_partition(
             entry, m_tile, slot, q_smem, do_smem = await_tile(
                 entries, j, it, q_bufs, do_bufs, ready
             )
+            rows = m_tile * BLOCK_M + offs_m
+            delta_row = delta_bufs
+            if ROW_TERMS_SMEM:
+                # Read before the tile's products are issued (see gluon_bwd's consumers).
+                lse = lse_bufs.index(slot).load(query_layout)
+                delta = lse
+                delta_row = delta_bufs.index(slot)
             st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
+            if not ROW_TERMS_SMEM:
+                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             dv, dk, dq = _tile_products(
-                k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, m_tile, offs_m,
-                keys, lse_ptr, delta_ptr, row_base, lts, lte, uts, ute, causal_offset, dk,
-                dv, zero_dq, it, qk_scale, HAS_MASK, HAS_UPPER, CAUSAL,
+                k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse,
+                delta, delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it,
+                qk_scale, HAS_MASK, HAS_UPPER, CAUSAL, ROW_TERMS_SMEM,
             )  # fmt: skip
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             mbarrier.arrive(empty.index(slot), count=1)
@@ -194,6 +215,7 @@ def gluon_bwd256_kernel(
     WRITER_REGISTERS: gl.constexpr,
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
     and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
@@ -210,7 +232,10 @@ def gluon_bwd256_kernel(
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + (ROW_TERMS_SMEM > 0)
+    )
+    lse_bufs, delta_bufs = gluon_bwd.allocate_row_terms(
+        lse_ptr, delta_ptr, BLOCK_M, NUM_BUFFERS, ROW_TERMS_SMEM
     )
     gl.warp_specialize(
         [
@@ -221,8 +246,9 @@ def gluon_bwd256_kernel(
                     empty, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, CAUSAL, HAS_MASK,
-                    HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
+                    delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -231,8 +257,8 @@ def gluon_bwd256_kernel(
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
                     ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
                     seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, lse_ptr, delta_ptr, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, False,
+                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
+                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -265,7 +291,10 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
     ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
+    if ROW_TERMS_SMEM not in (0, 2, 3):
+        raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0, 2 or 3, got {ROW_TERMS_SMEM}")
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
+        ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip
