@@ -41,6 +41,8 @@
 #   gluon-row-terms-modes gluon_backward.py timing ROW_TERMS_SMEM's forms (1: lse read after
 #                 the scores are issued; 2: the lse staged ready to use and read before; 3: as 2
 #                 with delta read once the scores are in) at hd128, and 2 and 3 at hd256 and hd64
+#   gluon-routing gluon_backward.py on all 12 masks at hd64 8K (the default row-term form against
+#                 forms 0 and 2) and at hd128 4K: the data for the Gluon backward's masked limits
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -213,6 +215,15 @@ for step in "$@"; do
         run_step gluon_backward_row_terms_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
             --variant ROW_TERMS_SMEM=2 --variant ROW_TERMS_SMEM=3 \
             --masks full,causal,document,share_question,sliding_window
+        ;;
+    gluon-routing)
+        all=full,causal,sliding_window,causal_document,document,share_question
+        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
+        all=$all,qk_sparse,random_eviction
+        run_step gluon_backward_hd64_8k python benchmarks/gluon_backward.py --head-dim 64 \
+            --seqlens 8192 --masks "$all" --variant ROW_TERMS_SMEM=0 --variant ROW_TERMS_SMEM=2
+        run_step gluon_backward_hd128_4k python benchmarks/gluon_backward.py --seqlens 4096 \
+            --masks "$all"
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma

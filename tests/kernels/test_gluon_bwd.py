@@ -139,8 +139,14 @@ def sm90_reports() -> list[dict]:
     return compile_reports("gluon_backward.py")
 
 
+def _shipped(report: dict) -> bool:
+    """Whether a compile report is of the module's default ``ROW_TERMS_SMEM`` form."""
+    module = kernels.gluon_backward_module(report["head_dim"]).__name__.rsplit(".", 1)[-1]
+    return report["row_terms_smem"] == {"gluon_bwd": 1, "gluon_bwd256": 2}[module]
+
+
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
-    reports = [r for r in sm90_reports if not r["row_terms_smem"]]
+    reports = [r for r in sm90_reports if _shipped(r)]
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]) for r in reports
     }
@@ -206,22 +212,25 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
 
 
 def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm90_reports):
-    """``gluon_bwd.ROW_TERMS_SMEM`` (off until measured on the H200): the producer leaves each
-    tile's lse and delta rows in shared memory, so the consumers' 32 scalar global loads per
-    tile go, for 1 KB more shared memory and no more spills than the default kernel's."""
+    """The shipped kernels' producer leaves each tile's lse and delta rows in shared memory
+    (``ROW_TERMS_SMEM``), so the consumers' scalar global loads of them (16 per row term and
+    thread at D = 64/128, 8 at D = 256) are gone against the unstaged form (0), for at most
+    1 KB more shared memory and no more spills. The same products: ``HGMMA`` counts equal."""
 
     def key(r):
         return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
 
-    defaults = {key(r): r for r in sm90_reports if not r["row_terms_smem"]}
-    staged = [r for r in sm90_reports if r["row_terms_smem"]]
-    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in staged} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True), (False, True))
+    unstaged = {key(r): r for r in sm90_reports if r["row_terms_smem"] == 0}
+    assert {(d, c, m) for d, c, m, _, _ in unstaged} == {
+        (d, c, m)
+        for d in kernels.GLUON_BWD_HEAD_DIMS
+        for c, m in ((False, False), (True, True), (False, True))
     }
-    for report in staged:
-        default = defaults[key(report)]
-        assert report["HGMMA"] == default["HGMMA"], (report, default)
-        assert report["LDG"] < default["LDG"] - 16, (report, default)
-        assert 0 < report["shared_kb"] - default["shared_kb"] <= 2, (report, default)
-        assert report["spill_bytes"] <= default["spill_bytes"], (report, default)
-        assert report["shared_kb"] <= 227, report
+    for k, old in unstaged.items():
+        new = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        # The producer's row loads stay: a few of its own per tile.
+        assert old["LDG"] - new["LDG"] >= (12 if k[0] == 256 else 24), (new, old)
+        assert 0 < new["shared_kb"] - old["shared_kb"] <= 1.1, (new, old)
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+        assert new["shared_kb"] <= 227, new

@@ -103,16 +103,18 @@ DQ_TMA = True
 # 12 warps at launch (8 consumers; producer + writers + one idle warp as one warpgroup).
 MAX_REGISTERS = 168
 # The producer also loads each listed query tile's lse and delta rows (``BLOCK_M`` fp32 each)
-# and leaves them in shared memory beside the tile's Q/dO slot, so the consumers read them from
-# there (a few cycles) instead of from global memory right after issuing the tile's score
-# products and before ``P^T`` needs them. Nsight Compute on the default kernel (ninth session,
-# ``results/ncu_backward_flashmask_s9.log``): 5.0 of the 13.0 cycles between a warp's
-# instructions are waits on L1TEX (global and local) loads, and in the SASS these 32 scalar
-# loads per thread and tile are issued a few hundred cycles before their first use (tenth
-# session). Same values, same arithmetic. Compiled for sm_90 offline, not yet run on a GPU: off
-# until the H200 measures it and its GPU check passes (``gluon_backward.py --variant
-# ROW_TERMS_SMEM=1``, ``gpu_check.py --gluon-bwd ROW_TERMS_SMEM=1``).
-ROW_TERMS_SMEM = 0
+# while the tile's TMA copies run and leaves them in shared memory beside its Q/dO slot; a
+# second arrival on the slot's "ready" barrier releases them. The consumers read them there
+# instead of with 32 scalar global loads per thread and tile issued right after the tile's
+# score products, which the ninth session's profile showed as 38% of stall cycles on L1TEX
+# loads. Same values, same arithmetic: dK/dV bitwise equal to the unstaged kernel's. Measured
+# on the H200 (``results/gluon_backward_row_terms{,_modes}_s11.log``): 1.04-1.12x the unstaged
+# kernel at hd128 on six masks at 8K and 32K (full 32K: 46.3 -> 42.4-42.6 ms). Forms: 0 off
+# (kept for measurement), 1 (default) lse read with ``LDS`` after the tile's products are
+# issued and converted by the consumers, 2 lse staged ready to use and read before they are
+# issued (``gluon_bwd256``'s default; at hd128 3.5% slower than 1 on causal, equal elsewhere).
+# Reading delta once the scores are in as well (a third form) lost up to 10% (document 32K).
+ROW_TERMS_SMEM = 1
 
 
 @gluon.jit
@@ -203,7 +205,7 @@ def _bwd_load_partition(
                 rows = (b * num_heads_q + h).to(gl.int64) * seqlen_q + m_tile * BLOCK_M
                 offs = rows + gl.arange(0, BLOCK_M, row_layout)
                 lse = gl.load(lse_ptr + offs)
-                if ROW_TERMS_SMEM >= 2:
+                if ROW_TERMS_SMEM == 2:
                     # Staged ready to use (base 2, +inf for a fully masked row): the consumers'
                     # first use of their registers is the exponent, after the scores' wait.
                     lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -410,9 +412,8 @@ def _bwd_compute_partition(
             entry, m_tile, slot, q_smem, do_smem = await_tile(
                 entries, j, it, q_bufs, do_bufs, ready
             )
-            if ROW_TERMS_SMEM >= 2:
-                # Read before the tile's products are issued: a shared-memory load issued after
-                # them waited behind them (ncu_backward_source_variant_s11.log).
+            if ROW_TERMS_SMEM == 2:
+                # Read before the tile's products are issued (the form gluon_bwd256 uses).
                 lse = lse_bufs.index(slot).load(query_layout)
             st_token = warpgroup_mma(
                 k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
@@ -426,8 +427,6 @@ def _bwd_compute_partition(
             elif ROW_TERMS_SMEM == 0:
                 lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
             st = warpgroup_mma_wait(1, deps=(st_token,))
-            if ROW_TERMS_SMEM == 3:
-                delta = delta_bufs.index(slot).load(query_layout)
             pt = transposed_probabilities(
                 st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
                 HAS_MASK, HAS_UPPER, CAUSAL,
@@ -435,7 +434,7 @@ def _bwd_compute_partition(
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
-            if ROW_TERMS_SMEM == 1 or ROW_TERMS_SMEM == 2:
+            if ROW_TERMS_SMEM:
                 delta = delta_bufs.index(slot).load(query_layout)
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
@@ -636,6 +635,8 @@ def backward(
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
     ``kernels.prepare_cached``."""
+    if ROW_TERMS_SMEM not in (0, 1, 2):
+        raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,

@@ -64,10 +64,12 @@ DQ_BUFFERS = 1
 # dQ through TMA reduce-adds (False: the writer's 16-byte red.global adds, kept for measurement;
 # read when a call launches).
 DQ_TMA = True
-# As ``gluon_bwd.ROW_TERMS_SMEM`` (2 or 3; 1 is the hd128 kernel's first form only): the
-# producer stages each tile's lse (ready to use) and delta rows in shared memory. Off until the
-# H200 measures it (``gluon_backward.py --head-dim 256 --variant ROW_TERMS_SMEM=2``).
-ROW_TERMS_SMEM = 0
+# As ``gluon_bwd.ROW_TERMS_SMEM``'s form 2: the producer stages each tile's lse (ready to use)
+# and delta rows in shared memory; the consumers read lse before issuing the tile's scores and
+# delta where it is used. Measured on the H200 (``results/gluon_backward_row_terms_hd256_s11.log``):
+# 1.00-1.04x the unstaged kernel (0 is kept for measurement) on six masks at 8K and 32K
+# (causal 32K 27.5 -> 26.4 ms); delta read once the scores are in lost 2.5% on causal 32K.
+ROW_TERMS_SMEM = 2
 
 
 @gluon.jit
@@ -91,18 +93,16 @@ def _tile_products(
     ``st``/``dpt``: ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared
     memory, then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
     awaited): ``(dv, dk, dq)`` pending. The rows' ``delta`` is given, or with ``ROW_TERMS_SMEM``
-    read from the staged ``delta_row`` (3: once the scores are in, 2: where it is used)."""
+    read from the staged ``delta_row`` where it is used."""
     dtype: gl.constexpr = k_smem.dtype
     query_layout: gl.constexpr = rows.type.layout
     scores = warpgroup_mma_wait(1, deps=(st,))
-    if ROW_TERMS_SMEM == 3:
-        delta = delta_row.load(query_layout)
     pt = transposed_probabilities(
         scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset, HAS_MASK,
         HAS_UPPER, CAUSAL,
     )  # fmt: skip
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
-    if ROW_TERMS_SMEM == 2:
+    if ROW_TERMS_SMEM:
         delta = delta_row.load(query_layout)
     dst = pt * (dpt - delta[None, :])
     # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
@@ -291,8 +291,8 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
     ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
-    if ROW_TERMS_SMEM not in (0, 2, 3):
-        raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0, 2 or 3, got {ROW_TERMS_SMEM}")
+    if ROW_TERMS_SMEM not in (0, 2):
+        raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0 or 2, got {ROW_TERMS_SMEM}")
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
