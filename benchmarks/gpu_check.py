@@ -84,10 +84,9 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     iv = mask.intervals(sq) if mask is not None else None
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
-    # deterministic=False exercises an atomic dQ path: at hd128 on Hopper the Gluon backward
-    # (without a mask, or with one from 8K keys or under --gluon-everywhere), else the Triton
-    # kernels'
-    # fp32-atomic dQ (atomic_dq).
+    # deterministic=False exercises an atomic dQ path: on Hopper at hd64/128/256 the Gluon
+    # backward (without a mask, with one from kernels.GLUON_BWD_MIN_MASKED_SEQLEN's keys, or
+    # under --gluon-everywhere), else the Triton kernels' fp32-atomic dQ (atomic_dq).
     cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
     dq, dk, dv = kernels.backward(
         do, None, q, k, v, out, lse, sri, causal, scale, deterministic, config=cfg

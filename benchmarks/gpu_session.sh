@@ -26,11 +26,11 @@
 #   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
 #   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
 #                 and every eligible deterministic=False one on the Gluon backward
-#                 (--gluon-everywhere: the check's 1K masks are below the library's 8K-32K limits;
+#                 (--gluon-everywhere: the check's 1K masks are below the library's 4K-32K limits;
 #                 --variant fwd_gluon=1 up to head dim 256: the forward at hd64 and hd256 too)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 #   check-mixed   check-gluon's cases with the Triton forward before the Gluon backward (the
-#                 route masked hd64 calls from 16K keys take)
+#                 route masked hd64 calls from 8K keys take)
 #   gluon-backward-dq-bound gluon_backward.py on full, causal and document, then the same timed with
 #                 the dQ atomics compiled out (--no-dq-writes: what the dQ writes cost at most)
 #   gluon-backward-variants gluon_backward.py timing dQ through the red.global writer (DQ_TMA=0),

@@ -134,7 +134,7 @@ def tile_config(
     if shared_memory is not None and shared_memory < _HOPPER_SHARED_MEMORY:
         return compact_tile_config(head_dim)
     if head_dim <= 64:
-        # At D = 64 the Gluon backward (with a mask from 16K keys) and, without a mask, the
+        # At D = 64 the Gluon backward (with a mask from 8K keys) and, without a mask, the
         # Gluon forward: on the H200 the backward measured 1.03-1.18x the Triton one on full,
         # causal and four masks at 32K, and the forward 1.15x / 1.07x on full / causal, but
         # 0.83-1.0x on masks at 32K, where it stays off (benchmarks/NOTES.md, eighth session).
@@ -544,19 +544,18 @@ GLUON_BWD_HEAD_DIMS = (64, 128, 256)
 GLUON_BWD256_KEYS = 64
 # With an interval mask, the Gluon backward only from this many keys, per head dim (absent: at
 # every length). Its 128-key tiles skip less finely than the Triton backward's 64-key ones, so
-# short sparse masks can lose. At D = 128 from 8K: there it beat the Triton backward on seven of
-# ten masks (1.03-1.24x: causal_document, document, causal_blockwise, prefix_lm_document,
-# prefix_lm_causal, qk_sparse, random_eviction) and lost 7-8% on the three sparsest
-# (sliding_window, share_question, global_sliding_window; ``results/gluon_backward_split_s10.log``,
-# ``gluon_backward_8k_masks_s10.log``); the 8K bench's worst ratio to flex rose from 1.03x to
-# 1.15x (``results/bench_hd128_8k_s10.md``).
-# At D = 64 from 16K (at 8K 0.98x on causal_document, 1.04x on document,
-# ``results/gluon_backward_split_hd64_s10.log``; 16K and 32K as at D = 128). At D = 256 (64-key
+# short sparse masks can lose. With the row terms staged in shared memory
+# (``gluon_bwd.ROW_TERMS_SMEM``, eleventh session), on all 12 masks against the Triton backward:
+# at D = 128 and 4K 1.01-1.31x on ten, 0.98x on share_question and 0.91x on sliding_window
+# (``results/gluon_backward_hd128_4k_s11.log``; at 8K 1.01-1.31x on every mask measured,
+# ``gluon_backward_row_terms_modes_s11.log``); at D = 64 and 8K 1.01-1.20x on eleven, 0.99x on
+# sliding_window (``gluon_backward_hd64_8k_s11.log``). Below these lengths, unmeasured, the
+# Triton backward (tenth session, unstaged: from 8K at D = 128, 16K at D = 64). At D = 256 (64-key
 # tiles, as the Triton backward's) at every length: 1.43-1.69x the Triton backward on every mask
 # measured at 8K and 32K (``results/gluon_backward_hd256_s9.log``). Without a mask at every
 # length (full/causal 1.15-1.2x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts
 # these limits and the forward's to check both kernels on its short masked cases.
-GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 16384, 128: 8192}
+GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 8192, 128: 4096}
 # The same for the Gluon forward: at 8K its 128x128 tiles lost to the Triton forward's 64x64
 # ones on the sparse masks (sliding_window 0.81x, share_question 0.83x, global_sliding_window
 # 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 16K it still lost
