@@ -48,6 +48,8 @@
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
 #                 (cuDNN's flash_bprop): speed of light, compute and memory workload, warp
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
+#   ncu-backward-128k Nsight Compute's memory sections on the hd128 backward: full at 32K and
+#                 128K, causal at 128K (is the 128K full backward waiting on HBM?)
 #   ncu-backward-source Nsight Compute's warp-state sampling per SASS instruction on one 32K full
 #                 hd128 backward call (ours): ncu_backward_source.ncu-rep and its source page as CSV
 #                 (ncu_backward_source.log)
@@ -237,6 +239,20 @@ for step in "$@"; do
                 --section SpeedOfLight --section ComputeWorkloadAnalysis \
                 --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
                 --section LaunchStats python benchmarks/profile_backward.py --impl "$impl"
+        done
+        ;;
+    ncu-backward-128k)
+        # Full attention's backward at 128K runs 8% below its 32K rate while causal does not:
+        # memory throughput and L2 hit rates of the hd128 kernel at 32K and 128K (full) and 128K
+        # (causal), to test whether a head's Q/dO and dQ (32 MB at 32K, 128 MB at 128K, against a
+        # 50 MB L2) leave it waiting on HBM.
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        for case in "full 32768" "full 131072" "causal 131072"; do
+            read -r mask len <<<"$case"
+            run_step "ncu_backward_${mask}_$len" "$ncu" --clock-control none \
+                -k regex:gluon_bwd_kernel -s 1 -c 1 --section SpeedOfLight \
+                --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Chart \
+                python benchmarks/profile_backward.py --impl flashmask --mask "$mask" --seqlen "$len"
         done
         ;;
     ncu-backward-source)
