@@ -34,7 +34,7 @@ from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 
 from flashmask import kernels
-from flashmask.kernels import gluon_bwd, gluon_bwd256
+from flashmask.kernels import gluon_bwd, gluon_bwd256, query_chunks
 from flashmask.kernels.gluon_fwd import shared_layout
 
 OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
@@ -48,10 +48,11 @@ def _kernel(module):
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
-    dq_tma: bool | None = None, row_terms_smem: int | None = None,
+    dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
-    and ``ROW_TERMS_SMEM`` unless given); registers, spills, shared memory and key
+    and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
+    partial sums, ``kernels.query_chunks``); registers, spills, shared memory and key
     instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
@@ -71,7 +72,8 @@ def compile_only(
         "dq_ptr": "*fp32",
         **({"dq_desc": f"tensordesc<fp32[{rows_q}, {head_dim}],"
                        f"{gluon_bwd.dq_shared_layout(head_dim)!r}>"} if dq_tma else {}),
-        "dk_ptr": f"*{short}", "dv_ptr": f"*{short}", "bounds_ptr": "*i32",
+        "dk_ptr": "*fp32" if dkdv_fp32 else f"*{short}",
+        "dv_ptr": "*fp32" if dkdv_fp32 else f"*{short}", "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -96,6 +98,7 @@ def compile_only(
         "dtype": short,
         "dq_tma": dq_tma,
         "row_terms_smem": row_terms_smem,
+        "dkdv_fp32": dkdv_fp32,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -121,7 +124,13 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
-VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS", "ROW_TERMS_SMEM")
+VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS", "ROW_TERMS_SMEM", "QUERY_CHUNK_BYTES")
+
+
+def _owner(module, name: str):
+    """The module that holds launch constant ``name`` (``kernels.query_chunks`` for the query
+    split, else the backward ``module``)."""
+    return query_chunks if name == "QUERY_CHUNK_BYTES" else module
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -150,7 +159,7 @@ def check_and_time(
 
     module = kernels.gluon_backward_module(d)
     for settings in variants:
-        missing = [name for name in settings if not hasattr(module, name)]
+        missing = [name for name in settings if not hasattr(_owner(module, name), name)]
         if missing:
             raise SystemExit(f"--variant: {module.__name__} (D = {d}) has no {missing}")
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
@@ -176,9 +185,9 @@ def check_and_time(
         g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
         for settings in variants:
-            defaults = {const: getattr(module, const) for const in settings}
+            defaults = {const: getattr(_owner(module, const), const) for const in settings}
             for const, value in settings.items():
-                setattr(module, const, type(defaults[const])(value))
+                setattr(_owner(module, const), const, type(defaults[const])(value))
             try:
                 alt = run(False, base)
                 same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
@@ -186,7 +195,7 @@ def check_and_time(
                 t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
             finally:
                 for const, value in defaults.items():
-                    setattr(module, const, value)
+                    setattr(_owner(module, const), const, value)
             label = ",".join(f"{n}={v}" for n, v in settings.items())
             line += (
                 f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
@@ -251,6 +260,8 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
+        for d in kernels.GLUON_BWD_HEAD_DIMS:  # full attention's query chunks: fp32 dK/dV
+            print(json.dumps(compile_only(d, False, False, dkdv_fp32=True)), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

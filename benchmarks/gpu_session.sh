@@ -43,6 +43,9 @@
 #                 with delta read once the scores are in) at hd128, and 2 and 3 at hd256 and hd64
 #   gluon-routing gluon_backward.py on all 12 masks at hd64 8K (the default row-term form against
 #                 forms 0 and 2) and at hd128 4K: the data for the Gluon backward's masked limits
+#   gluon-query-chunks gluon_backward.py on full attention split into query chunks
+#                 (kernels.query_chunks) against one launch (QUERY_CHUNK_BYTES=0): hd128 at 64K and
+#                 128K, hd256 at 32K and 128K; then flashmask bench on full at 128K, hd128
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -226,6 +229,15 @@ for step in "$@"; do
             --seqlens 8192 --masks "$all" --variant ROW_TERMS_SMEM=0 --variant ROW_TERMS_SMEM=2
         run_step gluon_backward_hd128_4k python benchmarks/gluon_backward.py --seqlens 4096 \
             --masks "$all"
+        ;;
+    gluon-query-chunks)
+        run_step gluon_backward_chunks_hd128 python benchmarks/gluon_backward.py \
+            --seqlens 65536,131072 --masks full --variant QUERY_CHUNK_BYTES=0
+        run_step gluon_backward_chunks_hd256 python benchmarks/gluon_backward.py --head-dim 256 \
+            --seqlens 32768,131072 --masks full --variant QUERY_CHUNK_BYTES=0
+        run_step bench_hd128_128k_full python -m flashmask bench --seqlens 131072 \
+            --head-dims 128 --masks full --rep-ms 100 --dense-limit-gb 0.5 \
+            --out "$OUT/bench_hd128_128k_full"
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma

@@ -141,9 +141,11 @@ def sm90_reports() -> list[dict]:
 
 
 def _shipped(report: dict) -> bool:
-    """Whether a compile report is of the module's default ``ROW_TERMS_SMEM`` form."""
-    module = kernels.gluon_backward_module(report["head_dim"]).__name__.rsplit(".", 1)[-1]
-    return report["row_terms_smem"] == {"gluon_bwd": 1, "gluon_bwd256": 2}[module]
+    """Whether a compile report is of the module's default ``ROW_TERMS_SMEM`` form with dK/dV in
+    the inputs' dtype."""
+    module = "gluon_bwd256" if report["head_dim"] == 256 else "gluon_bwd"
+    default_form = {"gluon_bwd": 1, "gluon_bwd256": 2}[module]
+    return report["row_terms_smem"] == default_form and not report["dkdv_fp32"]
 
 
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
@@ -222,6 +224,7 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
         return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
 
     unstaged = {key(r): r for r in sm90_reports if r["row_terms_smem"] == 0}
+    assert not any(r["dkdv_fp32"] for r in unstaged.values())
     assert {(d, c, m) for d, c, m, _, _ in unstaged} == {
         (d, c, m)
         for d in kernels.GLUON_BWD_HEAD_DIMS
@@ -235,3 +238,20 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
         assert 0 < new["shared_kb"] - old["shared_kb"] <= 1.1, (new, old)
         assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
         assert new["shared_kb"] <= 227, new
+
+
+def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports):
+    """``kernels.query_chunks`` runs long full attention once per chunk of query rows and adds
+    the chunks' dK/dV in fp32: the kernel stores them as fp32 then, at every head dim, with the
+    same products and no more spills than with 16-bit dK/dV beyond the wider stores'."""
+    chunked = {r["head_dim"]: r for r in sm90_reports if r["dkdv_fp32"]}
+    assert set(chunked) == set(kernels.GLUON_BWD_HEAD_DIMS)
+    for d, report in chunked.items():
+        plain = next(
+            r for r in sm90_reports
+            if _shipped(r) and (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"])
+            == (d, False, False, "bf16", True)
+        )  # fmt: skip
+        assert report["HGMMA"] == plain["HGMMA"], (report, plain)
+        assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
+        assert report["shared_kb"] == plain["shared_kb"], (report, plain)

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
+from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
 from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
@@ -62,6 +62,7 @@ from flashmask.kernels.gluon_fwd import (
     tma_load,
     wgmma_layout,
 )
+from flashmask.kernels.tiles import TileLists
 
 # A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
 # in later versions (what CI installs).
@@ -666,7 +667,57 @@ def launch(
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
     ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
     Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
-    kernel's further ``constants``; the other arguments and the result as :func:`backward`'s."""
+    kernel's further ``constants``; the other arguments and the result as :func:`backward`'s.
+
+    Full attention (no mask, not causal) longer than ``query_chunks.query_chunk_rows`` rows runs
+    once per chunk of query rows (``kernels.query_chunks``: a head's Q, dO and dQ then stay in
+    L2), its dK/dV partial sums added in fp32."""
+    sq, hq, d = q.shape[1:]
+    rows = query_chunks.query_chunk_rows(d, hq // k.shape[2])
+    if bounds is not None or causal or not rows or sq <= rows:
+        return _launch_once(
+            kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
+            bounds, lists, num_mask_heads, causal, softmax_scale, None, **constants,
+        )  # fmt: skip
+    key_tiles = lists.entries.shape[-2]
+
+    def run_chunk(q_c, dout_c, lse_c, delta_c):
+        lists_c = TileLists(
+            *query_chunks.full_attention_lists(
+                q.shape[0], key_tiles, q_c.shape[1] // BLOCK_M, q.device
+            )
+        )
+        return _launch_once(
+            kernel, block_n, num_buffers, dq_buffers, dq_tma, dout_c, q_c, k, v, lse_c,
+            delta_c, None, lists_c, num_mask_heads, False, softmax_scale, torch.float32,
+            **constants,
+        )  # fmt: skip
+
+    return query_chunks.backward_by_query_chunks(run_chunk, q, dout, lse, delta, rows, k.dtype)
+
+
+def _launch_once(
+    kernel,
+    block_n: int,
+    num_buffers: int,
+    dq_buffers: int,
+    dq_tma: bool,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists,
+    num_mask_heads: int,
+    causal: bool,
+    softmax_scale: float,
+    dkdv_dtype: torch.dtype | None,
+    **constants,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
+    ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -679,8 +730,8 @@ def launch(
     do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty_like(k, dtype=dkdv_dtype)
+    dv = torch.empty_like(v, dtype=dkdv_dtype)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_desc = None
     if dq_tma:

@@ -1,0 +1,97 @@
+"""The backward of full attention over chunks of query rows, so that a head's working set stays
+in L2.
+
+A key-stationary backward program (``kernels.gluon_bwd``) walks every query tile of its head:
+it reads that tile's Q and dO and adds to its dQ. The programs of a grid drift apart, so at any
+moment the running programs of a head touch all of its query rows: ``Sq * D * 8`` bytes (Q and
+dO in 16 bits, dQ in fp32). On the H200 (50 MB of L2) full attention at head dim 128 kept a
+98% L2 hit rate at 32K (32 MB) and fell to 74% at 128K (128 MB), reading 1.44 TB/s from HBM and
+running 16% slower per FLOP (``benchmarks/results/ncu_backward_full_*_s11.log``); causal at
+128K kept 98.9%.
+
+Attention's gradients split exactly over query rows: a chunk's dQ depends only on its own rows,
+and dK, dV are sums over rows. So the launcher runs the kernel once per chunk of rows, each with
+the keys in full, and adds the chunks' dK/dV partial sums in fp32. Only full attention (no mask,
+not causal) is split here: a mask's bounds and the causal diagonal are in absolute rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# The per-head working set the chunks are sized to (well under the H200's 50 MB of L2, which
+# also holds K, V and the other running heads' traffic); 0 turns the split off.
+QUERY_CHUNK_BYTES = 32 << 20
+# Chunk lengths are multiples of this many rows (the Gluon backward's length granularity).
+ROW_GRANULE = 128
+
+
+def query_chunk_rows(head_dim: int, heads_per_kv: int, chunk_bytes: int | None = None) -> int:
+    """Rows per chunk so that Q, dO (16-bit) and dQ (fp32) of the ``heads_per_kv`` query heads a
+    program walks fit ``chunk_bytes`` (default :data:`QUERY_CHUNK_BYTES`, read at the call); a
+    multiple of :data:`ROW_GRANULE`, at least one; 0 when ``chunk_bytes`` is 0 (no split)."""
+    if chunk_bytes is None:
+        chunk_bytes = QUERY_CHUNK_BYTES
+    if chunk_bytes <= 0:
+        return 0
+    rows = chunk_bytes // (head_dim * 8 * heads_per_kv)
+    return max(ROW_GRANULE, rows // ROW_GRANULE * ROW_GRANULE)
+
+
+ChunkBackward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
+def backward_by_query_chunks(
+    run_chunk: ChunkBackward,
+    q: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    rows: int,
+    kv_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of full attention from ``run_chunk`` applied to consecutive chunks of
+    ``rows`` query rows (the last one shorter).
+
+    ``q``, ``dout``: ``[B, Sq, H, D]``; ``lse``, ``delta``: float32 ``[B, H, Sq]``. ``run_chunk(q_c,
+    dout_c, lse_c, delta_c)`` gets contiguous slices of them and returns the chunk's ``dq_c`` (like
+    ``q_c``) and its fp32 partial ``dk_c``, ``dv_c`` (like K and V). Returns ``dq`` like ``q`` and
+    the summed ``dk``, ``dv`` in ``kv_dtype``.
+    """
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    seqlen_q = q.shape[1]
+    dq = torch.empty_like(q)
+    dk = dv = None
+    for start in range(0, seqlen_q, rows):
+        stop = min(seqlen_q, start + rows)
+        dq_c, dk_c, dv_c = run_chunk(
+            q[:, start:stop].contiguous(),
+            dout[:, start:stop].contiguous(),
+            lse[:, :, start:stop].contiguous(),
+            delta[:, :, start:stop].contiguous(),
+        )
+        dq[:, start:stop] = dq_c
+        if dk is None:  # the first chunk's partial sums become the accumulators
+            dk, dv = dk_c, dv_c
+        else:
+            dk += dk_c
+            dv += dv_c
+    return dq, dk.to(kv_dtype), dv.to(kv_dtype)
+
+
+def full_attention_lists(
+    batch: int, key_tiles: int, query_tiles: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entries, counts, num_partial)`` of the column-major tile lists of full attention
+    without a mask at lengths divisible by the tiles (``kernels.tiles.backward_lists``' form):
+    every key tile visits every query tile, all full (encoded ``-m - 1``), ascending."""
+    order = -torch.arange(query_tiles, dtype=torch.int32, device=device) - 1
+    entries = order.expand(batch, 1, key_tiles, query_tiles).contiguous()
+    counts = torch.full((batch, 1, key_tiles), query_tiles, dtype=torch.int32, device=device)
+    return entries, counts, torch.zeros_like(counts)
