@@ -15,24 +15,42 @@ from flashmask.kernels import query_chunks, tiles
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "heads_per_kv", "rows"),
-    [(128, 1, 32768), (64, 1, 65536), (256, 1, 16384), (128, 4, 8192), (128, 3, 10880)],
+    ("seqlen_q", "head_dim", "heads_per_kv", "rows"),
+    [
+        (131072, 128, 1, 32768),  # measured: 1.05x one launch on the H200
+        (65536, 128, 1, 0),  # measured: two chunks 2.3% slower than one launch
+        (262144, 64, 1, 65536),
+        (131072, 64, 1, 0),
+        (32768, 128, 4, 8192),
+        (65536, 128, 3, 10880),
+    ],
 )
-def test_chunks_keep_q_do_and_dq_of_a_programs_heads_within_32_mib(head_dim, heads_per_kv, rows):
-    """8 bytes per row and head-dim element (Q and dO in 16 bits, dQ in fp32), per query head a
-    program walks; rounded down to 128 rows."""
-    assert query_chunks.query_chunk_rows(head_dim, heads_per_kv) == rows
-    assert rows * head_dim * 8 * heads_per_kv <= query_chunks.QUERY_CHUNK_BYTES
+def test_full_attention_splits_from_a_128_mib_working_set_into_32_mib_chunks(
+    seqlen_q, head_dim, heads_per_kv, rows
+):
+    """The working set is 8 bytes per row and head-dim element (Q and dO in 16 bits, dQ in fp32)
+    of each query head a program walks; chunks are rounded down to 128 rows."""
+    assert query_chunks.query_chunk_rows(seqlen_q, head_dim, heads_per_kv) == rows
+    if rows:
+        assert query_chunks.working_set_bytes(rows, head_dim, heads_per_kv) <= 32 << 20
+    assert (rows > 0) == (
+        query_chunks.working_set_bytes(seqlen_q, head_dim, heads_per_kv) >= 128 << 20
+    )
 
 
-def test_chunk_rows_are_at_least_one_granule_and_zero_turns_the_split_off():
-    assert query_chunks.query_chunk_rows(128, 1, chunk_bytes=1000) == query_chunks.ROW_GRANULE
-    assert query_chunks.query_chunk_rows(128, 1, chunk_bytes=0) == 0
+def test_chunk_rows_are_at_least_one_granule_and_never_the_whole_length():
+    small = query_chunks.query_chunk_rows(4096, 128, 1, chunk_bytes=1000, split_from_bytes=0)
+    assert small == query_chunks.ROW_GRANULE
+    assert query_chunks.query_chunk_rows(4096, 128, 1, split_from_bytes=0) == 0  # one chunk
+    assert query_chunks.query_chunk_rows(1 << 20, 128, 1, chunk_bytes=0) == 0
 
 
-def test_chunk_rows_read_the_module_setting_at_the_call(monkeypatch):
+def test_chunk_rows_read_the_module_settings_at_the_call(monkeypatch):
+    monkeypatch.setattr(query_chunks, "QUERY_SPLIT_FROM_BYTES", 1 << 40)
+    assert query_chunks.query_chunk_rows(131072, 128, 1) == 0
+    monkeypatch.setattr(query_chunks, "QUERY_SPLIT_FROM_BYTES", 0)
     monkeypatch.setattr(query_chunks, "QUERY_CHUNK_BYTES", 0)
-    assert query_chunks.query_chunk_rows(128, 1) == 0
+    assert query_chunks.query_chunk_rows(131072, 128, 1) == 0
 
 
 def _attention_and_lse(q, k, v, scale):

@@ -641,7 +641,7 @@ def backward(
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip
 
 
@@ -662,6 +662,8 @@ def launch(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
+    *,
+    split_queries: bool = False,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
@@ -669,12 +671,13 @@ def launch(
     Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
     kernel's further ``constants``; the other arguments and the result as :func:`backward`'s.
 
-    Full attention (no mask, not causal) longer than ``query_chunks.query_chunk_rows`` rows runs
-    once per chunk of query rows (``kernels.query_chunks``: a head's Q, dO and dQ then stay in
-    L2), its dK/dV partial sums added in fp32."""
+    With ``split_queries``, full attention (no mask, not causal) that
+    ``query_chunks.query_chunk_rows`` splits runs once per chunk of query rows
+    (``kernels.query_chunks``: a head's Q, dO and dQ then stay in L2), its dK/dV partial sums
+    added in fp32."""
     sq, hq, d = q.shape[1:]
-    rows = query_chunks.query_chunk_rows(d, hq // k.shape[2])
-    if bounds is not None or causal or not rows or sq <= rows:
+    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2]) if split_queries else 0
+    if bounds is not None or causal or not rows:
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
             bounds, lists, num_mask_heads, causal, softmax_scale, None, **constants,

@@ -13,6 +13,14 @@ Attention's gradients split exactly over query rows: a chunk's dQ depends only o
 and dK, dV are sums over rows. So the launcher runs the kernel once per chunk of rows, each with
 the keys in full, and adds the chunks' dK/dV partial sums in fp32. Only full attention (no mask,
 not causal) is split here: a mask's bounds and the causal diagonal are in absolute rows.
+
+Measured on the H200 (``results/gluon_backward_chunks_hd{128,256}_s11.log``, full attention,
+against one launch): at hd128 and 128K four 32K chunks took 683 ms against 720 (1.05x; the
+bench's forward+backward 951.6 -> 905.1 ms, 0.97x SDPA, ``bench_hd128_128k_full_s11.md``), but
+at 64K two chunks lost 2.3% (167.2 against 163.5 ms); at hd256 they lost 2% at 32K and 128K.
+Hence the split from a working set of :data:`QUERY_SPLIT_FROM_BYTES` (128 MiB: 128K rows at
+hd128), and only in ``kernels.gluon_bwd`` (hd64/hd128). Its cost is memory: fp32 dK/dV
+accumulators and one chunk's partial sums, 11.3 GB peak against 6.8 at 128K hd128 with 16 heads.
 """
 
 from __future__ import annotations
@@ -24,20 +32,38 @@ import torch
 # The per-head working set the chunks are sized to (well under the H200's 50 MB of L2, which
 # also holds K, V and the other running heads' traffic); 0 turns the split off.
 QUERY_CHUNK_BYTES = 32 << 20
+# The working set from which full attention is split (below it, one launch measured faster).
+QUERY_SPLIT_FROM_BYTES = 128 << 20
 # Chunk lengths are multiples of this many rows (the Gluon backward's length granularity).
 ROW_GRANULE = 128
 
 
-def query_chunk_rows(head_dim: int, heads_per_kv: int, chunk_bytes: int | None = None) -> int:
-    """Rows per chunk so that Q, dO (16-bit) and dQ (fp32) of the ``heads_per_kv`` query heads a
-    program walks fit ``chunk_bytes`` (default :data:`QUERY_CHUNK_BYTES`, read at the call); a
-    multiple of :data:`ROW_GRANULE`, at least one; 0 when ``chunk_bytes`` is 0 (no split)."""
+def working_set_bytes(seqlen_q: int, head_dim: int, heads_per_kv: int) -> int:
+    """Q and dO (16-bit) and dQ (fp32) of the ``heads_per_kv`` query heads a program walks."""
+    return seqlen_q * head_dim * 8 * heads_per_kv
+
+
+def query_chunk_rows(
+    seqlen_q: int,
+    head_dim: int,
+    heads_per_kv: int,
+    chunk_bytes: int | None = None,
+    split_from_bytes: int | None = None,
+) -> int:
+    """Rows per chunk for full attention over ``seqlen_q`` rows, or 0 for one launch: when the
+    working set (:func:`working_set_bytes`) is below ``split_from_bytes`` or ``chunk_bytes`` is
+    0. A chunk's working set fits ``chunk_bytes``; its rows are a multiple of
+    :data:`ROW_GRANULE`, at least one. Defaults: :data:`QUERY_CHUNK_BYTES` and
+    :data:`QUERY_SPLIT_FROM_BYTES`, read at the call."""
     if chunk_bytes is None:
         chunk_bytes = QUERY_CHUNK_BYTES
-    if chunk_bytes <= 0:
+    if split_from_bytes is None:
+        split_from_bytes = QUERY_SPLIT_FROM_BYTES
+    if chunk_bytes <= 0 or working_set_bytes(seqlen_q, head_dim, heads_per_kv) < split_from_bytes:
         return 0
-    rows = chunk_bytes // (head_dim * 8 * heads_per_kv)
-    return max(ROW_GRANULE, rows // ROW_GRANULE * ROW_GRANULE)
+    rows = chunk_bytes // working_set_bytes(1, head_dim, heads_per_kv)
+    rows = max(ROW_GRANULE, rows // ROW_GRANULE * ROW_GRANULE)
+    return rows if rows < seqlen_q else 0
 
 
 ChunkBackward = Callable[
