@@ -133,6 +133,26 @@ def _owner(module, name: str):
     return query_chunks if name == "QUERY_CHUNK_BYTES" else module
 
 
+def set_constants(module, settings: dict[str, int]) -> dict[str, int]:
+    """Set ``settings`` (as :func:`parse_variant` returns them) on ``module`` (the query split's
+    on ``kernels.query_chunks``), each in the type of the value it replaces; returns the values
+    replaced."""
+    previous = {name: getattr(_owner(module, name), name) for name in settings}
+    for name, value in settings.items():
+        setattr(_owner(module, name), name, type(previous[name])(value))
+    return previous
+
+
+def apply_gluon_bwd_option(parser: argparse.ArgumentParser, text: str) -> None:
+    """A script's ``--gluon-bwd`` option: ``text`` parsed and set on ``kernels.gluon_bwd``; bad
+    text is the parser's error."""
+    try:
+        settings = parse_variant(text)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--gluon-bwd: {exc}")
+    set_constants(gluon_bwd, settings)
+
+
 def parse_variant(text: str) -> dict[str, int]:
     """``"DQ_TMA=1,NUM_BUFFERS=3"`` -> ``{"DQ_TMA": 1, "NUM_BUFFERS": 3}`` (names from
     :data:`VARIANT_CONSTANTS`, integer values)."""
@@ -185,17 +205,14 @@ def check_and_time(
         g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
         for settings in variants:
-            defaults = {const: getattr(_owner(module, const), const) for const in settings}
-            for const, value in settings.items():
-                setattr(_owner(module, const), const, type(defaults[const])(value))
+            defaults = set_constants(module, settings)
             try:
                 alt = run(False, base)
                 same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
                 dq_rel = relative_error(alt[0], got[0])
                 t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
             finally:
-                for const, value in defaults.items():
-                    setattr(_owner(module, const), const, value)
+                set_constants(module, defaults)
             label = ",".join(f"{n}={v}" for n, v in settings.items())
             line += (
                 f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "

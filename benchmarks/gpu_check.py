@@ -252,16 +252,9 @@ def main() -> int:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     if args.gluon_bwd:
-        from gluon_backward import parse_variant
+        from gluon_backward import apply_gluon_bwd_option
 
-        from flashmask.kernels import gluon_bwd
-
-        try:
-            settings = parse_variant(args.gluon_bwd)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--gluon-bwd: {exc}")
-        for name, value in settings.items():
-            setattr(gluon_bwd, name, type(getattr(gluon_bwd, name))(value))
+        apply_gluon_bwd_option(parser, args.gluon_bwd)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)

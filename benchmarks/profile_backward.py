@@ -37,16 +37,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.gluon_bwd:
-        from gluon_backward import parse_variant
+        from gluon_backward import apply_gluon_bwd_option
 
-        from flashmask.kernels import gluon_bwd
-
-        try:
-            settings = parse_variant(args.gluon_bwd)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--gluon-bwd: {exc}")
-        for name, value in settings.items():
-            setattr(gluon_bwd, name, type(getattr(gluon_bwd, name))(value))
+        apply_gluon_bwd_option(parser, args.gluon_bwd)
     if not torch.cuda.is_available():
         raise SystemExit("profile_backward.py needs a CUDA GPU")
     batch, heads = max(1, args.tokens // args.seqlen), args.hidden // args.head_dim

@@ -9,7 +9,8 @@ measured and why each part is there:
   consumer warpgroups split (64 keys each), and walks the column-major tile list of every query
   head that shares the kv head (GQA summed in registers, as the Triton dK/dV pass does);
 * one producer warp loads K and V once, then each listed query tile's Q and dO into a ring of
-  ``NUM_BUFFERS`` shared slots guarded by "ready"/"empty" mbarriers;
+  ``NUM_BUFFERS`` shared slots guarded by "ready"/"empty" mbarriers, and beside each slot the
+  tile's lse and delta rows (``ROW_TERMS_SMEM``; the consumers read them from shared memory);
 * the consumers compute, per 64-row query tile, ``S^T = K Q^T`` and ``dP^T = V dO^T``
   (asynchronous ``warpgroup_mma``, both issued before the first is awaited), ``P^T`` from the
   forward's lse, the element mask on the list's partial tiles (the column bounds belong to the
@@ -26,7 +27,8 @@ measured and why each part is there:
   ``setmaxnreg``.
 
 At head dim 256 ``kernels.gluon_bwd256`` splits the work differently and reuses this module's
-partitions, helpers and launcher.
+partitions, helpers and launcher. Long full attention runs in chunks of query rows
+(:func:`launch`, ``kernels.query_chunks``), so that a head's Q, dO and dQ stay in L2.
 
 Measured on the H200 (hd128, bf16, 32K): 1.07-1.19x the Triton backward on full, causal and
 document masks, 1.23x on random_eviction (a mask per head group), equal on share_question, 10%
