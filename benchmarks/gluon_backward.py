@@ -49,11 +49,12 @@ def _kernel(module):
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
+    add_dkdv: bool = False,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
-    partial sums, ``kernels.query_chunks``); registers, spills, shared memory and key
-    instructions."""
+    partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128);
+    registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -86,7 +87,8 @@ def compile_only(
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
-              "ROW_TERMS_SMEM": row_terms_smem}  # fmt: skip
+              "ROW_TERMS_SMEM": row_terms_smem,
+              **({"ADD_DKDV": add_dkdv} if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -99,6 +101,7 @@ def compile_only(
         "dq_tma": dq_tma,
         "row_terms_smem": row_terms_smem,
         "dkdv_fp32": dkdv_fp32,
+        "add_dkdv": add_dkdv,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -124,13 +127,21 @@ def _kernel_times(fn, names: tuple[str, ...]) -> dict[str, float]:
 
 # The launch constants of ``gluon_bwd`` (``gluon_bwd256`` at D = 256) a ``--variant`` may set
 # (read when a call launches).
-VARIANT_CONSTANTS = ("DQ_TMA", "NUM_BUFFERS", "DQ_BUFFERS", "ROW_TERMS_SMEM", "QUERY_CHUNK_BYTES")
+VARIANT_CONSTANTS = (
+    "DQ_TMA",
+    "NUM_BUFFERS",
+    "DQ_BUFFERS",
+    "ROW_TERMS_SMEM",
+    "CHUNKS_ADD_IN_KERNEL",
+    "QUERY_CHUNK_BYTES",
+    "QUERY_SPLIT_FROM_BYTES",
+)
 
 
 def _owner(module, name: str):
     """The module that holds launch constant ``name`` (``kernels.query_chunks`` for the query
     split, else the backward ``module``)."""
-    return query_chunks if name == "QUERY_CHUNK_BYTES" else module
+    return query_chunks if name.startswith("QUERY_") else module
 
 
 def set_constants(module, settings: dict[str, int]) -> dict[str, int]:
@@ -279,6 +290,9 @@ def main() -> None:
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # full attention's query chunks: fp32 dK/dV
             print(json.dumps(compile_only(d, False, False, dkdv_fp32=True)), flush=True)
+        for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL, off)
+            report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
+            print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

@@ -46,6 +46,8 @@
 #   gluon-query-chunks gluon_backward.py on full attention split into query chunks
 #                 (kernels.query_chunks) against one launch (QUERY_CHUNK_BYTES=0): hd128 at 64K and
 #                 128K, hd256 at 32K and 128K; then flashmask bench on full at 128K, hd128
+#   gluon-chunks-add gluon_backward.py on full attention at 64K and 128K with the chunks' dK/dV
+#                 added in the kernel (gluon_bwd.CHUNKS_ADD_IN_KERNEL=1), also split at 64K
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -238,6 +240,13 @@ for step in "$@"; do
         run_step bench_hd128_128k_full python -m flashmask bench --seqlens 131072 \
             --head-dims 128 --masks full --rep-ms 100 --dense-limit-gb 0.5 \
             --out "$OUT/bench_hd128_128k_full"
+        ;;
+    gluon-chunks-add)
+        # The prepared in-kernel accumulation of the query chunks' dK/dV (same fp32 additions in
+        # the same order: dK/dV bitwise equal to the launcher's sums), and the split at 64K.
+        run_step gluon_backward_chunks_add python benchmarks/gluon_backward.py \
+            --seqlens 65536,131072 --masks full --variant CHUNKS_ADD_IN_KERNEL=1 \
+            --variant QUERY_SPLIT_FROM_BYTES=0,CHUNKS_ADD_IN_KERNEL=1
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma

@@ -244,7 +244,7 @@ def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports)
     """``kernels.query_chunks`` runs long full attention once per chunk of query rows and adds
     the chunks' dK/dV in fp32: the kernel stores them as fp32 then, at every head dim, with the
     same products and no more spills than with 16-bit dK/dV beyond the wider stores'."""
-    chunked = {r["head_dim"]: r for r in sm90_reports if r["dkdv_fp32"]}
+    chunked = {r["head_dim"]: r for r in sm90_reports if r["dkdv_fp32"] and not r["add_dkdv"]}
     assert set(chunked) == set(kernels.GLUON_BWD_HEAD_DIMS)
     for d, report in chunked.items():
         plain = next(
@@ -255,3 +255,19 @@ def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports)
         assert report["HGMMA"] == plain["HGMMA"], (report, plain)
         assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
         assert report["shared_kb"] == plain["shared_kb"], (report, plain)
+
+
+def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_reports):
+    """``gluon_bwd.CHUNKS_ADD_IN_KERNEL`` (prepared, off): the chunk's launch loads the fp32 sums
+    so far and adds before its store (more global loads), with the same products and no more
+    than 64 bytes of spills beyond the storing kernel's."""
+    adding = {r["head_dim"]: r for r in sm90_reports if r["add_dkdv"]}
+    assert set(adding) == {64, 128}
+    for d, report in adding.items():
+        storing = next(
+            r for r in sm90_reports
+            if r["dkdv_fp32"] and not r["add_dkdv"] and r["head_dim"] == d
+        )  # fmt: skip
+        assert report["HGMMA"] == storing["HGMMA"], (report, storing)
+        assert report["LDG"] > storing["LDG"], (report, storing)
+        assert report["spill_bytes"] <= storing["spill_bytes"] + 64, (report, storing)

@@ -134,6 +134,25 @@ def test_summed_dk_dv_come_back_in_the_inputs_dtype():
     assert torch.equal(dv.float(), torch.full_like(dv.float(), 6.0))
 
 
+def test_a_chunk_backward_that_adds_in_place_is_not_added_twice():
+    """``gluon_bwd.CHUNKS_ADD_IN_KERNEL``'s form: every chunk after the first adds its sums into
+    the tensors it returned for the first one and returns them again."""
+    accumulators = []
+
+    def run(q_c, dout_c, lse_c, delta_c):
+        if not accumulators:
+            accumulators.extend([torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)])
+        accumulators[0] += 1.0
+        accumulators[1] += 2.0
+        return torch.zeros_like(q_c), accumulators[0], accumulators[1]
+
+    q = torch.zeros(1, 300, 1, 8)
+    lse = torch.zeros(1, 1, 300)
+    _, dk, dv = query_chunks.backward_by_query_chunks(run, q, q, lse, lse, 128, torch.float32)
+    assert torch.equal(dk, torch.full_like(dk, 3.0))  # three chunks, each added once
+    assert torch.equal(dv, torch.full_like(dv, 6.0))
+
+
 def test_rows_must_be_positive():
     q = torch.zeros(1, 128, 1, 8)
     with pytest.raises(ValueError, match="rows"):

@@ -118,6 +118,12 @@ MAX_REGISTERS = 168
 # issued (``gluon_bwd256``'s default; at hd128 3.5% slower than 1 on causal, equal elsewhere).
 # Reading delta once the scores are in as well (a third form) lost up to 10% (document 32K).
 ROW_TERMS_SMEM = 1
+# Prepared, off (compiled offline, not run on a GPU): each query chunk's launch
+# (``kernels.query_chunks``) adds its dK/dV into one fp32 accumulator in the kernel
+# (``ADD_DKDV``: a load and an add before each program's final store) instead of storing fp32
+# partial sums that the launcher then adds: 2 GB less peak memory at 128K hd128 with 16 heads
+# and one read and write of both partial sums less per chunk.
+CHUNKS_ADD_IN_KERNEL = False
 
 
 @gluon.jit
@@ -337,9 +343,11 @@ def hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA:
 
 @gluon.jit
 def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale):  # fmt: skip
+                softmax_scale, ADD: gl.constexpr):  # fmt: skip
     """Store the program's ``dK * softmax_scale`` and ``dV`` (fp32 ``[keys, D]`` accumulators;
-    ``dk_ptr``/``dv_ptr`` share K's strides) in the inputs' dtype."""
+    ``dk_ptr``/``dv_ptr`` share K's strides) in their dtype; with ``ADD`` added to what they
+    hold (a query chunk's partial sums into the previous chunks', fp32: each program owns its
+    keys, so no other program writes them during the launch)."""
     layout: gl.constexpr = dk.type.layout
     block_n: gl.constexpr = dk.type.shape[0]
     head_dim: gl.constexpr = dk.type.shape[1]
@@ -352,7 +360,11 @@ def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, s
         + out_rows[:, None].to(gl.int64) * stride_ks
         + out_cols[None, :]
     )
-    gl.store(dk_ptr + offs, (dk * softmax_scale).to(dtype))
+    dk = dk * softmax_scale
+    if ADD:
+        dk += gl.load(dk_ptr + offs)
+        dv += gl.load(dv_ptr + offs)
+    gl.store(dk_ptr + offs, dk.to(dtype))
     gl.store(dv_ptr + offs, dv.to(dtype))
 
 
@@ -371,13 +383,14 @@ def _bwd_compute_partition(
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: dK and dV of the program's keys; each tile's dQ goes to the writer
-    warps through ``dq_bufs`` (``lse_bufs``/``delta_bufs``: the producer's rows with
-    ``ROW_TERMS_SMEM``). All five products of a tile are awaited before its dQ is stored:
-    issuing dK after dQ (to overlap it with the store) or leaving it running into the next tile
-    were measured on the H200 and lost on full attention at 32K (benchmarks/NOTES.md, change 16
-    and the eighth session)."""
+    """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
+    ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
+    (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All five
+    products of a tile are awaited before its dQ is stored: issuing dK after dQ (to overlap it
+    with the store) or leaving it running into the next tile were measured on the H200 and lost
+    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -459,7 +472,7 @@ def _bwd_compute_partition(
             it += 1
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale)  # fmt: skip
+                softmax_scale, ADD_DKDV)  # fmt: skip
 
 
 @gluon.jit
@@ -552,10 +565,12 @@ def gluon_bwd_kernel(
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
-    strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a
-    descriptor of the same buffer; ``None`` without)."""
+    strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
+    ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer; ``None``
+    without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -584,7 +599,7 @@ def gluon_bwd_kernel(
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
                     delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                    ROW_TERMS_SMEM,
+                    ROW_TERMS_SMEM, ADD_DKDV,
                 ),
             ),
             (
@@ -643,7 +658,7 @@ def backward(
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
     )  # fmt: skip
 
 
@@ -685,6 +700,7 @@ def launch(
             bounds, lists, num_mask_heads, causal, softmax_scale, None, **constants,
         )  # fmt: skip
     key_tiles = lists.entries.shape[-2]
+    accumulators = []  # with CHUNKS_ADD_IN_KERNEL: the first chunk's fp32 dK, dV
 
     def run_chunk(q_c, dout_c, lse_c, delta_c):
         lists_c = TileLists(
@@ -692,11 +708,15 @@ def launch(
                 q.shape[0], key_tiles, q_c.shape[1] // BLOCK_M, q.device
             )
         )
-        return _launch_once(
+        add = CHUNKS_ADD_IN_KERNEL and bool(accumulators)
+        result = _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout_c, q_c, k, v, lse_c,
             delta_c, None, lists_c, num_mask_heads, False, softmax_scale, torch.float32,
-            **constants,
+            *(accumulators if add else (None, None)), **{**constants, "ADD_DKDV": add},
         )  # fmt: skip
+        if CHUNKS_ADD_IN_KERNEL and not accumulators:
+            accumulators.extend(result[1:])
+        return result
 
     return query_chunks.backward_by_query_chunks(run_chunk, q, dout, lse, delta, rows, k.dtype)
 
@@ -719,10 +739,13 @@ def _launch_once(
     causal: bool,
     softmax_scale: float,
     dkdv_dtype: torch.dtype | None,
+    dk_out: torch.Tensor | None = None,
+    dv_out: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
-    ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums)."""
+    ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums), into ``dk_out``
+    and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -735,8 +758,8 @@ def _launch_once(
     do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
-    dk = torch.empty_like(k, dtype=dkdv_dtype)
-    dv = torch.empty_like(v, dtype=dkdv_dtype)
+    dk = torch.empty_like(k, dtype=dkdv_dtype) if dk_out is None else dk_out
+    dv = torch.empty_like(v, dtype=dkdv_dtype) if dv_out is None else dv_out
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_desc = None
     if dq_tma:

@@ -194,7 +194,7 @@ def _bwd256_compute_partition(
             it += 1
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale)  # fmt: skip
+                softmax_scale, False)  # fmt: skip
 
 
 @gluon.jit

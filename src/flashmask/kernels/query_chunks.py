@@ -86,8 +86,9 @@ def backward_by_query_chunks(
 
     ``q``, ``dout``: ``[B, Sq, H, D]``; ``lse``, ``delta``: float32 ``[B, H, Sq]``. ``run_chunk(q_c,
     dout_c, lse_c, delta_c)`` gets contiguous slices of them and returns the chunk's ``dq_c`` (like
-    ``q_c``) and its fp32 partial ``dk_c``, ``dv_c`` (like K and V). Returns ``dq`` like ``q`` and
-    the summed ``dk``, ``dv`` in ``kv_dtype``.
+    ``q_c``) and its fp32 partial ``dk_c``, ``dv_c`` (like K and V), or, where it adds them in
+    place to what it returned for the first chunk, those same tensors again. Returns ``dq`` like
+    ``q`` and the summed ``dk``, ``dv`` in ``kv_dtype``.
     """
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
@@ -105,7 +106,7 @@ def backward_by_query_chunks(
         dq[:, start:stop] = dq_c
         if dk is None:  # the first chunk's partial sums become the accumulators
             dk, dv = dk_c, dv_c
-        else:
+        elif dk_c is not dk:  # (the same tensors: run_chunk has added in place)
             dk += dk_c
             dv += dv_c
     return dq, dk.to(kv_dtype), dv.to(kv_dtype)
