@@ -194,7 +194,7 @@ def check_and_time(
         if missing:
             raise SystemExit(f"--variant: {module.__name__} (D = {d}) has no {missing}")
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
-    # takes the Gluon backward only from 8K keys at hd128, 16K at hd64).
+    # takes the Gluon backward only from kernels.GLUON_BWD_MIN_MASKED_SEQLEN's keys).
     kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         flop = case.flop

@@ -111,8 +111,8 @@ MAX_REGISTERS = 168
 # instead of with 32 scalar global loads per thread and tile issued right after the tile's
 # score products, which the ninth session's profile showed as 38% of stall cycles on L1TEX
 # loads. Same values, same arithmetic: dK/dV bitwise equal to the unstaged kernel's. Measured
-# on the H200 (``results/gluon_backward_row_terms{,_modes}_s11.log``): 1.04-1.12x the unstaged
-# kernel at hd128 on six masks at 8K and 32K (full 32K: 46.3 -> 42.4-42.6 ms). Forms: 0 off
+# on the H200 (``results/gluon_backward_row_terms{,_modes}_s11.log``): 1.06-1.12x the unstaged
+# kernel at hd128 on six masks at 8K and 32K (full 32K: 46.3-46.5 -> 42.2-42.6 ms). Forms: 0 off
 # (kept for measurement), 1 (default) lse read with ``LDS`` after the tile's products are
 # issued and converted by the consumers, 2 lse staged ready to use and read before they are
 # issued (``gluon_bwd256``'s default; at hd128 3.5% slower than 1 on causal, equal elsewhere).
