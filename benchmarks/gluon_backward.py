@@ -49,17 +49,20 @@ def _kernel(module):
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
-    add_dkdv: bool = False,
+    add_dkdv: bool = False, late_dq: int | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
-    partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128);
-    registers, spills, shared memory and key instructions."""
+    partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
+    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128); registers, spills,
+    shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
     if dq_tma is None:
         dq_tma = module.DQ_TMA
+    if late_dq is None:
+        late_dq = gluon_bwd.LATE_DQ_HANDOFF
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -88,7 +91,8 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem,
-              **({"ADD_DKDV": add_dkdv} if module is gluon_bwd else {})}  # fmt: skip
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq}
+                 if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -102,6 +106,7 @@ def compile_only(
         "row_terms_smem": row_terms_smem,
         "dkdv_fp32": dkdv_fp32,
         "add_dkdv": add_dkdv,
+        "late_dq": late_dq if module is gluon_bwd else 0,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -133,6 +138,7 @@ VARIANT_CONSTANTS = (
     "DQ_BUFFERS",
     "ROW_TERMS_SMEM",
     "CHUNKS_ADD_IN_KERNEL",
+    "LATE_DQ_HANDOFF",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )

@@ -64,6 +64,8 @@
 #                 at 8 warps, with/without TMA; dK/dV 32x64) against the shipped two launches
 #   gluon-hd256-bwd gluon_backward.py --head-dim 256: the head-dim-256 Gluon backward against the
 #                 Triton hd256 backward at 8K and 32K, and with the red.global dQ writer
+#   gluon-late-dq gluon_backward.py with the dQ hand-off after the next tile's products are
+#                 issued (LATE_DQ_HANDOFF=1, 2) at hd128, and at hd64 with row-term form 2
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -240,6 +242,18 @@ for step in "$@"; do
         run_step bench_hd128_128k_full python -m flashmask bench --seqlens 131072 \
             --head-dims 128 --masks full --rep-ms 100 --dense-limit-gb 0.5 \
             --out "$OUT/bench_hd128_128k_full"
+        ;;
+    gluon-late-dq)
+        # The dQ hand-off after the next tile's score products are issued: LATE_DQ_HANDOFF=1
+        # (the dQ stored after the tile's products, published after the next tile's issue), 2
+        # (the Q/dO slot released there too); at hd64 also row-term form 2 and both.
+        run_step gluon_backward_late_dq python benchmarks/gluon_backward.py \
+            --variant LATE_DQ_HANDOFF=1 --variant LATE_DQ_HANDOFF=2 \
+            --masks full,causal,document,causal_document,share_question,sliding_window
+        run_step gluon_backward_late_dq_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
+            --variant LATE_DQ_HANDOFF=2 --variant ROW_TERMS_SMEM=2 \
+            --variant ROW_TERMS_SMEM=2,LATE_DQ_HANDOFF=2 \
+            --masks full,causal,document,share_question,sliding_window
         ;;
     gluon-chunks-add)
         # The prepared in-kernel accumulation of the query chunks' dK/dV (same fp32 additions in

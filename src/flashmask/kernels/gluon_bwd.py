@@ -124,6 +124,15 @@ ROW_TERMS_SMEM = 1
 # partial sums that the launcher then adds: 2 GB less peak memory at 128K hd128 with 16 heads
 # and one read and write of both partial sums less per chunk.
 CHUNKS_ADD_IN_KERNEL = False
+# Prepared, off (compiled offline, not run on a GPU): each tile's dQ is stored for the writer
+# as soon as the tile's products are in, but handed over (fence, barrier, arrive) only after the
+# next tile's ``S^T``/``dP^T`` products are issued, so that the barrier runs under them instead of
+# with the tensor pipe drained (``LATE_DQ``: 1 that, 2 the tile's Q/dO slot released there too,
+# sharing the barrier; the last tile's dQ is handed over after the loop). Carrying the dQ tile
+# in registers into the next tile instead (its store under the products too) made ptxas
+# serialise every wgmma and spill at hd128 (offline, Triton 3.6). Same values, same order of the
+# writer's adds: dK/dV bitwise equal to the default's.
+LATE_DQ_HANDOFF = 0
 
 
 @gluon.jit
@@ -329,16 +338,31 @@ def transposed_probabilities(
 def hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA: gl.constexpr):
     """Leave tile ``it``'s scaled dQ in the writer's ring once the writer has read what was left
     in that buffer before (``_bwd_dq_writer_partition``)."""
+    stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
+    publish_dq(dq_full, it, DQ_TMA)
+
+
+@gluon.jit
+def stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale):
+    """Store tile ``it``'s scaled dQ into its buffer of the writer's ring once the writer has
+    read what was left there before; :func:`publish_dq` hands it over."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     dq_buf = it % num_dq_buffers
     mbarrier.wait(dq_empty.index(dq_buf), ((it // num_dq_buffers) & 1) ^ 1)
     dq_bufs.index(dq_buf).store(dq * softmax_scale)
+
+
+@gluon.jit
+def publish_dq(dq_full, it, DQ_TMA: gl.constexpr, pred=True):
+    """Hand tile ``it``'s dQ, stored by :func:`stage_dq`, to the writer (if ``pred``: a
+    predicate rather than a branch, so that no branch sits between a product's issue and its
+    wait)."""
     if DQ_TMA:
         # The writer's TMA reads the buffer through the async proxy.
         fence_async_shared()
     # Lowered as a barrier of the consumer warps (both warpgroups' columns are stored), then
     # one arrive.
-    mbarrier.arrive(dq_full.index(dq_buf), count=1)
+    mbarrier.arrive(dq_full.index(it % dq_full.type.shape[0]), count=1, pred=pred)
 
 
 @gluon.jit
@@ -384,13 +408,16 @@ def _bwd_compute_partition(
     DQ_TMA: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
+    LATE_DQ: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
     ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
     (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All five
     products of a tile are awaited before its dQ is stored: issuing dK after dQ (to overlap it
     with the store) or leaving it running into the next tile were measured on the H200 and lost
-    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session)."""
+    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session). With
+    ``LATE_DQ`` the awaited dQ is handed over only once the next tile's score products are
+    issued (see ``LATE_DQ_HANDOFF``)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -437,6 +464,13 @@ def _bwd_compute_partition(
             dpt_token = warpgroup_mma(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
+            if LATE_DQ:
+                # The previous tile's; nothing to hand over before the first (``it`` + the ring
+                # size keeps the buffer index in range there).
+                if LATE_DQ == 2:
+                    num_slots: gl.constexpr = q_bufs.type.shape[0]
+                    mbarrier.arrive(empty.index((it + num_slots - 1) % num_slots), pred=it > 0)
+                publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
             rows = m_tile * BLOCK_M + offs_m
             if ROW_TERMS_SMEM == 1:
                 lse = staged_lse(lse_bufs, slot, query_layout)
@@ -467,9 +501,16 @@ def _bwd_compute_partition(
             dv, dk, dq, _, _ = warpgroup_mma_wait(
                 0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
             )
-            mbarrier.arrive(empty.index(slot), count=1)
-            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+            if LATE_DQ != 2:
+                mbarrier.arrive(empty.index(slot), count=1)
+            if LATE_DQ:
+                stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
+            else:
+                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
+    if LATE_DQ:
+        # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
+        publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
                 softmax_scale, ADD_DKDV)  # fmt: skip
@@ -566,6 +607,7 @@ def gluon_bwd_kernel(
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
+    LATE_DQ: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
@@ -599,7 +641,7 @@ def gluon_bwd_kernel(
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
                     delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                    ROW_TERMS_SMEM, ADD_DKDV,
+                    ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
                 ),
             ),
             (
@@ -659,6 +701,7 @@ def backward(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
+        LATE_DQ=LATE_DQ_HANDOFF,
     )  # fmt: skip
 
 
