@@ -37,7 +37,7 @@ from flashmask import kernels
 from flashmask.kernels import gluon_bwd, gluon_bwd256, query_chunks
 from flashmask.kernels.gluon_fwd import shared_layout
 
-OPCODES = ("HGMMA", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
+OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def _kernel(module):
@@ -186,13 +186,14 @@ def parse_variant(text: str) -> dict[str, int]:
 
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    variants: list[dict[str, int]] = (),
+    variants: list[dict[str, int]] = (), rep_ms: int = 100,
 ) -> None:  # fmt: skip
-    """dQ/dK/dV against the Triton backward and the timings, per sequence length and mask; each
-    of ``variants`` (constants of ``kernels.gluon_backward_module(d)`` to set, e.g.
-    ``{"DQ_TMA": 0}``) also timed, with its dK/dV compared bitwise against the default's (the
-    same products in the same order) and its dQ's relative difference (fp32 additions in
-    another order)."""
+    """dQ/dK/dV against the Triton backward and the timings (``do_bench`` over ``rep_ms``), per
+    sequence length and mask; each of ``variants`` (constants of
+    ``kernels.gluon_backward_module(d)`` to set, e.g. ``{"DQ_TMA": 0}``) also timed, with its
+    dK/dV compared bitwise against the default's (the same products in the same order; where
+    they differ, also their error against the Triton backward's, as the default's) and its
+    dQ's relative difference (fp32 additions in another order)."""
 
     module = kernels.gluon_backward_module(d)
     for settings in variants:
@@ -208,7 +209,7 @@ def check_and_time(
         base = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
         run = case.run_backward
         ref = run(True, base)
-        ms = triton.testing.do_bench(lambda: run(True, base), rep=100)
+        ms = triton.testing.do_bench(lambda: run(True, base), rep=rep_ms)
         line = (
             f"S={case.seqlen} {case.name:16s} triton bwd {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
         )
@@ -219,7 +220,7 @@ def check_and_time(
         line += " [unfused: " + ", ".join(f"{n} {t:.3f}" for n, t in split.items()) + "]"
         got = run(False, base)  # bwd_gluon: the Gluon kernel
         errs = [f"d{n} {relative_error(g, w):.1e}" for g, w, n in zip(got, ref, "qkv", strict=True)]
-        g_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+        g_ms = triton.testing.do_bench(lambda: run(False, base), rep=rep_ms)
         line += f" | gluon {g_ms:.3f} ms ({flop / g_ms / 1e9:.0f} TF/s) rel err {' '.join(errs)}"
         for settings in variants:
             defaults = set_constants(module, settings)
@@ -227,7 +228,7 @@ def check_and_time(
                 alt = run(False, base)
                 same = all(torch.equal(a, c) for a, c in zip(alt[1:], got[1:], strict=True))
                 dq_rel = relative_error(alt[0], got[0])
-                t_ms = triton.testing.do_bench(lambda: run(False, base), rep=100)
+                t_ms = triton.testing.do_bench(lambda: run(False, base), rep=rep_ms)
             finally:
                 set_constants(module, defaults)
             label = ",".join(f"{n}={v}" for n, v in settings.items())
@@ -235,6 +236,15 @@ def check_and_time(
                 f" | {label} {t_ms:.3f} ms ({flop / t_ms / 1e9:.0f} TF/s) dk/dv bitwise "
                 f"{same} dq rel diff {dq_rel:.1e}"
             )
+            if not same:
+                line += (
+                    " (vs triton: "
+                    + " ".join(
+                        f"d{n} {relative_error(a, w):.1e}"
+                        for a, w, n in zip(alt, ref, "qkv", strict=True)
+                    )
+                    + ")"
+                )
         print(line, flush=True)
 
 
@@ -281,6 +291,9 @@ def main() -> None:
         help="also time the Gluon backward with these gluon_bwd constants, e.g. DQ_TMA=0 or "
         "NUM_BUFFERS=3,DQ_BUFFERS=1 (repeatable)",
     )
+    parser.add_argument(
+        "--rep-ms", type=int, default=100, help="do_bench's time per measurement (ms)"
+    )
     args = parser.parse_args()
     if args.no_dq_writes:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
@@ -299,13 +312,19 @@ def main() -> None:
         for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL, off)
             report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
             print(json.dumps(report), flush=True)
+        for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
+            for causal, has_mask in ((False, False), (True, True)):
+                print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):
                 report = compile_only(d, causal, has_mask, row_terms_smem=0)
                 print(json.dumps(report), flush=True)
         return
-    check_and_time(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant)
+    check_and_time(
+        args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, args.variant,
+        args.rep_ms,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@
 #                 Triton hd256 backward at 8K and 32K, and with the red.global dQ writer
 #   gluon-late-dq gluon_backward.py with the dQ hand-off after the next tile's products are
 #                 issued (LATE_DQ_HANDOFF=1, 2) at hd128, and at hd64 with row-term form 2
+#   gluon-late-dq-precise the default (LATE_DQ_HANDOFF=2) against 0 and 1 on full and causal
+#                 at 8K and 32K, with do_bench over 1 s; gluon-chunks-add-128k CHUNKS_ADD_IN_KERNEL
+#                 at 128K full with its error against the Triton backward
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -254,6 +257,19 @@ for step in "$@"; do
             --variant LATE_DQ_HANDOFF=2 --variant ROW_TERMS_SMEM=2 \
             --variant ROW_TERMS_SMEM=2,LATE_DQ_HANDOFF=2 \
             --masks full,causal,document,share_question,sliding_window
+        ;;
+    gluon-late-dq-precise)
+        # Full and causal with ten times the timing window: the forms' differences there are
+        # within a 100 ms window's noise.
+        run_step gluon_backward_late_dq_precise python benchmarks/gluon_backward.py \
+            --rep-ms 1000 --masks full,causal --variant LATE_DQ_HANDOFF=0 \
+            --variant LATE_DQ_HANDOFF=1
+        ;;
+    gluon-chunks-add-128k)
+        # The in-kernel accumulation at 128K with its dK/dV error against the Triton backward
+        # (fused multiply-adds make it differ from the launcher's sums in the last bit).
+        run_step gluon_backward_chunks_add_128k python benchmarks/gluon_backward.py \
+            --seqlens 131072 --masks full --variant CHUNKS_ADD_IN_KERNEL=1
         ;;
     gluon-chunks-add)
         # The prepared in-kernel accumulation of the query chunks' dK/dV (same fp32 additions in

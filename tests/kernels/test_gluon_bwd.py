@@ -141,11 +141,16 @@ def sm90_reports() -> list[dict]:
 
 
 def _shipped(report: dict) -> bool:
-    """Whether a compile report is of the module's default ``ROW_TERMS_SMEM`` form with dK/dV in
-    the inputs' dtype."""
+    """Whether a compile report is of the module's default ``ROW_TERMS_SMEM`` and
+    ``LATE_DQ_HANDOFF`` forms with dK/dV in the inputs' dtype."""
     module = "gluon_bwd256" if report["head_dim"] == 256 else "gluon_bwd"
     default_form = {"gluon_bwd": 1, "gluon_bwd256": 2}[module]
-    return report["row_terms_smem"] == default_form and not report["dkdv_fp32"]
+    default_late = {"gluon_bwd": 2, "gluon_bwd256": 0}[module]
+    return (
+        report["row_terms_smem"] == default_form
+        and report["late_dq"] == default_late
+        and not report["dkdv_fp32"]
+    )
 
 
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
@@ -218,7 +223,8 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
     """The shipped kernels' producer leaves each tile's lse and delta rows in shared memory
     (``ROW_TERMS_SMEM``), so the consumers' scalar global loads of them (16 per row term and
     thread at D = 64/128, 8 at D = 256) are gone against the unstaged form (0), for at most
-    1 KB more shared memory and no more spills. The same products: ``HGMMA`` counts equal."""
+    1 KB more shared memory and at most 16 bytes more spills. The same products: ``HGMMA``
+    counts equal."""
 
     def key(r):
         return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
@@ -236,8 +242,35 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
         # The producer's row loads stay: a few of its own per tile.
         assert old["LDG"] - new["LDG"] >= (12 if k[0] == 256 else 24), (new, old)
         assert 0 < new["shared_kb"] - old["shared_kb"] <= 1.1, (new, old)
-        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+        # Triton 3.9 spills 16 bytes more in the staged form at D = 128 without a mask (with
+        # the late dQ hand-off); 3.6, the H200's, none.
+        assert new["spill_bytes"] <= old["spill_bytes"] + 16, (new, old)
         assert new["shared_kb"] <= 227, new
+
+
+def test_dq_is_handed_over_under_the_next_tiles_products_without_serialising_them(sm90_reports):
+    """``gluon_bwd.LATE_DQ_HANDOFF``: the shipped kernels at D = 64/128 publish each tile's dQ
+    (and release its Q/dO slot) after issuing the next tile's score products. Against the
+    order before it (0): the same products, no more spills, and as few ``wgmma`` waits, so
+    ptxas keeps the products asynchronous (it waits on every one, 32 waits for 32 ``HGMMA``,
+    where it cannot keep an accumulator's registers from issue to wait: the form that carried
+    the dQ tile itself into the next tile did that at D = 128)."""
+
+    def key(r):
+        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
+
+    before = {key(r): r for r in sm90_reports if r["late_dq"] == 0 and r["head_dim"] != 256}
+    assert {(d, c, m) for d, c, m, _, _ in before} == {
+        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
+    }
+    for k, old in before.items():
+        assert old["row_terms_smem"] == 1 and not old["dkdv_fp32"]
+        new = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        assert new["WARPGROUP.DEPBAR"] <= old["WARPGROUP.DEPBAR"], (new, old)
+        assert new["WARPGROUP.DEPBAR"] * 4 < new["HGMMA"], new
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+        assert new["shared_kb"] == old["shared_kb"], (new, old)
 
 
 def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports):

@@ -124,15 +124,18 @@ ROW_TERMS_SMEM = 1
 # partial sums that the launcher then adds: 2 GB less peak memory at 128K hd128 with 16 heads
 # and one read and write of both partial sums less per chunk.
 CHUNKS_ADD_IN_KERNEL = False
-# Prepared, off (compiled offline, not run on a GPU): each tile's dQ is stored for the writer
-# as soon as the tile's products are in, but handed over (fence, barrier, arrive) only after the
-# next tile's ``S^T``/``dP^T`` products are issued, so that the barrier runs under them instead of
-# with the tensor pipe drained (``LATE_DQ``: 1 that, 2 the tile's Q/dO slot released there too,
-# sharing the barrier; the last tile's dQ is handed over after the loop). Carrying the dQ tile
-# in registers into the next tile instead (its store under the products too) made ptxas
-# serialise every wgmma and spill at hd128 (offline, Triton 3.6). Same values, same order of the
-# writer's adds: dK/dV bitwise equal to the default's.
-LATE_DQ_HANDOFF = 0
+# Each tile's dQ is stored for the writer as soon as the tile's products are in, but handed
+# over (fence, barrier, arrive) only after the next tile's ``S^T``/``dP^T`` products are issued,
+# so that the barrier runs under them instead of with the tensor pipe drained (``LATE_DQ``; 0:
+# in place, kept for measurement; 1: the hand-off late; 2, the default: the tile's Q/dO slot
+# released there too, sharing that barrier, so the loop's tail has none). Same values, same
+# order of the writer's adds: dK/dV bitwise equal. Measured on the H200 against 0
+# (``results/gluon_backward_late_dq_s12.log``): form 2 at hd128 1.003-1.04x on six masks at 8K
+# and 32K (causal 32K 20.92 -> 20.06 ms), except share_question 32K (0.99x); at hd64 1.05-1.11x
+# except full 32K (0.99x). Carrying the dQ tile itself in registers into the next tile (its
+# stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
+# Triton 3.6).
+LATE_DQ_HANDOFF = 2
 
 
 @gluon.jit
