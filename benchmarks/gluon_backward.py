@@ -309,7 +309,7 @@ def main() -> None:
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
         for d in kernels.GLUON_BWD_HEAD_DIMS:  # full attention's query chunks: fp32 dK/dV
             print(json.dumps(compile_only(d, False, False, dkdv_fp32=True)), flush=True)
-        for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL, off)
+        for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL)
             report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
             print(json.dumps(report), flush=True)
         for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)

@@ -16,12 +16,17 @@ def compile_reports(script: str) -> list[dict]:
 
     A process of its own: Gluon cannot be imported where Triton's interpreter is on, as the
     kernel tests turn it on for the whole test process."""
+    return json_lines([str(ROOT / "benchmarks" / script), "--compile-only"])
+
+
+def json_lines(args: list[str]) -> list[dict]:
+    """Run ``python *args`` with ``src`` importable and Triton's interpreter off (so that Gluon
+    modules import) and return the JSON lines it prints; a failure raises with its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--compile-only"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600
+    )
     if run.returncode != 0:
         raise AssertionError(run.stderr[-2000:])
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

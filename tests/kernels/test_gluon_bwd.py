@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # before anything imports triton
 import pytest
 
 from flashmask import kernels
-from tests.kernels.sm90_compile import compile_reports
+from tests.kernels.sm90_compile import compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
@@ -290,8 +290,55 @@ def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports)
         assert report["shared_kb"] == plain["shared_kb"], (report, plain)
 
 
+# Runs in a process of its own (gluon_bwd imports Gluon): gluon_bwd.launch over query chunks
+# with its per-launch step replaced by a stand-in that adds 1 (ADD_DKDV) or stores 1 in fp32.
+_CHUNK_LAUNCHES = """
+import json, torch
+from flashmask.kernels import gluon_bwd, query_chunks, tiles
+query_chunks.QUERY_SPLIT_FROM_BYTES = 0
+query_chunks.QUERY_CHUNK_BYTES = 128 * 8 * 128  # 128 rows per chunk at D = 128
+launches = []
+def fake_launch_once(kernel, block_n, nb, dqb, tma, dout, q, k, v, lse, delta, bounds, lists,
+                     hm, causal, scale, dkdv_dtype, dk_out=None, dv_out=None, **constants):
+    add = constants["ADD_DKDV"]
+    launches.append({"rows": q.shape[1], "add": add, "dtype": str(dkdv_dtype),
+                     "into_first": add and dk_out is launches_first[0]})
+    if add:
+        dk_out += 1.0
+        dv_out += 2.0
+        return torch.zeros_like(q), dk_out, dv_out
+    dk = torch.ones_like(k, dtype=dkdv_dtype)
+    launches_first[:] = [dk]
+    return torch.zeros_like(q), dk, torch.full_like(v, 2.0, dtype=dkdv_dtype)
+launches_first = [None]
+gluon_bwd._launch_once = fake_launch_once
+q = torch.zeros(1, 320, 2, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+lse = torch.zeros(1, 2, 320)
+lists = tiles.TileLists(torch.zeros(1, 1, 2, 5, dtype=torch.int32),
+                        torch.zeros(1, 1, 2, dtype=torch.int32), None)
+dq, dk, dv = gluon_bwd.launch(None, 128, 2, 2, True, q, q, k, k, lse, lse, None, lists, 1,
+                              False, 0.125, split_queries=True, ADD_DKDV=False)
+print(json.dumps({"launches": launches, "dk": sorted(set(dk.float().flatten().tolist())),
+                  "dv": sorted(set(dv.float().flatten().tolist())), "dtype": str(dk.dtype)}))
+"""
+
+
+def test_query_chunks_after_the_first_add_into_its_fp32_sums():
+    """With ``CHUNKS_ADD_IN_KERNEL`` (on) the launcher runs the first chunk of query rows with
+    fp32 dK/dV outputs and every later one adding into those same tensors (``ADD_DKDV``), then
+    casts once: no partial sums to add (the chunks: 128, 128, 64 rows)."""
+    (result,) = json_lines(["-c", _CHUNK_LAUNCHES])
+    assert [launch["rows"] for launch in result["launches"]] == [128, 128, 64]
+    assert [launch["add"] for launch in result["launches"]] == [False, True, True]
+    assert all(launch["dtype"] == "torch.float32" for launch in result["launches"])
+    assert [launch["into_first"] for launch in result["launches"][1:]] == [True, True]
+    assert result["dk"] == [3.0] and result["dv"] == [6.0]  # each chunk added once
+    assert result["dtype"] == "torch.bfloat16"
+
+
 def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_reports):
-    """``gluon_bwd.CHUNKS_ADD_IN_KERNEL`` (prepared, off): the chunk's launch loads the fp32 sums
+    """``gluon_bwd.CHUNKS_ADD_IN_KERNEL`` (on): the chunk's launch loads the fp32 sums
     so far and adds before its store (more global loads), with the same products and no more
     than 64 bytes of spills beyond the storing kernel's."""
     adding = {r["head_dim"]: r for r in sm90_reports if r["add_dkdv"]}

@@ -118,12 +118,14 @@ MAX_REGISTERS = 168
 # issued (``gluon_bwd256``'s default; at hd128 3.5% slower than 1 on causal, equal elsewhere).
 # Reading delta once the scores are in as well (a third form) lost up to 10% (document 32K).
 ROW_TERMS_SMEM = 1
-# Prepared, off (compiled offline, not run on a GPU): each query chunk's launch
-# (``kernels.query_chunks``) adds its dK/dV into one fp32 accumulator in the kernel
-# (``ADD_DKDV``: a load and an add before each program's final store) instead of storing fp32
-# partial sums that the launcher then adds: 2 GB less peak memory at 128K hd128 with 16 heads
-# and one read and write of both partial sums less per chunk.
-CHUNKS_ADD_IN_KERNEL = False
+# Each query chunk's launch (``kernels.query_chunks``) after the first adds its dK/dV into the
+# first chunk's fp32 sums in the kernel (``ADD_DKDV``: a load and an add before each program's
+# final store) instead of storing fp32 partial sums that the launcher then adds: 2 GB less peak
+# memory at 128K hd128 with 16 heads. Measured on the H200
+# (``results/gluon_backward_chunks_add{,_128k}_s12.log``): 128K full 647.2 -> 645.7 ms, the same
+# error against the Triton backward as the launcher's sums (dK 2.3e-3, dV 3.3e-3; not bitwise
+# equal to them: the scale and the add fuse into one rounding). False: the launcher's sums.
+CHUNKS_ADD_IN_KERNEL = True
 # Each tile's dQ is stored for the writer as soon as the tile's products are in, but handed
 # over (fence, barrier, arrive) only after the next tile's ``S^T``/``dP^T`` products are issued,
 # so that the barrier runs under them instead of with the tensor pipe drained (``LATE_DQ``; 0:
