@@ -8,6 +8,8 @@
 #   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~230 s cold)
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
+#   bench-hd128-dense flashmask bench, full and causal at 8K, 32K and 128K, hd128, with at
+#                 least 10 timed calls per measurement (~250 s)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
 #   bench-hd256-128k flashmask bench, 128K, hd256, six masks; bench-hd256-128k-b the other six
 #   bench-hd64    flashmask bench, 8K and 32K, hd64, full, causal and document
@@ -188,6 +190,13 @@ for step in "$@"; do
     bench-hd128-re32k)
         run_step bench_hd128_re32k python -m flashmask bench --seqlens 32768 --head-dims 128 \
             --masks random_eviction --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_re32k"
+        ;;
+    bench-hd128-dense)
+        # Full and causal against SDPA at 8K, 32K and 128K with at least 10 timed calls per
+        # measurement (at 100 ms a 32K call is timed 3 times, a 128K call once).
+        run_step bench_hd128_dense python -m flashmask bench --seqlens 8192,32768,131072 \
+            --head-dims 128 --masks full,causal --rep-ms 100 --min-repeats 10 \
+            --dense-limit-gb 0.5 --out "$OUT/bench_hd128_dense"
         ;;
     check-full-gluon)
         check "--gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256" \

@@ -95,3 +95,25 @@ def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
     monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 227 * 1024)
     hopper = _tile_configs([64])["D64/no mask"]
     assert hopper["fwd_m"] == 128  # the H200's no-mask forward at hd64: taller tiles
+
+
+@pytest.mark.parametrize(
+    ("call_ms", "reps"),
+    [(2.0, [100]), (56.0, [100, 308]), (900.0, [100, 4950])],
+)
+def test_a_measurement_times_at_least_min_repeats_calls(monkeypatch, call_ms, reps):
+    """``rep_ms`` bounds the time of a measurement unless it holds fewer than ``min_repeats``
+    calls: then it is taken again over that many (do_bench times ``rep`` / its estimate)."""
+    import triton.testing
+
+    from flashmask import bench
+
+    asked = []
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        asked.append(rep)
+        return call_ms
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert bench._bench(lambda: None, 100, min_repeats=5) == call_ms
+    assert asked == reps
