@@ -324,7 +324,8 @@ def run_case(
         rows.append(row)
 
     def run_flex() -> None:
-        flex = torch.compile(flex_attention)
+        # Static shapes: after a first length Dynamo would compile the next one dynamic.
+        flex = torch.compile(flex_attention, dynamic=False)
         build = _flex_block_mask(mask, causal, batch, heads, seqlen, device)
         block_mask = build()
         prep_ms = _cuda_time(build)
@@ -496,8 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(s, d, n) for s in seqlens for d in head_dims for n in names]
     bar = _progress(len(cases))
     rows: list[Row] = []
+    shape = None
     for s, d, n in cases:
         bar.set_description(f"{n} S={s} D={d}")
+        if (s, d) != shape:
+            # FlexAttention as a one-shape run compiles it: Dynamo marks a dimension dynamic once
+            # it has seen two sizes, and flex's kernels (and create_block_mask's) compiled with
+            # a symbolic length ran 17-24% slower at 32K after an 8K case in one process.
+            torch._dynamo.reset()
+            shape = (s, d)
         batch = max(1, args.tokens // s)
         heads = max(1, args.hidden // d)
         try:
