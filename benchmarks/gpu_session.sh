@@ -79,7 +79,8 @@
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 #   host-overhead host_overhead.py at 8K, hd128: host enqueue time against GPU time per call
 #                 (FlashMask with its mask prepared per call and cached, flex), on five masks;
-#                 host-profile: the same on sliding_window with a cProfile of the cached call
+#                 host-profile: the same on sliding_window with a cProfile of the cached call;
+#                 kernel-times: the same with each kernel's GPU time per call (five 8K masks)
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
 # session's quick check needed ~330 s cold after it gained the hd256 fp16 and Sq != Sk cases).
 #
@@ -365,6 +366,12 @@ for step in "$@"; do
     host-overhead)
         run_step host_overhead python benchmarks/host_overhead.py --seqlens 8192 \
             --masks full,sliding_window,share_question,causal_document,document
+        ;;
+    kernel-times)
+        # Where each 8K call's GPU time goes, kernel by kernel (FlashMask with its mask prepared
+        # in the call, as the bench times it, and flex), on the masks furthest from 1.5x flex.
+        run_step kernel_times python benchmarks/host_overhead.py --seqlens 8192 --kernels \
+            --masks sliding_window,qk_sparse,prefix_lm_causal,causal_blockwise,full
         ;;
     host-profile)
         run_step host_profile python benchmarks/host_overhead.py --seqlens 8192 \

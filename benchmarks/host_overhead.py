@@ -13,7 +13,8 @@ Columns, per implementation and pass (``fwd``, ``fwd+bwd``), all in ms per call:
 
 Usage (H200): ``PYTHONPATH=src python benchmarks/host_overhead.py --seqlens 8192``;
 ``--profile`` also prints where the host time of one cached forward + backward goes (cProfile,
-the first mask and length only).
+the first mask and length only); ``--kernels`` the GPU time per call of each kernel of both
+implementations' forward + backward (``torch.profiler``), for every case.
 """
 
 from __future__ import annotations
@@ -52,10 +53,16 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also print the GPU time per call of each kernel of every case's forward+backward",
+    )
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention)
+    # Static shapes, as flashmask bench compiles it (a dynamic-length compile runs slower).
+    flex = torch.compile(flex_attention, dynamic=False)
     d = args.head_dim
     print(f"{'S':>6} {'mask':<22} {'impl':<18} {'pass':<8} {'bench':>7} {'host':>7} {'gpu':>7}")
     for s in args.seqlens:
@@ -98,10 +105,34 @@ def main() -> None:
             for impl, part, fn in cases:
                 b, h, g = measure(fn, args.rep_ms)
                 print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
+            if args.kernels:
+                for impl, fn in (("flashmask", fm_total(True)), ("flex", fx_total)):
+                    print(f"{s:>6} {name:<22} {impl} fwd+bwd, GPU time per call by kernel:")
+                    for kernel, count, us in kernel_times(fn):
+                        print(f"{'':>8}{us:9.1f} us  x{count:<3} {kernel}")
             if args.profile:
                 args.profile = False
                 profile_host(fm_total(False))
             clear_prepared()
+
+
+def kernel_times(fn, repeats: int = 20, width: int = 90) -> list[tuple[str, int, float]]:
+    """``(kernel name, launches per call, GPU microseconds per call)`` of every kernel ``fn``
+    launches, longest first, from ``torch.profiler`` over ``repeats`` calls (after one warm-up
+    call), the last row their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = [(e.key[:width], e.count // repeats, e.device_time_total / repeats) for e in events]
+    rows.append(("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+    return rows
 
 
 def profile_host(fn, repeats: int = 20) -> None:
