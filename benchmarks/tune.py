@@ -141,7 +141,7 @@ def _flex_ms(mask, causal, q, k, v, do, rep_ms: int) -> tuple[float, float]:
 
     b, s, h, _ = q.shape
     block_mask = bench._flex_block_mask(mask, causal, b, h, s, q.device)()
-    flex = torch.compile(flex_attention)
+    flex = torch.compile(flex_attention, dynamic=False)  # static shapes, as flashmask bench
     qf, kf, vf = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dof = do.transpose(1, 2).contiguous()
     fwd = bench._bench(lambda: flex(qf, kf, vf, block_mask=block_mask), rep_ms)
