@@ -30,10 +30,10 @@ At head dim 256 ``kernels.gluon_bwd256`` splits the work differently and reuses 
 partitions, helpers and launcher. Long full attention runs in chunks of query rows
 (:func:`launch`, ``kernels.query_chunks``), so that a head's Q, dO and dQ stay in L2.
 
-Measured on the H200 (hd128, bf16, 32K): 1.07-1.19x the Triton backward on full, causal and
-document masks, 1.23x on random_eviction (a mask per head group), equal on share_question, 10%
-slower on sliding_window at 8K (``results/gluon_backward_s6c.log``, ``gluon_backward_s6d.log``,
-``gluon_backward_re_s7.log``). Descriptors are 2-D
+Measured on the H200 (hd128, bf16; ``results/gluon_backward_late_dq{,_precise}_s12.log``):
+1.36x / 1.40x the Triton backward on full / causal at 32K (40.8 / 20.3 ms, 539 / 543 TFLOP/s),
+1.08-1.33x on four interval masks at 32K, 1.03-1.08x on the two sparsest at 8K (the first
+version, sixth session: 1.07-1.19x, ``results/gluon_backward_s6c.log``). Descriptors are 2-D
 over ``[B * S, H * D]``, so it needs the inputs ``kernels.gluon_backward_eligible`` accepts.
 Gluon has no CPU interpreter: the CPU suite compiles it for sm_90, the H200 check
 (``benchmarks/gpu_check.py``, its ``det=False`` cases) proves its results. Import this module
