@@ -117,3 +117,12 @@ def test_a_measurement_times_at_least_min_repeats_calls(monkeypatch, call_ms, re
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     assert bench._bench(lambda: None, 100, min_repeats=5) == call_ms
     assert asked == reps
+
+
+def test_min_repeats_below_one_is_refused_naming_the_option(capsys):
+    from flashmask import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--min-repeats", "0"])
+    assert exc.value.code == 2
+    assert "--min-repeats must be at least 1, got 0" in capsys.readouterr().err

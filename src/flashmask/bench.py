@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-limit-gb", type=float, default=4.0)
     parser.add_argument("--out", default="benchmarks/results/bench", help="output path prefix")
     args = parser.parse_args(argv)
+    if args.min_repeats < 1:
+        parser.error(f"--min-repeats must be at least 1, got {args.min_repeats}")
     if not torch.cuda.is_available():
         print("flashmask bench needs a CUDA GPU", file=sys.stderr)
         return 2
