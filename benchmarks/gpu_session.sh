@@ -24,7 +24,8 @@
 #   gluon-hd64    gluon_forward.py and gluon_backward.py at head dim 64
 #   check-full-gluon gpu_check.py (all head dims) with every eligible case on the Gluon kernels
 #                 (STEP_TIMEOUT=450: ~350 s cold)
-#   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each
+#   bench-hd128-128k-a / -b flashmask bench at 128K, hd128, six masks each (with 5 timed calls
+#                 per measurement up to ~400 s each: one step per device call)
 #   gluon-backward-re gluon_backward.py at 32K on random_eviction (a mask per head group)
 #   check-gluon   gpu_check.py --quick (both parts) with every eligible case on the Gluon forward
 #                 and every eligible deterministic=False one on the Gluon backward
@@ -403,12 +404,16 @@ for step in "$@"; do
         run_step gluon_backward_hd64 python benchmarks/gluon_backward.py --head-dim 64
         ;;
     bench-hd128-128k-a)
-        run_step bench_hd128_128k_a python -m flashmask bench --seqlens 131072 --head-dims 128 \
+        # At least 5 timed calls per measurement (--min-repeats' default) since the twelfth
+        # session: ~2x the time of a single one at 128K.
+        limit=${STEP_TIMEOUT:-500} run_step bench_hd128_128k_a python -m flashmask bench \
+            --seqlens 131072 --head-dims 128 \
             --masks full,causal,causal_document,document,share_question,sliding_window \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_128k_a"
         ;;
     bench-hd128-128k-b)
-        run_step bench_hd128_128k_b python -m flashmask bench --seqlens 131072 --head-dims 128 \
+        limit=${STEP_TIMEOUT:-500} run_step bench_hd128_128k_b python -m flashmask bench \
+            --seqlens 131072 --head-dims 128 \
             --masks global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_128k_b"
         ;;
