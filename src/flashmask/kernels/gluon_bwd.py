@@ -42,8 +42,6 @@ only where the interpreter is off.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
+from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, device_sm_count, query_chunks
 from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
@@ -287,7 +285,7 @@ def _load_item(
                 if ROW_TERMS_SMEM == 2:
                     # Staged ready to use (base 2, +inf for a fully masked row): the consumers'
                     # first use of their registers is the exponent, after the scores' wait.
-                    lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+                    lse = base2_lse(lse)
                 lse_bufs.index(slot).store(lse)
                 delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
                 mbarrier.arrive(bar, count=1)
@@ -386,11 +384,17 @@ def await_tile(entries, j, it, q_bufs, do_bufs, ready):
 
 
 @gluon.jit
+def base2_lse(lse):
+    """The forward's lse in base-2 units, +inf for a fully masked row (-inf), so that its
+    ``P = exp2(S * qk_scale - lse)`` is zero."""
+    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@gluon.jit
 def row_terms(lse_ptr, delta_ptr, row_base, rows):
     """``(lse, delta)`` of query rows ``rows`` (offset ``row_base`` into ``[B * H, Sq]``): the
     forward's lse in base-2 units, +inf for a fully masked row (-inf) so that its P is zero."""
-    lse = gl.load(lse_ptr + row_base + rows)
-    lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse = base2_lse(gl.load(lse_ptr + row_base + rows))
     delta = gl.load(delta_ptr + row_base + rows)
     return lse, delta
 
@@ -401,8 +405,7 @@ def staged_lse(lse_bufs, slot, layout: gl.constexpr):
     left in ``lse_bufs`` (``ROW_TERMS_SMEM``), in ``layout``: the same values. Its delta is read
     where it is used (``delta_bufs.index(slot).load``), so that it does not hold registers
     through ``P^T``."""
-    lse = lse_bufs.index(slot).load(layout)
-    return gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return base2_lse(lse_bufs.index(slot).load(layout))
 
 
 @gluon.jit
@@ -830,16 +833,6 @@ def gluon_bwd_kernel(
     )  # fmt: skip
 
 
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``: a persistent grid's programs (one per SM)."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def dq_shared_layout(head_dim: int):
     """The shared layout of a ``[BLOCK_M, head_dim]`` fp32 dQ tile that ``DQ_TMA``'s reduce
     reads (NVMMA)."""
@@ -981,7 +974,7 @@ def _launch_once(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
     items = tn * hk * b
-    grid = (min(items, _sm_count(q.device)),) if constants.get("PERSISTENT") else (tn, hk, b)
+    grid = (min(items, device_sm_count(q.device)),) if constants.get("PERSISTENT") else (tn, hk, b)
     kernel[grid](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
