@@ -145,7 +145,10 @@ def _flex_ms(mask, causal, q, k, v, do, rep_ms: int) -> tuple[float, float]:
     qf, kf, vf = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dof = do.transpose(1, 2).contiguous()
     fwd = bench._bench(lambda: flex(qf, kf, vf, block_mask=block_mask), rep_ms)
-    total = bench._bench(lambda: flex(qf, kf, vf, block_mask=block_mask).backward(dof), rep_ms)
+    total = bench._bench(
+        lambda: bench.input_gradients(flex(qf, kf, vf, block_mask=block_mask), (qf, kf, vf), dof),
+        rep_ms,
+    )
     return fwd, total - fwd
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashmask import masks
-from flashmask.bench import Row, _markdown, visible_pairs
+from flashmask.bench import Row, _markdown, input_gradients, visible_pairs
 from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
 
 
@@ -126,3 +126,16 @@ def test_min_repeats_below_one_is_refused_naming_the_option(capsys):
         bench.main(["--min-repeats", "0"])
     assert exc.value.code == 2
     assert "--min-repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_timed_backwards_return_gradients_without_accumulating_into_grad():
+    """Each timed backward hands its gradients back as autograd passes them to the layer below;
+    a leaf's ``.grad`` (which ``.backward()`` would add every call into) stays untouched."""
+    q = torch.randn(3, 4, requires_grad=True)
+    k = torch.randn(4, 5, requires_grad=True)
+    grad = torch.randn(3, 5)
+    for _ in range(2):
+        dq, dk = input_gradients(q @ k, (q, k), grad)
+        torch.testing.assert_close(dq, grad @ k.detach().T)
+        torch.testing.assert_close(dk, q.detach().T @ grad)
+    assert q.grad is None and k.grad is None
