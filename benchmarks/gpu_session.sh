@@ -81,7 +81,8 @@
 #   host-overhead host_overhead.py at 8K, hd128: host enqueue time against GPU time per call
 #                 (FlashMask with its mask prepared per call and cached, flex), on five masks;
 #                 host-profile: the same on sliding_window with a cProfile of the cached call;
-#                 kernel-times: the same with each kernel's GPU time per call (five 8K masks)
+#                 kernel-times: the same with each kernel's GPU time per call (five 8K masks);
+#                 host-breakdown: the same with the host time inside named library functions
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
 # session's quick check needed ~330 s cold after it gained the hd256 fp16 and Sq != Sk cases).
 #
@@ -373,6 +374,10 @@ for step in "$@"; do
         # in the call, as the bench times it, and flex), on the masks furthest from 1.5x flex.
         run_step kernel_times python benchmarks/host_overhead.py --seqlens 8192 --kernels \
             --masks sliding_window,qk_sparse,prefix_lm_causal,causal_blockwise,full
+        ;;
+    host-breakdown)
+        run_step host_breakdown python benchmarks/host_overhead.py --seqlens 8192 \
+            --masks sliding_window,share_question,full --breakdown
         ;;
     host-profile)
         run_step host_profile python benchmarks/host_overhead.py --seqlens 8192 \

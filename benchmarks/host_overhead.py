@@ -13,7 +13,9 @@ Columns, per implementation and pass (``fwd``, ``fwd+bwd``), all in ms per call:
 
 Usage (H200): ``PYTHONPATH=src python benchmarks/host_overhead.py --seqlens 8192``;
 ``--profile`` also prints where the host time of one cached forward + backward goes (cProfile,
-the first mask and length only); ``--kernels`` the GPU time per call of each kernel of both
+the first mask and length only); ``--breakdown`` the host time per call inside named library
+functions, timed by wrappers (cProfile misattributes time under the custom ops' Dynamo-disabled
+frames); ``--kernels`` the GPU time per call of each kernel of both
 implementations' forward + backward (``torch.profiler``), for every case.
 """
 
@@ -53,6 +55,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print the host time per call inside named library functions, every case",
+    )
     parser.add_argument(
         "--kernels",
         action="store_true",
@@ -111,6 +118,11 @@ def main() -> None:
                     print(f"{s:>6} {name:<22} {impl} fwd+bwd, GPU time per call by kernel:")
                     for kernel, count, us in kernel_times(fn):
                         print(f"{'':>8}{us:9.1f} us  x{count:<3} {kernel}")
+            if args.breakdown:
+                for impl, fresh in (("prep/call", True), ("cached", False)):
+                    print(f"{s:>6} {name:<22} flashmask {impl} fwd+bwd, host us per call:")
+                    for label, count, us in host_breakdown(qg, kg, vg, do, mask, causal, fresh):
+                        print(f"{'':>8}{us:9.1f} us  x{count:<3} {label}")
             if args.profile:
                 args.profile = False
                 profile_host(fm_total(False))
@@ -134,6 +146,74 @@ def kernel_times(fn, repeats: int = 20, width: int = 90) -> list[tuple[str, int,
     rows = [(e.key[:width], e.count // repeats, e.device_time_total / repeats) for e in events]
     rows.append(("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows)))
     return rows
+
+
+def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
+    """``(label, calls per call, host microseconds per call)`` of one forward + backward
+    (``fresh``: the mask prepared in the call), inclusive times of the wrapped functions below,
+    with a synchronize after each call so that no launch waits for room in the GPU's queue
+    (the synchronize itself is outside every timer)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import JITFunction
+
+    from flashmask import kernels
+    from flashmask.kernels import gluon_bwd
+
+    totals: dict[str, list[float]] = {}
+    active: set[str] = set()
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            if label in active:  # a recursive call (kernels.forward through its config fitting)
+                return fn(*args, **kwargs)
+            active.add(label)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                active.discard(label)
+                entry = totals.setdefault(label, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+
+        return wrapper
+
+    patches = [
+        (kernels, "forward", "kernels.forward"),
+        (kernels, "backward", "kernels.backward"),
+        (kernels, "prepare_cached", "kernels.prepare_cached"),
+        (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
+        (gluon_bwd, "launch", "gluon_bwd.launch"),
+        (JITFunction, "run", "JITFunction.run (each launch)"),
+    ]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, label in patches:
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    saved.append((TensorDescriptor, "from_tensor", TensorDescriptor.__dict__["from_tensor"]))
+    TensorDescriptor.from_tensor = staticmethod(
+        timed("TensorDescriptor.from_tensor", TensorDescriptor.from_tensor)
+    )
+    try:
+        for timing in (False, True):
+            totals.clear()
+            for _ in range(repeats if timing else 3):
+                if fresh:
+                    clear_prepared()
+                t0 = time.perf_counter()
+                out = flashmask_attention(q, k, v, mask, causal=causal)
+                t1 = time.perf_counter()
+                bench.input_gradients(out, (q, k, v), do)
+                t2 = time.perf_counter()
+                del out
+                torch.cuda.synchronize()
+                for label, dt in (("forward call", t1 - t0), ("backward call", t2 - t1)):
+                    entry = totals.setdefault(label, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += dt
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    return [(label, n // repeats, t * 1e6 / repeats) for label, (n, t) in totals.items()]
 
 
 def profile_host(fn, repeats: int = 20) -> None:
