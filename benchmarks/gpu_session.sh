@@ -82,7 +82,9 @@
 #                 (FlashMask with its mask prepared per call and cached, flex), on five masks;
 #                 host-profile: the same on sliding_window with a cProfile of the cached call;
 #                 kernel-times: the same with each kernel's GPU time per call (five 8K masks);
-#                 host-breakdown: the same with the host time inside named library functions
+#                 host-breakdown: the same with the host time inside named library functions;
+#   host-costs    host_costs.py: each phase of a Triton launch's host time, per kernel, and the
+#                 library's Python layers alone (stand-in kernels), cached 8K calls
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
 # session's quick check needed ~330 s cold after it gained the hd256 fp16 and Sq != Sk cases).
 #
@@ -378,6 +380,10 @@ for step in "$@"; do
     host-breakdown)
         run_step host_breakdown python benchmarks/host_overhead.py --seqlens 8192 \
             --masks sliding_window,share_question,full --breakdown
+        ;;
+    host-costs)
+        run_step host_costs python benchmarks/host_costs.py --seqlens 8192 \
+            --masks sliding_window,full
         ;;
     host-profile)
         run_step host_profile python benchmarks/host_overhead.py --seqlens 8192 \
