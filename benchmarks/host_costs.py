@@ -74,6 +74,65 @@ def phased_run(phases: dict[str, defaultdict]):
     return original, run
 
 
+def dispatch_costs(repeats: int = 500, device: str = "cuda") -> None:
+    """Host microseconds of a forward + backward through a ``torch.library`` custom-op pair (as
+    :mod:`flashmask.ops`) against a plain ``torch.autograd.Function``, both over stand-in
+    kernels that only allocate their outputs, and of ``autograd.grad`` through one multiply."""
+
+    def fwd(q):
+        return torch.empty_like(q), torch.empty(q.shape[:3], device=q.device)
+
+    @torch.library.custom_op("host_costs::fwd", mutates_args=())
+    def op_fwd(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fwd(q)
+
+    @torch.library.custom_op("host_costs::bwd", mutates_args=())
+    def op_bwd(
+        do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, do, dlse):
+        return op_bwd(do, *ctx.saved_tensors)
+
+    op_fwd.register_autograd(backward, setup_context=setup)
+
+    class Plain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return fwd(q)
+
+        @staticmethod
+        def backward(ctx, do, dlse):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    q, k, v, do = (torch.randn(1, 256, 2, 64, device=device) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    cases = (
+        ("custom ops", lambda: torch.autograd.grad(op_fwd(q, k, v)[0], (q, k, v), do)),
+        ("autograd.Function", lambda: torch.autograd.grad(Plain.apply(q, k, v)[0], (q, k, v), do)),
+        ("autograd.grad of q * 2", lambda: torch.autograd.grad(q * 2, (q,), do)),
+    )
+    for label, fn in cases:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        total = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+            torch.cuda.synchronize()
+        print(f"dispatch, {label}: {total * 1e6 / repeats:.1f} us per forward + backward")
+
+
 def main() -> None:
     parser = case_parser(__doc__, masks_default="sliding_window,full")
     parser.add_argument("--repeats", type=int, default=100)
@@ -81,6 +140,7 @@ def main() -> None:
     d, s = 128, args.seqlens[0]
     batch, heads = max(1, args.tokens // s), max(1, args.hidden // d)
     print(f"pure-Python loop: {python_loop_us():.0f} us")
+    dispatch_costs()
     for name in args.masks:
         mask, _, causal = mask_case(name, s, batch)
         mask = mask.to("cuda") if mask is not None else None

@@ -35,9 +35,9 @@ SQ = SK = 40
 
 @pytest.fixture(autouse=True)
 def empty_cache():
-    kernels._PREPARED.clear()
+    kernels.clear_prepared()
     yield
-    kernels._PREPARED.clear()
+    kernels.clear_prepared()
 
 
 def _mask(seed: int = 0, heads: int = 1) -> torch.Tensor:
@@ -137,12 +137,36 @@ def test_freed_masks_are_forgotten_and_few_are_kept():
     ]
 
 
-def test_no_mask_is_not_cached(monkeypatch):
+def test_lists_without_a_mask_are_built_once_per_call_parameters(monkeypatch):
+    """Without a mask the lists depend on the call's parameters only: a second call with the
+    same ones launches nothing and answers the same lists; other lengths build their own; the
+    masked cache stays empty."""
     counts = _count_launches(monkeypatch)
-    for _ in range(2):
-        kernels.prepare_cached(None, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
-    assert counts == {"summarize_kernel": 0, "tile_list_kernel": 2}
-    assert not kernels._PREPARED
+    call = dict(causal=True, seqlen_k=SK, batch=2, device=DEVICE, shapes=[(16, 16, True)])
+    bounds, (first,) = kernels.prepare_cached(None, seqlen_q=SQ, **call)
+    _, (again,) = kernels.prepare_cached(None, seqlen_q=SQ, **call)
+    assert bounds is None and again is first
+    assert counts == {"summarize_kernel": 0, "tile_list_kernel": 1}
+    _, (shorter,) = kernels.prepare_cached(None, seqlen_q=SQ - 16, **call)
+    assert counts["tile_list_kernel"] == 2 and shorter.entries.shape != first.entries.shape
+    fresh = kernels.prepare(None, True, SQ, SK, 2, DEVICE, [(16, 16, True)])[1][0]
+    _assert_lists_equal(first, type(fresh)(*(x.cpu() for x in fresh)), "the cached lists")
+
+
+def test_lists_without_a_mask_keep_the_last_few_parameter_sets_and_clear(monkeypatch):
+    counts = _count_launches(monkeypatch)
+    call = dict(causal=False, seqlen_k=SK, batch=1, device=DEVICE, shapes=[(16, 16, False)])
+    lengths = [16 * (i + 1) for i in range(kernels.UNMASKED_CAPACITY + 1)]
+    for seqlen_q in lengths:
+        kernels.prepare_cached(None, seqlen_q=seqlen_q, **call)
+    assert counts["tile_list_kernel"] == len(lengths)
+    kernels.prepare_cached(None, seqlen_q=lengths[-1], **call)  # kept: no launch
+    assert counts["tile_list_kernel"] == len(lengths)
+    kernels.prepare_cached(None, seqlen_q=lengths[0], **call)  # the oldest went: rebuilt
+    assert counts["tile_list_kernel"] == len(lengths) + 1
+    kernels.clear_prepared()
+    kernels.prepare_cached(None, seqlen_q=lengths[-1], **call)
+    assert counts["tile_list_kernel"] == len(lengths) + 2
 
 
 def test_one_mask_used_with_two_call_parameter_sets_keeps_an_entry_for_each(monkeypatch):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -434,10 +436,36 @@ PREPARED_CAPACITY = 4
 _PREPARED: TensorKeyedCache[_Prepared] = TensorKeyedCache(PREPARED_CAPACITY)
 
 
+# Without a mask the lists depend on the call's parameters alone: those of the last few
+# parameter sets are kept (a list launch costs ~100 us of host time on the H200's host,
+# thirteenth session; an 8K full-attention call made two of them).
+UNMASKED_CAPACITY = 8
+_UNMASKED: OrderedDict[tuple, dict[tuple[int, int, bool], tiles.TileLists]] = OrderedDict()
+_UNMASKED_LOCK = threading.Lock()
+
+
 def clear_prepared() -> None:
     """Forget every cached preparation (:func:`prepare_cached`); the next call of each mask
-    prepares it again. For benchmarks that time a call with its preparation."""
+    (or without one) prepares it again. For benchmarks that time a call with its preparation."""
     _PREPARED.clear()
+    with _UNMASKED_LOCK:
+        _UNMASKED.clear()
+
+
+def _unmasked_lists(
+    params: tuple, shapes: list[tuple[int, int, bool]]
+) -> dict[tuple[int, int, bool], tiles.TileLists]:
+    """The cached no-mask lists of ``params`` (those of :func:`prepare_cached`'s key), with
+    the missing ``shapes`` built; least recently used parameter sets beyond
+    :data:`UNMASKED_CAPACITY` are dropped."""
+    with _UNMASKED_LOCK:
+        lists = _UNMASKED.setdefault(params, {})
+        _UNMASKED.move_to_end(params)
+        while len(_UNMASKED) > UNMASKED_CAPACITY:
+            _UNMASKED.popitem(last=False)
+    causal, seqlen_q, seqlen_k, batch, device, _, skip_tiles = params
+    _add_lists(None, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles, None, {}, lists)
+    return lists
 
 
 def prepare_cached(
@@ -456,15 +484,19 @@ def prepare_cached(
     object, so the bounds, summaries and lists are built on the mask's first use and reused
     while that tensor is alive and unchanged (:class:`~flashmask._tensor_cache.TensorKeyedCache`:
     the tensor's identity and ``_version``), for the same lengths, batch, device, current stream
-    and mode. Lists of shapes not seen yet are added to the entry. Nothing is cached without a
-    mask (one launch per call), during CUDA graph capture, or while ``torch.compile`` traces.
+    and mode. Lists of shapes not seen yet are added to the entry. Without a mask the lists of
+    the last :data:`UNMASKED_CAPACITY` parameter sets are kept. Nothing is cached during CUDA
+    graph capture or while ``torch.compile`` traces.
     """
     sri = startend_row_indices
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if sri is None or capturing or torch.compiler.is_compiling():
+    if capturing or torch.compiler.is_compiling():
         return prepare(sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     params = (causal, seqlen_q, seqlen_k, batch, device, stream, skip_tiles)
+    if sri is None:
+        lists = _unmasked_lists(params, shapes)
+        return None, [lists[shape] for shape in shapes]
     entry = _PREPARED.get(
         sri,
         params,
