@@ -172,3 +172,60 @@ def test_torch_export_keeps_the_custom_op_and_runs_like_eager():
     sri = indices(43, bounds=1)
     for got, want in zip(exported.module()(q2, k2, v2, sri), module(q2, k2, v2, sri), strict=True):
         assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------- eager autograd.Function
+@pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("use", ["out", "lse", "both"])
+def test_the_eager_function_matches_the_custom_ops_bit_for_bit(mask, use):
+    """``ops.attention`` on plain CUDA tensors in eager mode runs ``_EagerAttention``: the same
+    outputs and gradients as the custom ops with their registered backward, whichever outputs
+    the loss uses (an unused one's gradient arrives as None in both)."""
+    sri = indices(3) if mask else None
+    results = []
+    for call in (ops.attention_forward, ops._EagerAttention.apply):
+        q, k, v = qkv(4, requires_grad=True)
+        out, lse = call(q, k, v, sri, False, 0.3, False)
+        (gout,) = tensors(5, out.shape)
+        loss = {"out": (out * gout).sum(), "lse": lse.exp().sum()}
+        loss["both"] = loss["out"] + loss["lse"]
+        results.append((out, lse, *torch.autograd.grad(loss[use], (q, k, v))))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_eager_function_refuses_a_second_backward_instead_of_dropping_it():
+    """With ``create_graph=True`` the gradients carry a node that raises when differentiated
+    (a gradient penalty would otherwise lose its attention terms silently); the first-order
+    gradients are unchanged."""
+    q, k, v = qkv(6, requires_grad=True)
+    out, _ = ops._EagerAttention.apply(q, k, v, None, True, 0.3, False)
+    dq, dk = torch.autograd.grad(out.sum(), (q, k), create_graph=True)
+    plain = torch.autograd.grad(
+        ops._EagerAttention.apply(q, k, v, None, True, 0.3, False)[0].sum(), (q, k)
+    )
+    assert torch.equal(dq, plain[0]) and torch.equal(dk, plain[1])
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        (dq.square().sum() + (q * 2).sum()).backward()
+
+
+def test_calls_that_may_be_traced_or_intercepted_take_the_custom_ops():
+    """Plain tensors in eager mode qualify for the eager function; a dispatch mode (what
+    FakeTensorMode, make_fx and FlopCounterMode install), a tensor subclass or compiling do
+    not."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = qkv(7)
+    assert ops._plain_eager(q, k, v, None)
+    with FlopCounterMode(display=False):
+        assert not ops._plain_eager(q, k, v, None)
+    assert not ops._plain_eager(torch.nn.Parameter(q), k, v, None)
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(q):
+        seen.append(ops._plain_eager(q))
+        return q + 1
+
+    traced(q)
+    assert seen == [False]

@@ -84,7 +84,7 @@ def flashmask_attention(
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
-    out, lse = ops.attention_forward(
+    out, lse = ops.attention(
         query, key, value, indices, causal, float(softmax_scale), deterministic
     )
     return (out, lse) if return_softmax_lse else out

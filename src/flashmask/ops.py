@@ -6,6 +6,14 @@ without graph breaks; the mask travels as a tensor, so new mask *values* never r
 
 Inside each op the implementation is chosen per call: the Triton kernels for CUDA tensors they
 support (:func:`flashmask.kernels.supports`), otherwise the exact chunked reference.
+
+:func:`attention` is the entry point: in eager mode on plain CUDA tensors it runs the same
+computation through a ``torch.autograd.Function`` (:class:`_EagerAttention`), which skips the
+dispatcher work a custom-op call costs (measured on the H200's host, thirteenth session: ~0.3 ms
+of host time per forward + backward of stand-in kernels through the custom ops); whenever
+something may trace or intercept the call (``torch.compile``, a dispatch mode such as
+``FakeTensorMode`` or ``FlopCounterMode``, a tensor subclass or functorch wrapper) it calls
+the custom ops.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import torch
 from flashmask import reference
 from flashmask.mask import ColumnIntervals, FlashMask
 
-__all__ = ["attention_backward", "attention_forward"]
+__all__ = ["attention", "attention_backward", "attention_forward"]
 
 
 def _intervals(
@@ -49,6 +57,12 @@ def attention_forward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``; arguments are already validated."""
+    return _forward(q, k, v, startend_row_indices, causal, softmax_scale)
+
+
+def _forward(q, k, v, startend_row_indices, causal, softmax_scale):
+    """The forward op's computation: the kernels where they take the inputs, else the
+    reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
 
@@ -80,6 +94,16 @@ def attention_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``."""
+    return _backward_grads(
+        dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, deterministic
+    )
+
+
+def _backward_grads(
+    dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, deterministic
+):
+    """The backward op's computation: the kernels where they take the inputs, else the
+    reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
 
@@ -119,3 +143,89 @@ def _backward(ctx, dout, dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' computation and autograd rule as a plain ``autograd.Function``:
+    ``apply(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)`` returns
+    ``(out, lse)``, both differentiable, exactly as :func:`attention_forward` with its
+    registered backward does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
+        out, lse = _forward(q, k, v, startend_row_indices, causal, softmax_scale)
+        # An unused output's gradient arrives as None, as the custom op's backward gets it
+        # (no zeros for dlse to subtract, no zero dout to multiply).
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+        ctx.causal = causal
+        ctx.softmax_scale = softmax_scale
+        ctx.deterministic = deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+        with torch.no_grad():
+            if dout is None:
+                dout = torch.zeros_like(out)
+            grads = _backward_grads(
+                dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
+                ctx.softmax_scale, ctx.deterministic,
+            )  # fmt: skip
+        needing = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
+        if torch.is_grad_enabled() and needing:
+            # create_graph=True: the gradients get a node that refuses a second backward, as
+            # the custom backward op (no autograd rule) does, instead of none at all, which
+            # would drop their second-order terms without a word.
+            grads = _FirstOrderOnly.apply(needing[0], *grads)
+        return *grads, None, None, None, None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``apply(anchor, *grads)``: copies of ``grads`` attached to a node whose backward raises
+    (``anchor``, a tensor that requires grad, makes the copies require it too)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "flashmask_attention has no second derivative: its gradients cannot be "
+            "differentiated again (create_graph=True)"
+        )
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether nothing may trace or intercept a call on ``tensors``: not compiling, no dispatch
+    mode active, and every tensor a plain ``torch.Tensor`` (no subclass, no functorch wrapper)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(
+        t is None
+        or (type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+        for t in tensors
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`attention_forward`, differentiable: through
+    :class:`_EagerAttention` for plain CUDA tensors in eager mode, else through the custom ops
+    (see the module docstring)."""
+    if q.is_cuda and _plain_eager(q, k, v, startend_row_indices):
+        return _EagerAttention.apply(
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic
+        )
+    return attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
