@@ -83,6 +83,8 @@
 #                 host-profile: the same on sliding_window with a cProfile of the cached call;
 #                 kernel-times: the same with each kernel's GPU time per call (five 8K masks);
 #                 host-breakdown: the same with the host time inside named library functions;
+#   eager-check   eager_check.py: flashmask_attention's autograd.Function path against the
+#                 custom ops on the GPU kernels (bitwise), and the host time of each
 #   host-costs    host_costs.py: each phase of a Triton launch's host time, per kernel, and the
 #                 library's Python layers alone (stand-in kernels), cached 8K calls
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
@@ -380,6 +382,9 @@ for step in "$@"; do
     host-breakdown)
         run_step host_breakdown python benchmarks/host_overhead.py --seqlens 8192 \
             --masks sliding_window,share_question,full --breakdown
+        ;;
+    eager-check)
+        run_step eager_check python benchmarks/eager_check.py
         ;;
     host-costs)
         run_step host_costs python benchmarks/host_costs.py --seqlens 8192 \
