@@ -5,19 +5,22 @@ on the GPU kernels, and the host time per forward + backward of each.
 With ``deterministic=True`` both paths must agree bit for bit (the same kernels, the same
 order); without it dK/dV too (the Gluon backward's dQ alone is summed by atomics, so it is
 compared within 1e-2 of its largest element). Losses over ``out``, over ``lse`` alone (the
-gradient of ``out`` arrives as None) and over both. Usage (H200):
+gradient of ``out`` arrives as None) and over both. Both paths also against the launchers
+called directly on inputs that need no gradient (each pass then prepares its own lists, where
+a forward that a backward follows prepares both), by the same rule. Usage (H200):
 ``PYTHONPATH=src python benchmarks/eager_check.py``; exits 1 on a mismatch.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 
 import torch
 from bench_cases import mask_case
 
-from flashmask import ops
+from flashmask import kernels, ops
 from flashmask.attention import flashmask_attention
 
 
@@ -28,6 +31,15 @@ def grads(path, q, k, v, sri, causal, deterministic, use, gout):
     loss = {"out": (out.float() * gout).sum(), "lse": torch.where(lse.isfinite(), lse, 0).sum()}
     loss["both"] = loss["out"] + loss["lse"]
     return (out, lse, *torch.autograd.grad(loss[use], (q, k, v)))
+
+
+def agree(part: str, x: torch.Tensor, y: torch.Tensor, deterministic: bool) -> bool:
+    """Bit for bit, except the non-deterministic dQ (atomics): within 1e-2 of its largest
+    element."""
+    if deterministic or part != "dq":
+        return torch.equal(x, y)
+    scale = y.float().abs().max().clamp_min(1e-6)
+    return bool(((x.float() - y.float()).abs().max() / scale) < 1e-2)
 
 
 def host_us(path, q, k, v, sri, causal, do, repeats: int = 50) -> float:
@@ -74,14 +86,26 @@ def main() -> int:
                     b = grads(custom, q, k, v, sri, causal, deterministic, use, gout)
                     names = ("out", "lse", "dq", "dk", "dv")
                     for label, x, y in zip(names, a, b, strict=True):
-                        if deterministic or label != "dq":
-                            ok = torch.equal(x, y)
-                        else:
-                            scale = y.float().abs().max().clamp_min(1e-6)
-                            ok = bool(((x.float() - y.float()).abs().max() / scale) < 1e-2)
-                        if not ok:
+                        if not agree(label, x, y, deterministic):
                             print(f"FAIL {s} {name} det={deterministic} loss={use}: {label}")
                             failures += 1
+            # Against the launchers called directly on inputs that need no gradient, each pass
+            # preparing its own lists (the eager path prepares the backward's in the forward).
+            scale = d**-0.5
+            for det, (path, label) in itertools.product(
+                (True, False), ((eager, "eager function"), (custom, "custom ops"))
+            ):
+                kernels.clear_prepared()
+                a = grads(path, q, k, v, sri, causal, det, "out", gout)
+                kernels.clear_prepared()
+                out, lse = kernels.forward(q, k, v, sri, causal, scale, deterministic=det)
+                dout = gout.to(q.dtype)
+                b = (out, lse, *kernels.backward(dout, None, q, k, v, out, lse, sri, causal,
+                                                 scale, det))  # fmt: skip
+                for part, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b, strict=True):
+                    if not agree(part, x, y, det):
+                        print(f"FAIL {s} {name} det={det} {label} vs separate preparation: {part}")
+                        failures += 1
             e_us = host_us(eager, q, k, v, sri, causal, do)
             c_us = host_us(custom, q, k, v, sri, causal, do)
             print(

@@ -57,16 +57,18 @@ def attention_forward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``; arguments are already validated."""
-    return _forward(q, k, v, startend_row_indices, causal, softmax_scale)
+    return _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
 
 
-def _forward(q, k, v, startend_row_indices, causal, softmax_scale):
+def _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
     """The forward op's computation: the kernels where they take the inputs, else the
     reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
 
-        return kernels.forward(q, k, v, startend_row_indices, causal, softmax_scale)
+        return kernels.forward(
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic=deterministic
+        )
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
     return reference.reference_forward(q, k, v, intervals, causal, softmax_scale)
 
@@ -153,7 +155,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
-        out, lse = _forward(q, k, v, startend_row_indices, causal, softmax_scale)
+        out, lse = _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
         # An unused output's gradient arrives as None, as the custom op's backward gets it
         # (no zeros for dlse to subtract, no zero dout to multiply).
         ctx.set_materialize_grads(False)

@@ -275,12 +275,12 @@ def test_dq_is_handed_over_under_the_next_tiles_products_without_serialising_the
 
 
 def test_the_persistent_grid_compiles_to_the_same_products_and_shared_memory(sm90_reports):
-    """``gluon_bwd.PERSISTENT_GRID`` (prepared, off): each program walks work items, the
-    producer reloading K/V once the consumers release them. The same products and ``wgmma``
-    waits per tile as the shipped kernel (no serialised products), one more barrier
-    (``kv_empty``: shared memory up by its aligned allocation), spills as small as the shipped
-    kernels' bound (Triton 3.6, the H200's: the same bytes as the shipped kernel in all four;
-    3.9 spills up to 96 bytes in the causal masked one)."""
+    """``gluon_bwd.PERSISTENT_GRID`` (off, kept for measurement: slower on the H200): each program
+    walks work items, the producer reloading K/V once the consumers release them. The same
+    products and ``wgmma`` waits per tile as the shipped kernel (no serialised products), one
+    more barrier (``kv_empty``: shared memory up by its aligned allocation), spills as small as
+    the shipped kernels' bound (Triton 3.6, the H200's: the same bytes as the shipped kernel in
+    all four; 3.9 spills up to 96 bytes in the causal masked one)."""
 
     def key(r):
         return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]

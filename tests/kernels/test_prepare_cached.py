@@ -181,3 +181,53 @@ def test_one_mask_used_with_two_call_parameter_sets_keeps_an_entry_for_each(monk
     for skip_tiles in (True, False, True):
         kernels.prepare_cached(sri, shapes=[(16, 16, True)], skip_tiles=skip_tiles, **call)
     assert counts == {"summarize_kernel": 0, "tile_list_kernel": 0}
+
+
+@pytest.mark.parametrize("seqlen_k", [SK, 64], ids=["ragged", "even"])
+def test_two_key_tile_widths_are_summarised_in_one_launch(seqlen_k, monkeypatch):
+    """A new mask needing the 16- and 32-key summaries (the forward's and the backward's
+    widths) gets both from one launch, equal to two one-width launches; with a ragged last tile
+    the 16-key tiles past the last key are not written."""
+    sri = _mask()[..., :seqlen_k, :].contiguous() if seqlen_k <= SK else None
+    if sri is None:
+        gen = torch.Generator().manual_seed(5)
+        sri = torch.randint(0, SQ + 1, (2, 1, seqlen_k, 1), generator=gen, dtype=torch.int32)
+        sri = sri.to(DEVICE)
+    bounds = torch.empty(2, 1, 4, seqlen_k, dtype=torch.int32, device=DEVICE)
+    counts = _count_launches(monkeypatch)
+    together: dict[int, torch.Tensor] = {}
+    kernels._summarize(sri, True, SQ, seqlen_k, bounds, together, [16, 32])
+    assert counts["summarize_kernel"] == 1
+    alone: dict[int, torch.Tensor] = {}
+    bounds_alone = torch.empty_like(bounds)
+    for width in (16, 32):
+        kernels._summarize(sri, True, SQ, seqlen_k, bounds_alone, alone, [width])
+    assert torch.equal(bounds, bounds_alone)
+    for width in (16, 32):
+        assert together[width].shape == alone[width].shape
+        assert torch.equal(together[width], alone[width]), width
+
+
+def test_a_forward_that_a_backward_follows_prepares_the_backwards_lists_too(monkeypatch):
+    """Inputs that require grad: the forward prepares its list and the backward's in one list
+    launch (after one summary launch for both widths); the backward then launches none, and
+    every result equals that of a layer whose passes prepared their own lists."""
+    sri = _mask()
+    wider = TileConfig(16, 16, 4, 1, 16, 32, 4, 1, 16, 16, 4, 1)  # dK/dV over 32-key tiles
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, do = (
+        torch.randn(2, SQ, 2, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkvd"
+    )
+    counts = _count_launches(monkeypatch)
+    qg = q.clone().requires_grad_()
+    out, lse = kernels.forward(qg, k, v, sri, True, 0.25, config=wider)
+    assert counts == {"summarize_kernel": 1, "tile_list_kernel": 1}
+    grads = kernels.backward(do, None, q, k, v, out, lse, sri, True, 0.25, True, config=wider)
+    assert counts == {"summarize_kernel": 1, "tile_list_kernel": 1}
+    kernels.clear_prepared()
+    plain_out, plain_lse = kernels.forward(q, k, v, sri, True, 0.25, config=wider)
+    plain = kernels.backward(do, None, q, k, v, plain_out, plain_lse, sri, True, 0.25, True,
+                             config=wider)  # fmt: skip
+    assert counts == {"summarize_kernel": 3, "tile_list_kernel": 3}
+    for a, b in zip((out, lse, *grads), (plain_out, plain_lse, *plain), strict=True):
+        assert torch.equal(a, b)

@@ -351,24 +351,39 @@ def _summarize(
     widths: list[int],
 ) -> None:
     """Add the per-key-tile summaries of the key-tile ``widths`` missing from ``summaries``; the
-    first summary ever built for ``bounds`` also writes the normalised bounds."""
+    first summary ever built for ``bounds`` also writes the normalised bounds. Two missing
+    widths of which the narrower divides the wider (the forward's 64 and the Gluon backward's
+    128) take one launch."""
     from flashmask.kernels.mask_prep import summarize_kernel
 
     batch, hm = bounds.shape[:2]
-    for bn in widths:
-        if bn in summaries:
-            continue
+    todo = sorted({bn for bn in widths if bn not in summaries}, reverse=True)
+    while todo:
+        bn = todo.pop(0)
+        sub = next((w for w in todo if bn % w == 0), 0)
+        if sub:
+            todo.remove(sub)
         tn = -(-seqlen_k // bn)
         summary = torch.empty(batch, hm, 8, tn, dtype=torch.int32, device=bounds.device)
+        sub_tiles = -(-seqlen_k // sub) if sub else 1
+        sub_summary = (
+            torch.empty(batch, hm, 8, sub_tiles, dtype=torch.int32, device=bounds.device)
+            if sub
+            else summary  # never written without SUB_N
+        )
         summarize_kernel[(tn, hm, batch)](
-            sri, bounds, summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
+            sri, bounds, summary, sub_summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
+            sub_tiles,
             CAUSAL=causal,
             BOUNDS_PER_COLUMN=sri.shape[-1],
             HAS_MASK=True,
             WRITE_BOUNDS=not summaries,
             BLOCK_N=bn,
+            SUB_N=sub,
         )  # fmt: skip
         summaries[bn] = summary
+        if sub:
+            summaries[sub] = sub_summary
 
 
 def _build_lists(
@@ -820,32 +835,46 @@ def forward(
     *,
     skip_tiles: bool = True,
     config: TileConfig | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
 
     ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
     Without ``config`` the tiles are :func:`tile_config`'s for the device, made smaller if a
-    kernel needs more shared memory than the GPU has.
+    kernel needs more shared memory than the GPU has. When ``q``, ``k`` or ``v`` requires grad,
+    the lists of the backward that ``deterministic`` will choose are prepared with the
+    forward's, in the same launches (a new mask's summaries and lists in two launches rather
+    than four), so that its backward finds them prepared.
     """
     if config is None:
         return _with_fitting_config(
             lambda cfg: forward(
                 q, k, v, startend_row_indices, causal, softmax_scale,
-                skip_tiles=skip_tiles, config=cfg,
+                skip_tiles=skip_tiles, config=cfg, deterministic=deterministic,
             ),
             q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip
     from flashmask.kernels.attention_fwd import LOG2E_VALUE, flashmask_fwd_kernel
 
+    backward_follows = skip_tiles and (q.requires_grad or k.requires_grad or v.requires_grad)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config)
-    bounds, (lists,) = prepare_cached(
-        startend_row_indices, causal, sq, sk, b, q.device, _forward_shapes(use_gluon, d, config),
-        skip_tiles,
-    )  # fmt: skip
+    shapes = _forward_shapes(use_gluon, d, config)
+    if backward_follows:
+        # The backward's (its dout is shaped and typed like q), to be built in one go.
+        shapes += [
+            shape
+            for shape in backward_list_shapes(
+                q, k, v, q, startend_row_indices, deterministic, config
+            )
+            if shape not in shapes
+        ]
+    bounds, (lists, *_) = prepare_cached(
+        startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
+    )
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 

@@ -41,6 +41,8 @@ this module only where the interpreter is off (Gluon refuses to load under it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -394,6 +396,7 @@ def gluon_fwd_kernel(
     )  # fmt: skip
 
 
+@functools.cache  # frozen: one object per shape serves every launch (host time)
 def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     """The NVMMA (wgmma-operand) shared layout of a ``[rows, head_dim]`` tile."""
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])

@@ -6,7 +6,9 @@ without a mask):
 
 * ``summarize_kernel`` (one program per (batch, mask head, key tile)): reads the raw
   ``[B, Hm, Sk, C]`` indices, writes the normalised ``[B, Hm, 4, Sk]`` bounds (optional) and the
-  8 min/max values of each bound over the tile's valid columns, ``[B, Hm, 8, Tn]``.
+  8 min/max values of each bound over the tile's valid columns, ``[B, Hm, 8, Tn]``; optionally
+  also those of a second, narrower key-tile width that divides the first (``SUB_N``: the
+  forward's 64-key and the Gluon backward's 128-key summaries in one launch).
 * ``tile_list_kernel`` (one program per (batch, mask head, outer tile) of each of up to two
   lists): classifies the tiles of one row (``ROW_MAJOR``: a query tile's key tiles) or one column
   (a key tile's query tiles) of the tile grid and compacts the survivors into a list (partial
@@ -23,16 +25,34 @@ BIG = tl.constexpr(2**30)
 
 
 @triton.jit
+def _store_summary(s, stride, lts, lte, uts, ute, valid, AXIS: tl.constexpr, store_mask):
+    """The 8 min/max values of the bounds over ``valid`` columns, reduced along ``AXIS``, at
+    ``s, s + stride, ... s + 7 * stride`` (where ``store_mask`` is set; ``None``: everywhere)."""
+    tl.store(s, tl.max(tl.where(valid, lts, -BIG), AXIS), mask=store_mask)
+    tl.store(s + stride, tl.min(tl.where(valid, lts, BIG), AXIS), mask=store_mask)
+    tl.store(s + 2 * stride, tl.max(tl.where(valid, lte, -BIG), AXIS), mask=store_mask)
+    tl.store(s + 3 * stride, tl.min(tl.where(valid, lte, BIG), AXIS), mask=store_mask)
+    tl.store(s + 4 * stride, tl.max(tl.where(valid, uts, -BIG), AXIS), mask=store_mask)
+    tl.store(s + 5 * stride, tl.min(tl.where(valid, uts, BIG), AXIS), mask=store_mask)
+    tl.store(s + 6 * stride, tl.max(tl.where(valid, ute, -BIG), AXIS), mask=store_mask)
+    tl.store(s + 7 * stride, tl.min(tl.where(valid, ute, BIG), AXIS), mask=store_mask)
+
+
+@triton.jit
 def summarize_kernel(
-    Indices, Bounds, Summary,
+    Indices, Bounds, Summary, SubSummary,
     stride_ib, stride_ih, stride_is, stride_ic,
-    num_mask_heads, seqlen_q, seqlen_k, num_n_tiles,
+    num_mask_heads, seqlen_q, seqlen_k, num_n_tiles, num_sub_tiles,
     CAUSAL: tl.constexpr,
     BOUNDS_PER_COLUMN: tl.constexpr,
     HAS_MASK: tl.constexpr,
     WRITE_BOUNDS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr,
 ):  # fmt: skip
+    """Summaries of the ``BLOCK_N``-key tiles into ``Summary``; with ``SUB_N`` (0: none; else
+    a divisor of ``BLOCK_N``) also of the ``SUB_N``-key tiles into ``SubSummary``
+    (``[B, Hm, 8, num_sub_tiles]``), each program its ``BLOCK_N // SUB_N`` of them."""
     n_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -71,14 +91,19 @@ def summarize_kernel(
         tl.store(out + 2 * seqlen_k, uts, mask=valid)
         tl.store(out + 3 * seqlen_k, ute, mask=valid)
     s = Summary + bh.to(tl.int64) * 8 * num_n_tiles + n_tile
-    tl.store(s, tl.max(tl.where(valid, lts, -BIG), 0))
-    tl.store(s + num_n_tiles, tl.min(tl.where(valid, lts, BIG), 0))
-    tl.store(s + 2 * num_n_tiles, tl.max(tl.where(valid, lte, -BIG), 0))
-    tl.store(s + 3 * num_n_tiles, tl.min(tl.where(valid, lte, BIG), 0))
-    tl.store(s + 4 * num_n_tiles, tl.max(tl.where(valid, uts, -BIG), 0))
-    tl.store(s + 5 * num_n_tiles, tl.min(tl.where(valid, uts, BIG), 0))
-    tl.store(s + 6 * num_n_tiles, tl.max(tl.where(valid, ute, -BIG), 0))
-    tl.store(s + 7 * num_n_tiles, tl.min(tl.where(valid, ute, BIG), 0))
+    _store_summary(s, num_n_tiles, lts, lte, uts, ute, valid, 0, None)
+    if SUB_N > 0:
+        # Row r of the [BLOCK_N // SUB_N, SUB_N] views is sub-tile n_tile * (BLOCK_N // SUB_N) + r;
+        # sub-tiles past the last key (a ragged last tile) are not stored.
+        subs: tl.constexpr = BLOCK_N // SUB_N
+        sub = n_tile * subs + tl.arange(0, subs)
+        s = SubSummary + bh.to(tl.int64) * 8 * num_sub_tiles + sub
+        view = (subs, SUB_N)
+        _store_summary(
+            s, num_sub_tiles, tl.reshape(lts, view), tl.reshape(lte, view),
+            tl.reshape(uts, view), tl.reshape(ute, view), tl.reshape(valid, view), 1,
+            sub < num_sub_tiles,
+        )  # fmt: skip
 
 
 @triton.jit
