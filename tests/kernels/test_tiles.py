@@ -416,3 +416,52 @@ def test_triton_prepare_costs_at_most_two_launches_per_call(masked, monkeypatch)
     classes = tiles.tile_classes(expected, True, sq, bm, bn)
     _assert_lists_equal(rows, tiles.forward_lists(classes), "row-major lists")
     _assert_lists_equal(cols, tiles.backward_lists(classes), "column-major lists")
+
+
+# Runs in a process of its own (Triton's interpreter off): the mask-preparation kernels compiled
+# for sm_90 as the launchers call them. The interpreter runs Python where the compiler needs
+# constexprs (an annotated constexpr local compiled under the interpreter only), so a kernel the
+# CPU tests pass can still fail to compile for the GPU.
+_COMPILE_MASK_PREP = """
+import itertools, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashmask.kernels.mask_prep import summarize_kernel, tile_list_kernel
+target = GPUTarget("cuda", 90, 32)
+def compile(kernel, runtime, constexprs):
+    names = kernel.arg_names
+    signature = {**runtime, **dict.fromkeys(constexprs, "constexpr")}
+    indexed = {(names.index(k),): v for k, v in constexprs.items()}
+    triton.compile(ASTSource(kernel, signature, constexprs=indexed), target=target)
+    print(json.dumps({"kernel": kernel.fn.__name__, **constexprs}))
+ints = lambda names: dict.fromkeys(names.split(), "i32")
+summary_args = {**dict.fromkeys(["Indices", "Bounds", "Summary", "SubSummary"], "*i32"),
+    **ints("stride_ib stride_ih stride_is stride_ic num_mask_heads seqlen_q seqlen_k "
+           "num_n_tiles num_sub_tiles")}
+for causal, c, (bn, sub) in itertools.product((True, False), (1, 2, 4), ((64, 0), (128, 64))):
+    if causal and c == 4:
+        continue
+    compile(summarize_kernel, summary_args, dict(CAUSAL=causal, BOUNDS_PER_COLUMN=c,
+        HAS_MASK=True, WRITE_BOUNDS=True, BLOCK_N=bn, SUB_N=sub))
+list_args = {}
+for slot in "AB":
+    list_args |= {f"{n}{slot}": "*i32" for n in ("Summary", "Entries", "Counts", "NumPartial")}
+    list_args |= {f"num_m_tiles_{slot.lower()}": "i32", f"num_n_tiles_{slot.lower()}": "i32"}
+list_args |= ints("num_outer_a seqlen_q seqlen_k")
+for has_mask in (True, False):
+    compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
+        ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
+        ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
+"""
+
+
+def test_the_mask_preparation_kernels_compile_for_sm90():
+    """Both kernels compile for Hopper in the forms the launchers use: summaries of one width
+    and of two (``SUB_N``) for every bounds form, and a two-list launch of the forward's and
+    the Gluon backward's tile shapes, with and without a mask."""
+    from tests.kernels.sm90_compile import json_lines
+
+    compiled = json_lines(["-c", _COMPILE_MASK_PREP])
+    summaries = [r for r in compiled if r["kernel"] == "summarize_kernel"]
+    assert {r["SUB_N"] for r in summaries} == {0, 64} and len(summaries) == 10
+    assert sum(r["kernel"] == "tile_list_kernel" for r in compiled) == 2

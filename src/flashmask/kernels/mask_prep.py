@@ -95,14 +95,12 @@ def summarize_kernel(
     if SUB_N > 0:
         # Row r of the [BLOCK_N // SUB_N, SUB_N] views is sub-tile n_tile * (BLOCK_N // SUB_N) + r;
         # sub-tiles past the last key (a ragged last tile) are not stored.
-        subs: tl.constexpr = BLOCK_N // SUB_N
-        sub = n_tile * subs + tl.arange(0, subs)
-        s = SubSummary + bh.to(tl.int64) * 8 * num_sub_tiles + sub
-        view = (subs, SUB_N)
+        sub = n_tile * (BLOCK_N // SUB_N) + tl.arange(0, BLOCK_N // SUB_N)
         _store_summary(
-            s, num_sub_tiles, tl.reshape(lts, view), tl.reshape(lte, view),
-            tl.reshape(uts, view), tl.reshape(ute, view), tl.reshape(valid, view), 1,
-            sub < num_sub_tiles,
+            SubSummary + bh.to(tl.int64) * 8 * num_sub_tiles + sub, num_sub_tiles,
+            tl.reshape(lts, (BLOCK_N // SUB_N, SUB_N)), tl.reshape(lte, (BLOCK_N // SUB_N, SUB_N)),
+            tl.reshape(uts, (BLOCK_N // SUB_N, SUB_N)), tl.reshape(ute, (BLOCK_N // SUB_N, SUB_N)),
+            tl.reshape(valid, (BLOCK_N // SUB_N, SUB_N)), 1, sub < num_sub_tiles,
         )  # fmt: skip
 
 
