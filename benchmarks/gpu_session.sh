@@ -75,6 +75,7 @@
 #   gluon-persistent gluon_backward.py with the prepared persistent grid (PERSISTENT_GRID=1):
 #                 12 masks at 8K, full/causal/sliding_window at 32K, four at hd64 8K (~150 s)
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
+#   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -393,6 +394,14 @@ for step in "$@"; do
     host-profile)
         run_step host_profile python benchmarks/host_overhead.py --seqlens 8192 \
             --masks sliding_window --profile
+        ;;
+    gluon-forward-8k)
+        # The Gluon forward against the Triton forward on all 12 masks at 8K (routed to the
+        # Triton one there with a mask since the seventh session's measurement).
+        all=full,causal,sliding_window,causal_document,document,share_question
+        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
+        all=$all,qk_sparse,random_eviction
+        run_step gluon_forward_8k python benchmarks/gluon_forward.py --seqlens 8192 --masks "$all"
         ;;
     gluon-16k)
         run_step gluon_forward_16k python benchmarks/gluon_forward.py --seqlens 16384 \
