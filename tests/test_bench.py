@@ -98,25 +98,32 @@ def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("call_ms", "reps"),
-    [(2.0, [100]), (56.0, [100, 308]), (900.0, [100, 4950])],
+    ("call_ms", "timed", "do_bench_reps"),
+    [(2.0, [1], [100]), (56.0, [1, 5], []), (900.0, [1, 5], [])],
 )
-def test_a_measurement_times_at_least_min_repeats_calls(monkeypatch, call_ms, reps):
-    """``rep_ms`` bounds the time of a measurement unless it holds fewer than ``min_repeats``
-    calls: then it is taken again over that many (do_bench times ``rep`` / its estimate)."""
+def test_a_measurement_times_at_least_min_repeats_calls(monkeypatch, call_ms, timed, do_bench_reps):
+    """One timed call estimates a call's length: within ``rep_ms`` for ``min_repeats`` calls,
+    do_bench times it over ``rep_ms``; a longer call is timed ``min_repeats`` times on its own
+    (the median of those), without do_bench's own five-call estimate."""
     import triton.testing
 
     from flashmask import bench
 
-    asked = []
+    asked, counts = [], []
 
     def fake_do_bench(fn, warmup, rep, return_mode):
         asked.append(rep)
         return call_ms
 
+    def fake_timed_calls(fn, calls):
+        counts.append(calls)
+        return [call_ms * (1 + 0.01 * i) for i in range(calls)]
+
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    assert bench._bench(lambda: None, 100, min_repeats=5) == call_ms
-    assert asked == reps
+    monkeypatch.setattr(bench, "_timed_calls_ms", fake_timed_calls)
+    expected = call_ms if do_bench_reps else call_ms * 1.02  # the median of five
+    assert bench._bench(lambda: None, 100, min_repeats=5) == pytest.approx(expected)
+    assert counts == timed and asked == do_bench_reps
 
 
 def test_min_repeats_below_one_is_refused_naming_the_option(capsys):

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -91,19 +92,39 @@ class Row:
 
 
 def _bench(fn: Callable[[], object], rep_ms: int, min_repeats: int = 5) -> float:
-    """Median ms per call of ``fn`` (``triton.testing.do_bench``: L2 flushed before each call)
-    over ``rep_ms``, or over at least ``min_repeats`` calls where ``rep_ms`` holds fewer: a 56 ms
-    call gets 3 timed calls in 100 ms (a 900 ms one a single call), whose median moved by up to
-    4% between runs of the same kernel on the H200."""
+    """Median ms per call of ``fn``, the L2 flushed before each timed call: over ``rep_ms``
+    (``triton.testing.do_bench``), or over ``min_repeats`` calls where ``rep_ms`` holds fewer
+    (a 56 ms call got 3 timed calls in 100 ms and a 900 ms one a single call, whose median moved
+    by up to 4% between runs of the same kernel on the H200). One warm-up call and one timed
+    call decide which: a long call is then timed ``min_repeats`` times with nothing else (do_bench
+    would first spend five calls estimating it again: ~20 calls per 128K measurement, not 7)."""
     import triton
 
-    ms = triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
-    if ms * min_repeats > rep_ms:
-        # do_bench times rep / (its own estimate of a call) calls: ask for min_repeats of them.
+    fn()
+    (estimate,) = _timed_calls_ms(fn, 1)
+    if estimate * min_repeats <= rep_ms:
         ms = triton.testing.do_bench(
-            fn, warmup=1, rep=math.ceil(ms * (min_repeats + 0.5)), return_mode="median"
+            fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"
         )
-    return float(ms)
+        return float(ms)
+    return float(statistics.median(_timed_calls_ms(fn, min_repeats)))
+
+
+def _timed_calls_ms(fn: Callable[[], object], calls: int) -> list[float]:
+    """The GPU time (ms, CUDA events) of each of ``calls`` calls of ``fn``, back to back, the L2
+    flushed before each by zeroing 256 MB (as ``do_bench`` does)."""
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(calls)
+    ]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def input_gradients(
