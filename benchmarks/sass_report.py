@@ -206,6 +206,8 @@ def launches(
     deterministic = not cfg.atomic_dq
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
     kernels._tma_usable = lambda tensors: True
+    # Every variant's own preparation launches (the launchers keep no-mask lists between calls).
+    kernels.clear_prepared()
     with Capture() as cap:
         kernels.forward(q, q, q, sri, causal, head_dim**-0.5, config=cfg)
         kernels.backward(
