@@ -49,13 +49,13 @@ def _kernel(module):
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
-    add_dkdv: bool = False, late_dq: int | None = None, persistent: bool | None = None,
+    add_dkdv: bool = False, late_dq: int | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
-    ``late_dq``, ``persistent``: ``gluon_bwd.LATE_DQ_HANDOFF`` and ``PERSISTENT_GRID`` unless
-    given, D = 64/128); registers, spills, shared memory and key instructions."""
+    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128); registers, spills,
+    shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -63,8 +63,6 @@ def compile_only(
         dq_tma = module.DQ_TMA
     if late_dq is None:
         late_dq = gluon_bwd.LATE_DQ_HANDOFF
-    if persistent is None:
-        persistent = gluon_bwd.PERSISTENT_GRID
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -85,7 +83,6 @@ def compile_only(
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
-        "num_kv_heads": "i32", "num_items": "i32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -94,7 +91,7 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "PERSISTENT": persistent}
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -110,7 +107,6 @@ def compile_only(
         "dkdv_fp32": dkdv_fp32,
         "add_dkdv": add_dkdv,
         "late_dq": late_dq if module is gluon_bwd else 0,
-        "persistent": persistent and module is gluon_bwd,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -143,7 +139,6 @@ VARIANT_CONSTANTS = (
     "ROW_TERMS_SMEM",
     "CHUNKS_ADD_IN_KERNEL",
     "LATE_DQ_HANDOFF",
-    "PERSISTENT_GRID",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )
@@ -320,10 +315,6 @@ def main() -> None:
         for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
             for causal, has_mask in ((False, False), (True, True)):
                 print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
-        for d in (64, 128):  # the persistent grid (PERSISTENT_GRID, off)
-            for causal, has_mask in ((False, False), (True, True)):
-                report = compile_only(d, causal, has_mask, persistent=True)
-                print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

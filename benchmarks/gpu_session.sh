@@ -72,8 +72,6 @@
 #   gluon-late-dq-precise the default (LATE_DQ_HANDOFF=2) against 0 and 1 on full and causal
 #                 at 8K and 32K, with do_bench over 1 s; gluon-chunks-add-128k CHUNKS_ADD_IN_KERNEL
 #                 at 128K full with its error against the Triton backward
-#   gluon-persistent gluon_backward.py with the prepared persistent grid (PERSISTENT_GRID=1):
-#                 12 masks at 8K, full/causal/sliding_window at 32K, four at hd64 8K (~150 s)
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
@@ -290,21 +288,6 @@ for step in "$@"; do
         # (fused multiply-adds make it differ from the launcher's sums in the last bit).
         run_step gluon_backward_chunks_add_128k python benchmarks/gluon_backward.py \
             --seqlens 131072 --masks full --variant CHUNKS_ADD_IN_KERNEL=1
-        ;;
-    gluon-persistent)
-        # The prepared persistent grid (PERSISTENT_GRID=1) on all 12 masks at 8K (lists of a
-        # few tiles: the per-program K/V load and dK/dV epilogue matter most) and full/causal
-        # at 32K; dK/dV should be bitwise equal to the default's (the same items, same order).
-        all=full,causal,sliding_window,causal_document,document,share_question
-        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
-        all=$all,qk_sparse,random_eviction
-        run_step gluon_backward_persistent python benchmarks/gluon_backward.py --seqlens 8192 \
-            --masks "$all" --variant PERSISTENT_GRID=1
-        run_step gluon_backward_persistent_32k python benchmarks/gluon_backward.py \
-            --seqlens 32768 --masks full,causal,sliding_window --variant PERSISTENT_GRID=1
-        run_step gluon_backward_persistent_hd64 python benchmarks/gluon_backward.py \
-            --head-dim 64 --seqlens 8192 --masks full,causal,sliding_window,document \
-            --variant PERSISTENT_GRID=1
         ;;
     check-gluon-bwd)
         # The quick GPU check's Gluon backward cases with GLUON_BWD's constants set.

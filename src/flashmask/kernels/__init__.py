@@ -214,16 +214,6 @@ def device_shared_memory(device: torch.device) -> int | None:
     return _shared_memory_of(_cuda_index(device))
 
 
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of CUDA ``device``: a persistent grid's programs (one per SM)."""
-    return _sm_count_of(_cuda_index(device))
-
-
 def _cuda_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 

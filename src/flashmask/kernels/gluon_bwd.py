@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, device_sm_count, query_chunks
+from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
 from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
@@ -140,15 +140,6 @@ CHUNKS_ADD_IN_KERNEL = True
 # stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
 # Triton 3.6).
 LATE_DQ_HANDOFF = 2
-# Off, kept for measurement: a persistent grid of one program per SM, each walking work items
-# (key tile, kv head, batch) ``pid, pid + programs, ...``, key tile fastest; the producer loads
-# an item's K/V as soon as the consumers have released the previous item's (``kv_empty``, before
-# its dK/dV stores) and its first Q/dO tiles into the free ring slots meanwhile. Measured on the
-# H200 (thirteenth session): full attention 1.00x, sliding_window 0.985-1.04x, every other mask
-# 0.82-0.91x at 8K and causal 0.84x at 32K (the static round-robin over lists of different
-# lengths leaves a tail the hardware's scheduling of one program per item does not); key tile
-# outermost was 0.79-0.95x (132 heads' Q/dO at once, no L2 reuse).
-PERSISTENT_GRID = False
 
 
 @gluon.jit
@@ -195,68 +186,20 @@ def _red_add_v4(dq_head, row0, stride_dqs, values):
 
 
 @gluon.jit
-def persistent_item(item, num_kv_heads, num_n_tiles):
-    """``(n_tile, h_kv, b)`` of work item ``item`` of a persistent grid (``PERSISTENT``): key
-    tile fastest, the non-persistent grid's launch order, so that the programs at work at one
-    time share a few heads' Q/dO streams in L2 (key tile outermost spread them over up to 132
-    heads: 10-25% slower at 8K, 11% at 32K full; thirteenth session)."""
-    rest = item // num_n_tiles
-    return item % num_n_tiles, rest % num_kv_heads, rest // num_kv_heads
-
-
-@gluon.jit
 def _bwd_load_partition(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
     entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
-    delta_ptr, num_heads_q, kv_empty, num_kv_heads, num_items,
+    delta_ptr, num_heads_q,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
-    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Producer warp: K and V once, then Q and dO of every listed query tile of every head (with
     ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
     ``delta_bufs[slot]``, loaded while the tile's copies run and released by a second arrival on
-    its "ready" barrier); with ``PERSISTENT`` that for each of the program's work items, each
-    K/V load once the consumers have released the previous one (``kv_empty``)."""
-    if PERSISTENT:
-        it = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            n_tile, h_kv, b = persistent_item(item, num_kv_heads, num_n_tiles)
-            t = item // gl.num_programs(0)  # the program's item count so far
-            mbarrier.wait(kv_empty, (t & 1) ^ 1)
-            it = _load_item(
-                q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
-                empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k,
-                heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, it, BLOCK_M, BLOCK_N,
-                HEAD_DIM, ROW_TERMS_SMEM,
-            )  # fmt: skip
-    else:
-        _load_item(
-            q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
-            empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
-            heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs,
-            lse_ptr, delta_ptr, num_heads_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _load_item(
-    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
-    entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
-    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
-    delta_ptr, num_heads_q, it,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
-):  # fmt: skip
-    """:func:`_bwd_load_partition`'s loads of one work item (key tile ``n_tile`` of kv head
-    ``h_kv`` in batch ``b``), its first tile the ``it``-th of the ring; returns the next."""
-    it = gl.to_tensor(it)  # loop-carried: a tensor even where the caller passes a constant
+    its "ready" barrier)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -264,6 +207,7 @@ def _load_item(
     tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    it = 0
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -294,57 +238,25 @@ def _load_item(
                 delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
                 mbarrier.arrive(bar, count=1)
             it += 1
-    return it
 
 
 @gluon.jit
 def _bwd_dq_writer_partition(
     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
     seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh, num_kv_heads, num_items,
+    stride_dqb, stride_dqs, stride_dqh,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps: walk the producer's tile sequence and add each tile's
     scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer (with
-    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``; with ``PERSISTENT`` over
-    each of the program's work items)."""
-    if PERSISTENT:
-        it = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            n_tile, h_kv, b = persistent_item(item, num_kv_heads, num_n_tiles)
-            it = _write_item(
-                dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv,
-                n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, it, BLOCK_M,
-                HEAD_DIM, DQ_TMA,
-            )  # fmt: skip
-    else:
-        _write_item(
-            dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
-            seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-            num_n_tiles, stride_dqb, stride_dqs, stride_dqh, 0, BLOCK_M, HEAD_DIM, DQ_TMA,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _write_item(
-    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
-    seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh, it,
-    BLOCK_M: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-):  # fmt: skip
-    """:func:`_bwd_dq_writer_partition`'s adds of one work item, its first tile the ``it``-th of
-    the ring; returns the next."""
-    it = gl.to_tensor(it)  # loop-carried: a tensor even where the caller passes a constant
+    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``)."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
     step: gl.constexpr = 8
+    it = 0
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -369,7 +281,6 @@ def _write_item(
             # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
             mbarrier.arrive(dq_empty.index(buf), count=1)
             it += 1
-    return it
 
 
 @gluon.jit
@@ -499,7 +410,7 @@ def _bwd_compute_partition(
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
     n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale, lse_bufs, delta_bufs, kv_empty, num_kv_heads, num_items,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -510,7 +421,6 @@ def _bwd_compute_partition(
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
-    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
     ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
@@ -519,61 +429,7 @@ def _bwd_compute_partition(
     with the store) or leaving it running into the next tile were measured on the H200 and lost
     on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session). With
     ``LATE_DQ`` the awaited dQ is handed over only once the next tile's score products are
-    issued (see ``LATE_DQ_HANDOFF``). With ``PERSISTENT`` that for each of the program's work
-    items, releasing K/V (``kv_empty``) once an item's products are in, before its dK/dV
-    stores."""
-    if PERSISTENT:
-        it = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            n_tile, h_kv, b = persistent_item(item, num_kv_heads, num_n_tiles)
-            mbarrier.wait(kv_bar, (item // gl.num_programs(0)) & 1)
-            it = _compute_item(
-                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, dq_full,
-                dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
-                heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb,
-                stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs, kv_empty,
-                it, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, PERSISTENT,
-            )  # fmt: skip
-        if LATE_DQ:
-            publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
-    else:
-        mbarrier.wait(kv_bar, 0)
-        _compute_item(
-            k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, dq_full,
-            dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-            b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
-            heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb,
-            stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs, kv_empty,
-            0, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM,
-            ADD_DKDV, LATE_DQ, PERSISTENT,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _compute_item(
-    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, ready, empty, dq_full, dq_empty,
-    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
-    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale, lse_bufs, delta_bufs, kv_empty, it,
-    CAUSAL: gl.constexpr,
-    HAS_MASK: gl.constexpr,
-    HAS_UPPER: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
-    ADD_DKDV: gl.constexpr,
-    LATE_DQ: gl.constexpr,
-    PERSISTENT: gl.constexpr,
-):  # fmt: skip
-    """:func:`_bwd_compute_partition`'s work on one item (key tile ``n_tile`` of kv head
-    ``h_kv`` in batch ``b``, its K/V in place), its first tile the ``it``-th of the ring;
-    returns the next."""
-    it = gl.to_tensor(it)  # loop-carried: a tensor even where the caller passes a constant
+    issued (see ``LATE_DQ_HANDOFF``)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -595,6 +451,8 @@ def _compute_item(
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
 
+    mbarrier.wait(kv_bar, 0)
+    it = 0
     for g in range(heads_per_kv):
         h, mask_head, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -662,17 +520,12 @@ def _compute_item(
             else:
                 hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
-    if LATE_DQ and not PERSISTENT:
+    if LATE_DQ:
         # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
         publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
-    if PERSISTENT:
-        # Every product of the item is in: the producer may load the next item's K and V while
-        # dK and dV are stored.
-        mbarrier.arrive(kv_empty, count=1)
 
     store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
                 softmax_scale, ADD_DKDV)  # fmt: skip
-    return it
 
 
 @gluon.jit
@@ -752,7 +605,7 @@ def gluon_bwd_kernel(
     bounds_ptr,
     entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_kv_heads, num_items,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -767,14 +620,11 @@ def gluon_bwd_kernel(
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
-    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
     ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer; ``None``
-    without). With ``PERSISTENT`` the grid is ``(programs,)`` and each program walks the work
-    items (key tile, kv head, batch) ``program_id, program_id + programs, ...`` of
-    ``num_n_tiles * num_kv_heads * batch`` (``num_items``; :func:`persistent_item`)."""
+    without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -791,10 +641,6 @@ def gluon_bwd_kernel(
     lse_bufs, delta_bufs = allocate_row_terms(
         lse_ptr, delta_ptr, BLOCK_M, NUM_BUFFERS, ROW_TERMS_SMEM
     )
-    kv_empty = kv_bar  # a stand-in that no partition uses without PERSISTENT
-    if PERSISTENT:
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty, count=1)
     # The dQ writer is a second worker (hence two warp_specialize calls).
     gl.warp_specialize(
         [
@@ -806,9 +652,8 @@ def gluon_bwd_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-                    delta_bufs, kv_empty, num_kv_heads, num_items, CAUSAL, HAS_MASK, HAS_UPPER,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
-                    PERSISTENT,
+                    delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+                    ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
                 ),
             ),
             (
@@ -817,9 +662,8 @@ def gluon_bwd_kernel(
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
                     ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
                     seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q,
-                    kv_empty, num_kv_heads, num_items, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ROW_TERMS_SMEM, PERSISTENT,
+                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
+                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -827,8 +671,8 @@ def gluon_bwd_kernel(
                 (
                     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                     h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh,
-                    num_kv_heads, num_items, BLOCK_M, HEAD_DIM, DQ_TMA, PERSISTENT,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
@@ -870,7 +714,7 @@ def backward(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
-        LATE_DQ=LATE_DQ_HANDOFF, PERSISTENT=PERSISTENT_GRID,
+        LATE_DQ=LATE_DQ_HANDOFF,
     )  # fmt: skip
 
 
@@ -978,15 +822,13 @@ def _launch_once(
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
-    items = tn * hk * b
-    grid = (min(items, device_sm_count(q.device)),) if constants.get("PERSISTENT") else (tn, hk, b)
-    kernel[grid](
+    kernel[(tn, hk, b)](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
-        softmax_scale * LOG2E_VALUE, softmax_scale, hk, items,
+        softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
