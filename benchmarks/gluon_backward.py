@@ -37,10 +37,7 @@ from flashmask import kernels
 from flashmask.kernels import gluon_bwd, gluon_bwd256, query_chunks
 from flashmask.kernels.gluon_fwd import shared_layout
 
-OPCODES = (
-    "HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR", "ATOMG",
-    "STG",
-)  # fmt: skip
+OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
 
 
 def _kernel(module):
@@ -52,14 +49,13 @@ def _kernel(module):
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
-    add_dkdv: bool = False, late_dq: int | None = None, convert_dq: bool | None = None,
+    add_dkdv: bool = False, late_dq: int | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
-    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``convert_dq``: dQ
-    converted in the kernel, the module's ``CONVERT_DQ_IN_KERNEL`` with ``dq_tma`` unless
-    given); registers, spills, shared memory and key instructions."""
+    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128); registers, spills,
+    shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -67,8 +63,6 @@ def compile_only(
         dq_tma = module.DQ_TMA
     if late_dq is None:
         late_dq = gluon_bwd.LATE_DQ_HANDOFF
-    if convert_dq is None:
-        convert_dq = module.CONVERT_DQ_IN_KERNEL and dq_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -82,7 +76,6 @@ def compile_only(
         "dq_ptr": "*fp32",
         **({"dq_desc": f"tensordesc<fp32[{rows_q}, {head_dim}],"
                        f"{gluon_bwd.dq_shared_layout(head_dim)!r}>"} if dq_tma else {}),
-        "dq_out_ptr": f"*{short}", "visits_ptr": "*i32", "arrivals_ptr": "*i32",
         "dk_ptr": "*fp32" if dkdv_fp32 else f"*{short}",
         "dv_ptr": "*fp32" if dkdv_fp32 else f"*{short}", "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
@@ -98,17 +91,11 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem,
-              "CONVERT_DQ": convert_dq,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
-        # As a launch specialises them: aligned buffers, strides and lengths multiples of 16.
-        tuple(
-            name for name, kind in signature.items()
-            if kind.startswith("*") or name.startswith(("stride_", "seqlen_"))
-        ),
     )  # fmt: skip
     return {
         "head_dim": head_dim,
@@ -120,7 +107,6 @@ def compile_only(
         "dkdv_fp32": dkdv_fp32,
         "add_dkdv": add_dkdv,
         "late_dq": late_dq if module is gluon_bwd else 0,
-        "convert_dq": convert_dq,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -153,7 +139,6 @@ VARIANT_CONSTANTS = (
     "ROW_TERMS_SMEM",
     "CHUNKS_ADD_IN_KERNEL",
     "LATE_DQ_HANDOFF",
-    "CONVERT_DQ_IN_KERNEL",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )
@@ -330,10 +315,6 @@ def main() -> None:
         for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
             for causal, has_mask in ((False, False), (True, True)):
                 print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
-        for d in kernels.GLUON_BWD_HEAD_DIMS:  # dQ converted the other way than by default
-            shipped = kernels.gluon_backward_module(d).CONVERT_DQ_IN_KERNEL
-            report = compile_only(d, True, True, convert_dq=not shipped)
-            print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

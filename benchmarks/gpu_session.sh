@@ -74,8 +74,6 @@
 #                 at 128K full with its error against the Triton backward
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
-#   gluon-convert-dq gluon_backward.py: dQ converted in the kernel against the launcher's
-#                 passes (CONVERT_DQ_IN_KERNEL), 12 masks at 8K/32K; hd64, hd256 at 8K
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -290,22 +288,6 @@ for step in "$@"; do
         # (fused multiply-adds make it differ from the launcher's sums in the last bit).
         run_step gluon_backward_chunks_add_128k python benchmarks/gluon_backward.py \
             --seqlens 131072 --masks full --variant CHUNKS_ADD_IN_KERNEL=1
-        ;;
-    gluon-convert-dq)
-        # dQ converted by each query tile's last contributor in the kernel (the default at
-        # D = 64/128) against the launcher's zeroing and conversion passes, 12 masks at 8K and
-        # 32K (dQ error against the Triton backward for both); hd64 and hd256 at 8K.
-        all=full,causal,sliding_window,causal_document,document,share_question
-        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
-        all=$all,qk_sparse,random_eviction
-        run_step gluon_backward_convert_dq python benchmarks/gluon_backward.py \
-            --variant CONVERT_DQ_IN_KERNEL=0 --masks "$all"
-        run_step gluon_backward_convert_dq_hd64 python benchmarks/gluon_backward.py \
-            --head-dim 64 --seqlens 8192 --variant CONVERT_DQ_IN_KERNEL=0 \
-            --masks full,causal,sliding_window,document,share_question
-        run_step gluon_backward_convert_dq_hd256 python benchmarks/gluon_backward.py \
-            --head-dim 256 --seqlens 8192 --variant CONVERT_DQ_IN_KERNEL=1 \
-            --masks full,causal,sliding_window,document
         ;;
     check-gluon-bwd)
         # The quick GPU check's Gluon backward cases with GLUON_BWD's constants set.

@@ -444,23 +444,21 @@ for causal, c, (bn, sub) in itertools.product((True, False), (1, 2, 4), ((64, 0)
     compile(summarize_kernel, summary_args, dict(CAUSAL=causal, BOUNDS_PER_COLUMN=c,
         HAS_MASK=True, WRITE_BOUNDS=True, BLOCK_N=bn, SUB_N=sub))
 list_args = {}
-for slot in "ABC":
+for slot in "AB":
     list_args |= {f"{n}{slot}": "*i32" for n in ("Summary", "Entries", "Counts", "NumPartial")}
     list_args |= {f"num_m_tiles_{slot.lower()}": "i32", f"num_n_tiles_{slot.lower()}": "i32"}
-list_args |= ints("num_outer_a num_outer_ab seqlen_q seqlen_k")
+list_args |= ints("num_outer_a seqlen_q seqlen_k")
 for has_mask in (True, False):
     compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
-        ROW_MAJOR_A=True, BLOCK_M_A=128, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
-        ROW_MAJOR_B=False, BLOCK_M_B=64, BLOCK_N_B=128, CHUNK_B=64, HAS_C=True,
-        ROW_MAJOR_C=True, BLOCK_M_C=64, BLOCK_N_C=128, CHUNK_C=64))
+        ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
+        ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
 """
 
 
 def test_the_mask_preparation_kernels_compile_for_sm90():
     """Both kernels compile for Hopper in the forms the launchers use: summaries of one width
-    and of two (``SUB_N``) for every bounds form, and a three-list launch of the forward's and
-    the Gluon backward's tile shapes (its column-major walk, its row-major counts), with and
-    without a mask."""
+    and of two (``SUB_N``) for every bounds form, and a two-list launch of the forward's and
+    the Gluon backward's tile shapes, with and without a mask."""
     from tests.kernels.sm90_compile import json_lines
 
     compiled = json_lines(["-c", _COMPILE_MASK_PREP])

@@ -17,7 +17,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -387,15 +387,14 @@ def _build_lists(
     shapes: list[tuple[int, int, bool]],
     skip_tiles: bool,
 ) -> dict[tuple[int, int, bool], tiles.TileLists]:
-    """The tile lists of the distinct ``shapes``, three per launch (``summaries`` empty: no
-    mask)."""
+    """The tile lists of the distinct ``shapes``, two per launch (``summaries`` empty: no mask)."""
     from flashmask.kernels.mask_prep import tile_list_kernel
 
     built: dict[tuple[int, int, bool], tiles.TileLists] = {}
     todo = list(dict.fromkeys(shapes))  # each distinct list once
-    for group in (todo[i : i + 3] for i in range(0, len(todo), 3)):
+    for pair in (todo[i : i + 2] for i in range(0, len(todo), 2)):
         args, flags, outers = [], {}, []
-        for slot, (bm, bn, row_major) in zip("ABC", group, strict=False):
+        for slot, (bm, bn, row_major) in zip("AB", pair, strict=False):
             tm, tn = -(-seqlen_q // bm), -(-seqlen_k // bn)
             outer, inner = (tm, tn) if row_major else (tn, tm)
             lists = tiles.TileLists(
@@ -413,18 +412,15 @@ def _build_lists(
                 f"BLOCK_N_{slot}": bn,
                 f"CHUNK_{slot}": min(256, max(16, 1 << (inner - 1).bit_length())),
             }
-        slot_args = args[:6]
-        slot_flags = {k: v for k, v in flags.items() if k.endswith("_A")}
-        for slot in "BC"[len(group) - 1 :]:  # unused slots: copies of A's that no program reads
-            args += slot_args
-            flags |= {k.replace("_A", f"_{slot}"): v for k, v in slot_flags.items()}
+        if len(pair) == 1:  # slot B unused: a copy of A's arguments that no program reads
+            args += args
+            flags |= {k.replace("_A", "_B"): v for k, v in flags.items()}
         tile_list_kernel[(sum(outers), hm, batch)](
-            *args, outers[0], sum(outers[:2]), seqlen_q, seqlen_k,
+            *args, outers[0], seqlen_q, seqlen_k,
             CAUSAL=causal,
             HAS_MASK=bool(summaries),
             SKIP_TILES=skip_tiles,
-            HAS_B=len(group) >= 2,
-            HAS_C=len(group) == 3,
+            HAS_B=len(pair) == 2,
             **flags,
         )  # fmt: skip
     return built
@@ -780,9 +776,7 @@ def _backward_shapes(
     use_gluon: bool, deterministic: bool, head_dim: int, config: TileConfig
 ) -> list[tuple[int, int, bool]]:
     if use_gluon:
-        # Column-major for the kernel's walk; row-major for its counts (``DqTiles.visits``).
-        keys = gluon_backward_keys(head_dim)
-        return [(GLUON_BWD_QUERIES, keys, False), (GLUON_BWD_QUERIES, keys, True)]
+        return [(GLUON_BWD_QUERIES, gluon_backward_keys(head_dim), False)]
     shapes = [(config.bwd_m, config.bwd_n, False)]
     if not (config.atomic_dq and not deterministic):  # the separate dQ pass has its own lists
         shapes.append((config.dq_m, config.dq_n, True))
@@ -930,68 +924,20 @@ def forward(
     return out, lse
 
 
-class DqTiles(NamedTuple):
-    """The buffers of a Gluon backward that converts dQ in the kernel (``gluon_bwd``'s
-    ``CONVERT_DQ``), from :func:`dq_tiles`; :func:`backward_delta` initialises them.
-
-    ``accum``: the fp32 sums, ``[B, Sq, H, D]`` contiguous; ``out``: dQ in the inputs' dtype,
-    the same shape and strides; ``visits``: int32 ``[B, Hm, Tm]``, how many key tiles add to
-    each ``GLUON_BWD_QUERIES``-row query tile (the counts of the row-major list at the
-    backward's tile shape); ``arrivals``: int32 ``[B, H, Tm]``, the kernel's counters."""
-
-    accum: torch.Tensor
-    out: torch.Tensor
-    visits: torch.Tensor
-    arrivals: torch.Tensor
-
-
-def dq_tiles(q: torch.Tensor, visits: torch.Tensor) -> DqTiles:
-    """Uninitialised :class:`DqTiles` for ``q`` (``[B, Sq, H, D]``) and ``visits``."""
-    b, sq, hq, _ = q.shape
-    tm = visits.shape[-1]
-    if tm != triton_cdiv(sq, GLUON_BWD_QUERIES):
-        raise ValueError(f"visits: expected {triton_cdiv(sq, GLUON_BWD_QUERIES)} query tiles")
-    return DqTiles(
-        torch.empty(q.shape, dtype=torch.float32, device=q.device),
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        visits,
-        torch.empty(b, hq, tm, dtype=torch.int32, device=q.device),
-    )
-
-
 def backward_delta(
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    dq_tiles: DqTiles | None = None,
+    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
 ) -> torch.Tensor:
     """``delta = rowsum(dO * O) - dlse``, float32 ``[B, H, Sq]`` (``out``/``dout``
-    ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term.
-
-    With ``dq_tiles`` the same launch also zeroes ``dq_tiles.accum`` and ``dq_tiles.arrivals``
-    and the query tiles of ``dq_tiles.out`` that no key tile visits (their dQ is zero and no
-    contributor converts them); each program's 64 rows are one such tile."""
+    ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term."""
     from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
 
     out = _last_dim_contiguous(out)
     b, sq, hq, d = out.shape
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=out.device)
     dlse_arg = delta if dlse is None else dlse.float().contiguous()
-    prepare = dq_tiles is not None
-    if prepare:
-        accum, dq_out, visits, arrivals = dq_tiles
-        if accum.shape != out.shape or dq_out.stride() != accum.stride():
-            raise ValueError("dq_tiles: accum and out must be shaped like out, one layout")
-        hm = visits.shape[1]
-    else:  # stand-ins that no program reads
-        accum = dq_out = out
-        visits = arrivals = delta
-        hm = 1
-    flashmask_bwd_delta_kernel[(triton_cdiv(sq, GLUON_BWD_QUERIES), hq, b)](
-        out, dout, dlse_arg, delta, accum, dq_out, visits, arrivals,
-        *_s3(out), *_s3(dout), *_s3(accum), sq, hq, hq // hm, hm, d,
-        HAS_DLSE=dlse is not None, PREPARE_DQ=prepare, BLOCK_M=GLUON_BWD_QUERIES,
-        BLOCK_D=_block_d(d),
+    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
+        out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
+        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
     )  # fmt: skip
     return delta
 
@@ -1046,21 +992,12 @@ def backward(
     use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
     shapes = _backward_shapes(use_gluon, deterministic, d, config)
     if use_gluon:
-        bounds, (lists, row_lists) = prepare_cached(
-            startend_row_indices, causal, sq, sk, b, q.device, shapes
-        )
+        bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
-        module = gluon_backward_module(d)
-        tiles_in_kernel = None
-        if module.CONVERT_DQ_IN_KERNEL and module.DQ_TMA:
-            from flashmask.kernels import gluon_bwd
-
-            if not gluon_bwd.runs_in_query_chunks(q, k, masked, causal):
-                tiles_in_kernel = dq_tiles(q, row_lists.counts)
-        delta = backward_delta(out, dout, dlse, tiles_in_kernel)
-        return module.backward(
+        delta = backward_delta(out, dout, dlse)
+        return gluon_backward_module(d).backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
-            softmax_scale, tiles_in_kernel,
+            softmax_scale,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     bounds, lists = prepare_cached(

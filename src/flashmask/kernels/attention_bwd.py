@@ -468,21 +468,15 @@ def flashmask_bwd_fused_kernel(
 
 @triton.jit
 def flashmask_bwd_delta_kernel(
-    Out, DO, DLse, Delta, DqAccum, DqOut, Visits, Arrivals,
+    Out, DO, DLse, Delta,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, num_heads_q, heads_per_mask_head, num_mask_heads, head_dim,
+    seqlen_q, num_heads_q, head_dim,
     HAS_DLSE: tl.constexpr,
-    PREPARE_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term).
-
-    With ``PREPARE_DQ`` (``kernels.DqTiles``) the program also zeroes its rows of the fp32 dQ
-    sums ``DqAccum`` and its tile's counter in ``Arrivals`` (``[B * H, Tm]``), and, where no key
-    tile visits the tile (``Visits``, ``[B * Hm, Tm]``, is 0), its rows of ``DqOut``."""
+    """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term)."""
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -506,12 +500,3 @@ def flashmask_bwd_delta_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLse + rows, mask=row_ok, other=0.0)
     tl.store(Delta + rows, delta, mask=row_ok)
-    if PREPARE_DQ:
-        dq_offs = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-        tl.store(DqAccum + dq_offs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
-        tl.store(Arrivals + bh * tl.cdiv(seqlen_q, BLOCK_M) + m_tile, 0)
-        mask_head = b * num_mask_heads + h // heads_per_mask_head
-        visits = tl.load(Visits + mask_head * tl.cdiv(seqlen_q, BLOCK_M) + m_tile)
-        if visits == 0:
-            zero = tl.zeros([BLOCK_M, BLOCK_D], DqOut.dtype.element_ty)
-            tl.store(DqOut + dq_offs, zero, mask=mask)

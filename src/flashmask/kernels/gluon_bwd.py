@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, DqTiles, query_chunks
+from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
 from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
@@ -140,15 +140,6 @@ CHUNKS_ADD_IN_KERNEL = True
 # stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
 # Triton 3.6).
 LATE_DQ_HANDOFF = 2
-# Each query tile's last contributor converts its fp32 dQ sums into the output dtype in the
-# kernel (``CONVERT_DQ``: a per-tile arrival counter against the tile's number of contributing
-# programs, the visits of a row-major list), and the delta kernel zeroes the fp32 sums and the
-# counters as it reads O and dO (``kernels.backward_delta``'s ``dq_tiles``), instead of a
-# ``torch.zeros`` before the kernel and a conversion pass after it (93 + 59 us of GPU time per
-# 8K call at 16 heads and 32K tokens, thirteenth session). Predicted: -90 us per 8K call
-# (+6% on sliding_window, ~1% on the dense masks). False: the launcher's passes (kept for
-# measurement; query-chunked full attention always takes them).
-CONVERT_DQ_IN_KERNEL = True
 
 
 @gluon.jit
@@ -250,105 +241,22 @@ def _bwd_load_partition(
 
 
 @gluon.jit
-def _wait_bulk_writes(token, PENDING: gl.constexpr):
-    """``cp.async.bulk.wait_group PENDING``: this thread's TMA reduce-adds but the last
-    ``PENDING`` have completed, their adds in global memory (``tma.store_wait`` waits for their
-    reads of shared memory only). ``token``: any scalar, for the asm's operand list."""
-    gl.inline_asm_elementwise(
-        f"cp.async.bulk.wait_group {PENDING};\nmov.b32 $0, 0;",
-        "=r,r",
-        [token],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _fence_async_global(token):
-    """``fence.proxy.async.global``: the async proxy (the TMA load that follows) observes what
-    this thread's generic-proxy operations have acquired. ``token``: any scalar."""
-    gl.inline_asm_elementwise(
-        "fence.proxy.async.global;\nmov.b32 $0, 0;", "=r,r", [token], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _arrive_and_convert(
-    dq_desc, dq_smem, convert_bar, converted, dq_out_ptr, visits_ptr, arrivals_ptr, b, h, m_tile,
-    seqlen_q, num_heads_q, heads_per_mask_head, num_mask_heads, num_m_tiles, stride_dqb,
-    stride_dqs, stride_dqh,
-    BLOCK_M: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-):  # fmt: skip
-    """Count one more added contribution to query tile ``m_tile`` of head ``h``'s fp32 dQ (its
-    counter in ``arrivals_ptr``), whose adds are complete (:func:`_wait_bulk_writes`); the last
-    of the tile's contributors (``visits_ptr``) loads its sums (through ``dq_desc``) into
-    ``dq_smem`` and stores them in ``dq_out_ptr``'s dtype. Returns ``converted`` (this writer's
-    conversions so far, the phase of ``convert_bar``) plus one if it converted.
-
-    The counter's atomic is acquire-release at GPU scope: each contributor releases its adds
-    with its increment and the last one acquires all of them before its TMA load (which reads
-    L2, behind a proxy fence)."""
-    # The increment follows every writer thread's wait (the issuing thread's is the one that
-    # waits for something).
-    visits = gl.load(visits_ptr + (b * num_mask_heads + h // heads_per_mask_head) * num_m_tiles
-                     + m_tile)  # fmt: skip
-    _partition_barrier()
-    arrival = (b * num_heads_q + h) * num_m_tiles + m_tile
-    arrived = gl.atomic_add(arrivals_ptr + arrival, 1, sem="acq_rel", scope="gpu")
-    if arrived == visits - 1:
-        _fence_async_global(arrived)
-        mbarrier.expect(convert_bar, dq_desc.block_type.nbytes)
-        tma_load(dq_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], convert_bar, dq_smem)
-        mbarrier.wait(convert_bar, converted & 1)
-        layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
-        step: gl.constexpr = 8
-        rows = gl.arange(0, step, gl.SliceLayout(1, layout))
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-        tile_offset = (
-            b.to(gl.int64) * stride_dqb + h * stride_dqh
-            + (m_tile * BLOCK_M).to(gl.int64) * stride_dqs
-        )  # fmt: skip
-        offsets = tile_offset + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]
-        for r in gl.static_range(0, BLOCK_M, step):
-            values = dq_smem.slice(r, step).load(layout)
-            gl.store(dq_out_ptr + offsets + r * stride_dqs, values.to(dq_out_ptr.dtype.element_ty))
-        converted += 1
-    return converted
-
-
-@gluon.jit
 def _bwd_dq_writer_partition(
-    dq_bufs, dq_full, dq_empty, convert_bar, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv,
-    n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-    num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_out_ptr, visits_ptr, arrivals_ptr,
-    num_heads_q,
+    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
+    seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    stride_dqb, stride_dqs, stride_dqh,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps: walk the producer's tile sequence and add each tile's
     scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer (with
-    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``).
-
-    With ``CONVERT_DQ`` (which needs ``DQ_TMA``) each query tile's last contributor also
-    writes the tile in ``dq_out_ptr``'s dtype (:func:`_arrive_and_convert`; ``visits_ptr``: how
-    many programs add to each tile, ``[B * Hm, Tm]``; ``arrivals_ptr``: zeroed int32 counters,
-    ``[B * H, Tm]``; ``dq_out_ptr`` shares the fp32 buffer's strides). A tile's arrival is
-    counted one tile late, once the next tile's reduce has read its buffer, so that its adds
-    have completed meanwhile; the conversion goes through that buffer, released after it."""
+    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``)."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
     step: gl.constexpr = 8
     it = 0
-    # CONVERT_DQ: the previous tile's head and query tile; conversions so far.
-    pending_h = b * 0
-    pending_m_tile = b * 0
-    converted = b * 0
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -370,31 +278,9 @@ def _bwd_dq_writer_partition(
                 for r in gl.static_range(0, BLOCK_M, step):
                     values = dq_smem.slice(r, step).load(layout)
                     _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
-            if CONVERT_DQ:
-                if it > 0:
-                    # All but this tile's reduce complete: the previous tile's adds are in.
-                    _wait_bulk_writes(it, 1)
-                    converted = _arrive_and_convert(
-                        dq_desc, dq_smem, convert_bar, converted, dq_out_ptr, visits_ptr,
-                        arrivals_ptr, b, pending_h, pending_m_tile, seqlen_q, num_heads_q,
-                        heads_per_mask_head, num_mask_heads, num_m_tiles, stride_dqb,
-                        stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
-                    )  # fmt: skip
-                pending_h = h
-                pending_m_tile = m_tile
             # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
             mbarrier.arrive(dq_empty.index(buf), count=1)
             it += 1
-    if CONVERT_DQ:
-        if it > 0:
-            # The last tile's, through its own buffer (no tile follows to need it).
-            _wait_bulk_writes(it, 0)
-            _arrive_and_convert(
-                dq_desc, dq_bufs.index((it - 1) % num_dq_buffers), convert_bar, converted,
-                dq_out_ptr, visits_ptr, arrivals_ptr, b, pending_h, pending_m_tile, seqlen_q,
-                num_heads_q, heads_per_mask_head, num_mask_heads, num_m_tiles, stride_dqb,
-                stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
-            )  # fmt: skip
 
 
 @gluon.jit
@@ -667,11 +553,10 @@ def allocate_rings(
     DQ_TMA: gl.constexpr,
     READY_ARRIVALS: gl.constexpr,
 ):
-    """``(kv_bar, ready, empty, dq_bufs, dq_full, dq_empty, convert_bar)``, initialised: the
-    K/V barrier, the Q/dO slots' "ready"/"empty" barriers ("ready" completing after
-    ``READY_ARRIVALS`` arrivals and the copies' bytes), the ring of ``DQ_BUFFERS`` fp32 dQ tiles
-    with its "dq_full"/"dq_empty" barriers and the barrier of the writer's loads of tiles to
-    convert (see :func:`_bwd_dq_writer_partition`)."""
+    """``(kv_bar, ready, empty, dq_bufs, dq_full, dq_empty)``, initialised: the K/V barrier, the
+    Q/dO slots' "ready"/"empty" barriers ("ready" completing after ``READY_ARRIVALS`` arrivals
+    and the copies' bytes) and the ring of ``DQ_BUFFERS`` fp32 dQ tiles with its
+    "dq_full"/"dq_empty" barriers (see :func:`_bwd_dq_writer_partition`)."""
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -696,9 +581,7 @@ def allocate_rings(
     for i in gl.static_range(DQ_BUFFERS):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
-    convert_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(convert_bar, count=1)
-    return kv_bar, ready, empty, dq_bufs, dq_full, dq_empty, convert_bar
+    return kv_bar, ready, empty, dq_bufs, dq_full, dq_empty
 
 
 @gluon.jit
@@ -718,8 +601,8 @@ def allocate_row_terms(lse_ptr, delta_ptr, BLOCK_M: gl.constexpr, NUM_BUFFERS: g
 
 @gluon.jit
 def gluon_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dq_out_ptr,
-    visits_ptr, arrivals_ptr, dk_ptr, dv_ptr, bounds_ptr,
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
+    bounds_ptr,
     entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
@@ -737,14 +620,11 @@ def gluon_bwd_kernel(
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
     ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer; ``None``
-    without); with ``CONVERT_DQ`` each query tile's last contributor also stores the tile in
-    ``dq_out_ptr``'s dtype (``visits_ptr``/``arrivals_ptr``: see
-    ``_bwd_dq_writer_partition``; unread without)."""
+    without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile = gl.program_id(0)
     h_kv = gl.program_id(1)
@@ -755,7 +635,7 @@ def gluon_bwd_kernel(
     )
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty, convert_bar = allocate_rings(
+    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
         dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + (ROW_TERMS_SMEM > 0)
     )
     lse_bufs, delta_bufs = allocate_row_terms(
@@ -789,10 +669,10 @@ def gluon_bwd_kernel(
             (
                 _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, convert_bar, entries_ptr, counts_ptr, dq_ptr,
-                    dq_desc, b, h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_out_ptr,
-                    visits_ptr, arrivals_ptr, num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA, CONVERT_DQ,
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
+                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
@@ -820,7 +700,6 @@ def backward(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
-    dq_tiles: DqTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts
     at D = 64 or 128, contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
@@ -828,26 +707,15 @@ def backward(
     ``lse`` (the forward's) and ``delta`` (``kernels.backward_delta``) are float32 ``[B, H, Sq]``;
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
-    ``kernels.prepare_cached``. With ``dq_tiles`` (prepared by ``kernels.backward_delta``; not
-    for inputs that :func:`runs_in_query_chunks`) the kernel converts dQ into
-    ``dq_tiles.out``; without, the launcher converts the fp32 sums."""
+    ``kernels.prepare_cached``."""
     if ROW_TERMS_SMEM not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        split_queries=True, dq_tiles=dq_tiles, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
+        split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
         LATE_DQ=LATE_DQ_HANDOFF,
     )  # fmt: skip
-
-
-def runs_in_query_chunks(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
-    """Whether :func:`launch` with ``split_queries`` runs these inputs in chunks of query rows
-    (full attention that ``query_chunks.query_chunk_rows`` splits)."""
-    sq, hq, d = q.shape[1:]
-    return (
-        not masked and not causal and bool(query_chunks.query_chunk_rows(sq, d, hq // k.shape[2]))
-    )
 
 
 def launch(
@@ -869,7 +737,6 @@ def launch(
     softmax_scale: float,
     *,
     split_queries: bool = False,
-    dq_tiles: DqTiles | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
@@ -880,18 +747,14 @@ def launch(
     With ``split_queries``, full attention (no mask, not causal) that
     ``query_chunks.query_chunk_rows`` splits runs once per chunk of query rows
     (``kernels.query_chunks``: a head's Q, dO and dQ then stay in L2), its dK/dV partial sums
-    added in fp32; ``dq_tiles`` must then be ``None``."""
-    chunked = split_queries and runs_in_query_chunks(q, k, bounds is not None, causal)
-    if dq_tiles is not None and (chunked or not dq_tma):
-        raise ValueError("dq_tiles: the in-kernel dQ conversion needs DQ_TMA and one launch")
-    if not chunked:
+    added in fp32."""
+    sq, hq, d = q.shape[1:]
+    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2]) if split_queries else 0
+    if bounds is not None or causal or not rows:
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
-            bounds, lists, num_mask_heads, causal, softmax_scale, None, dq_tiles=dq_tiles,
-            **constants,
+            bounds, lists, num_mask_heads, causal, softmax_scale, None, **constants,
         )  # fmt: skip
-    sq, hq, d = q.shape[1:]
-    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
     key_tiles = lists.entries.shape[-2]
     accumulators = []  # with CHUNKS_ADD_IN_KERNEL: the first chunk's fp32 dK, dV
 
@@ -934,14 +797,11 @@ def _launch_once(
     dkdv_dtype: torch.dtype | None,
     dk_out: torch.Tensor | None = None,
     dv_out: torch.Tensor | None = None,
-    *,
-    dq_tiles: DqTiles | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
     ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums), into ``dk_out``
-    and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them); dQ converted by the
-    kernel into ``dq_tiles.out`` where given, else by the launcher."""
+    and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -956,27 +816,15 @@ def _launch_once(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     dk = torch.empty_like(k, dtype=dkdv_dtype) if dk_out is None else dk_out
     dv = torch.empty_like(v, dtype=dkdv_dtype) if dv_out is None else dv_out
-    if dq_tiles is None:
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # Stand-ins that the kernel does not read without CONVERT_DQ.
-        dq_out, visits, arrivals = dq_accum, lists.counts, lists.counts
-    else:
-        dq_accum, dq_out, visits, arrivals = (
-            dq_tiles.accum,
-            dq_tiles.out,
-            dq_tiles.visits,
-            dq_tiles.arrivals,
-        )
-        if dq_out.stride() != dq_accum.stride() or visits.shape[-1] != tm:
-            raise ValueError("dq_tiles: out must share accum's strides, visits Tm query tiles")
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_desc = None
     if dq_tma:
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
     kernel[(tn, hk, b)](
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dq_out, visits,
-        arrivals, dk, dv, lists.counts if bounds is None else bounds, lists.entries, lists.counts,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
+        lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
@@ -984,9 +832,7 @@ def _launch_once(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
-        DQ_BUFFERS=dq_buffers, CONVERT_DQ=dq_tiles is not None, **constants,
+        DQ_BUFFERS=dq_buffers, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    if dq_tiles is not None:
-        return dq_out, dk, dv
     return dq_accum.to(q.dtype), dk, dv

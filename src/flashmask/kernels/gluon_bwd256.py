@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD256_KEYS, DqTiles, gluon_bwd
+from flashmask.kernels import GLUON_BWD256_KEYS, gluon_bwd
 from flashmask.kernels.gluon_bwd import (
     _bwd_dq_writer_partition,
     _bwd_load_partition,
@@ -70,10 +70,6 @@ DQ_TMA = True
 # 1.00-1.04x the unstaged kernel (0 is kept for measurement) on six masks at 8K and 32K
 # (causal 32K 27.5 -> 26.4 ms); delta read once the scores are in lost 2.5% on causal 32K.
 ROW_TERMS_SMEM = 2
-# ``gluon_bwd.CONVERT_DQ_IN_KERNEL``'s form (read when a call launches), off here: with one dQ
-# buffer the writer would hold the consumers' only buffer through each tile's arrival count
-# and conversion (kept for measurement).
-CONVERT_DQ_IN_KERNEL = False
 
 
 @gluon.jit
@@ -203,8 +199,8 @@ def _bwd256_compute_partition(
 
 @gluon.jit
 def gluon_bwd256_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dq_out_ptr,
-    visits_ptr, arrivals_ptr, dk_ptr, dv_ptr, bounds_ptr,
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
+    bounds_ptr,
     entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
@@ -220,7 +216,6 @@ def gluon_bwd256_kernel(
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
     and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
@@ -236,7 +231,7 @@ def gluon_bwd256_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty, convert_bar = allocate_rings(
+    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
         dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + (ROW_TERMS_SMEM > 0)
     )
     lse_bufs, delta_bufs = gluon_bwd.allocate_row_terms(
@@ -269,10 +264,10 @@ def gluon_bwd256_kernel(
             (
                 _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, convert_bar, entries_ptr, counts_ptr, dq_ptr,
-                    dq_desc, b, h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_out_ptr,
-                    visits_ptr, arrivals_ptr, num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA, CONVERT_DQ,
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
+                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
@@ -293,7 +288,6 @@ def backward(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
-    dq_tiles: DqTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
     ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
@@ -302,5 +296,5 @@ def backward(
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        dq_tiles=dq_tiles, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip

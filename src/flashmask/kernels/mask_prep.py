@@ -208,8 +208,7 @@ def _build_list(
 def tile_list_kernel(
     SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
     SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
-    SummaryC, EntriesC, CountsC, NumPartialC, num_m_tiles_c, num_n_tiles_c,
-    num_outer_a, num_outer_ab, seqlen_q, seqlen_k,
+    num_outer_a, seqlen_q, seqlen_k,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     SKIP_TILES: tl.constexpr,
@@ -222,17 +221,10 @@ def tile_list_kernel(
     BLOCK_M_B: tl.constexpr,
     BLOCK_N_B: tl.constexpr,
     CHUNK_B: tl.constexpr,
-    HAS_C: tl.constexpr,
-    ROW_MAJOR_C: tl.constexpr,
-    BLOCK_M_C: tl.constexpr,
-    BLOCK_N_C: tl.constexpr,
-    CHUNK_C: tl.constexpr,
 ):  # fmt: skip
-    """One to three tile lists (A; B with ``HAS_B``; C with ``HAS_C``, which needs B) in one
-    launch; grid ``(outer tiles of A + of B + of C, mask heads, batch)``, B's programs from
-    ``num_outer_a``, C's from ``num_outer_ab``. Each list has its own tile shape and
-    orientation; ``Summary*`` is the summary at that list's key-tile width (unused without
-    ``HAS_MASK``)."""
+    """One or two tile lists (A and, with ``HAS_B``, B) in one launch; grid ``(outer tiles of A +
+    outer tiles of B, mask heads, batch)``. Each list has its own tile shape and orientation;
+    ``Summary*`` is the summary at that list's key-tile width (unused without ``HAS_MASK``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     if pid < num_outer_a:
@@ -241,16 +233,9 @@ def tile_list_kernel(
             seqlen_q, seqlen_k, num_m_tiles_a, num_n_tiles_a,
             CAUSAL, HAS_MASK, ROW_MAJOR_A, SKIP_TILES, BLOCK_M_A, BLOCK_N_A, CHUNK_A,
         )  # fmt: skip
-    elif pid < num_outer_ab:
-        if HAS_B:
-            _build_list(
-                SummaryB, EntriesB, CountsB, NumPartialB, bh, pid - num_outer_a,
-                seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
-                CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
-            )  # fmt: skip
-    elif HAS_C:
+    elif HAS_B:
         _build_list(
-            SummaryC, EntriesC, CountsC, NumPartialC, bh, pid - num_outer_ab,
-            seqlen_q, seqlen_k, num_m_tiles_c, num_n_tiles_c,
-            CAUSAL, HAS_MASK, ROW_MAJOR_C, SKIP_TILES, BLOCK_M_C, BLOCK_N_C, CHUNK_C,
+            SummaryB, EntriesB, CountsB, NumPartialB, bh, pid - num_outer_a,
+            seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
+            CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
         )  # fmt: skip
