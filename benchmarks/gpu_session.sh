@@ -12,7 +12,9 @@
 #                 least 10 timed calls per measurement (~250 s)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
 #   bench-hd256-128k flashmask bench, 128K, hd256, six masks; bench-hd256-128k-b the other six
-#   bench-hd64    flashmask bench, 8K and 32K, hd64, full, causal and document
+#   bench-hd64    flashmask bench, 8K and 32K, hd64, 12 masks (~290 s cold: STEP_TIMEOUT=330)
+#   bench-hd128-gqa flashmask bench, 8K and 32K, hd128, 12 masks, 16 query heads sharing 4
+#                 key/value heads (grouped-query attention; ~290 s cold)
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
 #   tma-check     tma_check.py at 8K for hd64 and hd128
 #   gluon-forward gluon_forward.py: the warp-specialised Gluon forward against the Triton one
@@ -166,7 +168,11 @@ for step in "$@"; do
         ;;
     bench-hd64)
         run_step bench_hd64 python -m flashmask bench --seqlens 8192,32768 --head-dims 64 \
-            --masks full,causal,document --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64"
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64"
+        ;;
+    bench-hd128-gqa)
+        run_step bench_hd128_gqa python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
+            --kv-heads 4 --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_gqa"
         ;;
     bench-hd256-128k)
         run_step bench_hd256_128k python -m flashmask bench --seqlens 131072 --head-dims 256 \

@@ -146,3 +146,41 @@ def test_timed_backwards_return_gradients_without_accumulating_into_grad():
         torch.testing.assert_close(dq, grad @ k.detach().T)
         torch.testing.assert_close(dk, q.detach().T @ grad)
     assert q.grad is None and k.grad is None
+
+
+def test_markdown_shows_grouped_query_heads_and_compares_within_one_head_layout():
+    """A grouped-query row reads ``query:key/value`` heads, and its speed-up is against flex
+    with the same heads, not against a multi-head row of the same mask."""
+    common = dict(mask="document", seqlen=8192, batch=4, heads=16, head_dim=128, sparsity=0.7)
+    rows = [
+        Row(impl="flashmask", fwd_ms=1.0, total_ms=4.0, **common),
+        Row(impl="flex", fwd_ms=1.5, total_ms=6.0, **common),
+        Row(impl="flashmask", fwd_ms=1.0, total_ms=3.0, kv_heads=4, **common),
+        Row(impl="flex", fwd_ms=1.5, total_ms=6.0, kv_heads=4, **common),
+    ]
+    lines = _markdown(rows).splitlines()
+    assert len({line.count("|") for line in lines}) == 1
+    mha, _, gqa, _ = lines[2:]
+    assert mha.startswith("| 8K | 128 | 16 | document |") and mha.endswith("| 1.50x |")
+    assert gqa.startswith("| 8K | 128 | 16:4 | document |") and gqa.endswith("| 2.00x |")
+
+
+@pytest.mark.parametrize("kv_heads", ["3", "-1"])
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(capsys, kv_heads):
+    """16 query heads at head dim 128 (hidden 2048): 3 key/value heads cannot group them."""
+    from flashmask import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--kv-heads", kv_heads])
+    assert exc.value.code == 2
+    assert (
+        f"--kv-heads must be 0 or divide the query heads (16 at head dim 128), got {kv_heads}"
+        in (capsys.readouterr().err)
+    )
+
+
+def test_a_case_refuses_kv_heads_that_do_not_divide_its_heads():
+    from flashmask import bench
+
+    with pytest.raises(ValueError, match=r"kv_heads must divide heads \(4\), got 3"):
+        bench.run_case("full", 128, 1, 4, 16, ["flashmask"], 1, 0.0, kv_heads=3)

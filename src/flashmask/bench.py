@@ -8,9 +8,10 @@ For every (sequence length, head dim, mask) it times forward and forward+backwar
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=...)`` for full/causal, and with a dense
   boolean mask (what "FlashAttention with a dense mask" costs) where it fits in memory;
 
-and reports wall time, mask-aware TFLOP/s (4·D per visible (query, key) pair and head forward,
-2.5x that backward), mask-preparation time and peak memory. Results go to JSON, Markdown and a
-PNG chart. Needs a CUDA GPU.
+and reports wall time, mask-aware TFLOP/s (4·D per visible (query, key) pair and query head
+forward, 2.5x that backward), mask-preparation time and peak memory. ``--kv-heads`` runs
+grouped-query attention (fewer key/value heads than query heads) in each implementation's own
+form. Results go to JSON, Markdown and a PNG chart. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class Row:
     max_abs_err: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    # Key/value heads (grouped-query attention when fewer than ``heads``); None: ``heads``.
+    kv_heads: int | None = None
 
 
 def _bench(fn: Callable[[], object], rep_ms: int, min_repeats: int = 5) -> float:
@@ -242,16 +245,19 @@ def flex_calls(
     do: torch.Tensor,
 ) -> tuple[Callable[[], object], Callable[[], None]]:
     """``(forward, forward + backward)`` calls of a compiled ``flex_attention`` with a built
-    ``block_mask``, on copies of ``q, k, v, do [B, S, H, D]`` laid out as flex takes them
-    (``[B, H, S, D]``, contiguous; q/k/v requiring grad)."""
+    ``block_mask``, on copies of ``q, do [B, S, H, D]`` and ``k, v [B, S, Hkv, D]`` laid out as
+    flex takes them (``[B, H, S, D]``, contiguous; q/k/v requiring grad); with fewer key/value
+    heads than query heads, flex's grouped-query form (``enable_gqa=True``)."""
     qf, kf, vf, dof = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qf, kf, vf = (x.requires_grad_() for x in (qf, kf, vf))
+    gqa = kf.shape[1] != qf.shape[1]
 
     def forward():
-        return flex(qf, kf, vf, block_mask=block_mask)
+        return flex(qf, kf, vf, block_mask=block_mask, enable_gqa=gqa)
 
     def forward_backward():
-        input_gradients(flex(qf, kf, vf, block_mask=block_mask), (qf, kf, vf), dof)
+        out = flex(qf, kf, vf, block_mask=block_mask, enable_gqa=gqa)
+        input_gradients(out, (qf, kf, vf), dof)
 
     return forward, forward_backward
 
@@ -266,13 +272,23 @@ def run_case(
     rep_ms: int,
     dense_limit_gb: float,
     min_repeats: int = 5,
+    kv_heads: int | None = None,
 ) -> list[Row]:
+    """Rows of every implementation in ``impls`` for one mask, length and head dim: Q and dO
+    ``[batch, seqlen, heads, head_dim]``, K and V with ``kv_heads`` heads (``None``: ``heads``;
+    fewer: grouped-query attention, each implementation's own form of it)."""
     from torch.nn.attention.flex_attention import flex_attention
+
+    kv_heads = heads if kv_heads is None else kv_heads
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+    group = heads // kv_heads
 
     device = torch.device("cuda")
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    mask_heads = heads if name == "random_eviction" else 1
+    # random_eviction has a mask per key/value head (FlashMask's mask heads are 1 or Hkv).
+    mask_heads = kv_heads if name == "random_eviction" else 1
     if name == "full":
         mask, causal = None, False
     elif name == "causal":
@@ -290,8 +306,8 @@ def run_case(
     pairs_total = int(pairs.sum()) * (heads // pairs.shape[1]) * (batch // pairs.shape[0])
     fwd_flop = 4.0 * head_dim * pairs_total
     q = torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype)
-    k = torch.randn_like(q)
-    v = torch.randn_like(q)
+    k = torch.randn(batch, seqlen, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
     do = torch.randn_like(q)
     rows: list[Row] = []
 
@@ -311,7 +327,7 @@ def run_case(
         return row
 
     def base(impl: str) -> Row:
-        return Row(name, seqlen, batch, heads, head_dim, impl, sparsity)
+        return Row(name, seqlen, batch, heads, head_dim, impl, sparsity, kv_heads=kv_heads)
 
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -371,13 +387,14 @@ def run_case(
 
         qs, ks, vs, dos = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
         qs, ks, vs = (x.requires_grad_() for x in (qs, ks, vs))
+        gqa = group > 1
         if mask is None:
 
             def sd_fwd():
-                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
 
             def sd_total():
-                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
                 input_gradients(out, (qs, ks, vs), dos)
 
             rows.append(finish(base("sdpa"), sd_fwd, sd_total))
@@ -390,11 +407,21 @@ def run_case(
             if mask.num_heads > 1:
                 dense = dense.repeat_interleave(heads // mask.num_heads, dim=1)
 
+            # With a mask, grouped K/V heads are repeated per query head inside the call, as
+            # transformers' SDPA attention does (it passes enable_gqa only without a mask);
+            # the repeat's time counts as this implementation's.
+            def expanded(x):
+                return x.repeat_interleave(group, dim=1) if gqa else x
+
             def sdd_fwd():
-                return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense)
+                return F.scaled_dot_product_attention(
+                    qs, expanded(ks), expanded(vs), attn_mask=dense
+                )
 
             def sdd_total():
-                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense)
+                out = F.scaled_dot_product_attention(
+                    qs, expanded(ks), expanded(vs), attn_mask=dense
+                )
                 input_gradients(out, (qs, ks, vs), dos)
 
             row = finish(base("sdpa_dense_mask"), sdd_fwd, sdd_total)
@@ -418,25 +445,31 @@ def run_case(
 
 def _markdown(rows: list[Row]) -> str:
     lines = [
-        "| S | D | mask | sparsity | impl | fwd ms | fwd+bwd ms | fwd TF/s | fwd+bwd TF/s "
+        "| S | D | heads | mask | sparsity | impl | fwd ms | fwd+bwd ms | fwd TF/s | fwd+bwd TF/s "
         "| mask prep ms | prep % of fwd+bwd | prep GPU ms | GPU prep % | peak GB "
         "| vs flex (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    flex_total = {(r.mask, r.seqlen, r.head_dim): r.total_ms for r in rows if r.impl == "flex"}
+
+    def case(r: Row) -> tuple:
+        return (r.mask, r.seqlen, r.head_dim, r.heads, r.kv_heads or r.heads)
+
+    flex_total = {case(r): r.total_ms for r in rows if r.impl == "flex"}
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
 
     for r in rows:
-        ref = flex_total.get((r.mask, r.seqlen, r.head_dim))
+        ref = flex_total.get(case(r))
+        kv = r.kv_heads or r.heads
+        heads = f"{r.heads}" if kv == r.heads else f"{r.heads}:{kv}"
         speedup = f"{ref / r.total_ms:.2f}x" if ref and r.total_ms else "—"
         # FlashMask prepares inside every call; Flex's BlockMask is built once, outside the timing.
         share = 100 * r.mask_prep_ms / r.total_ms if r.mask_prep_ms and r.total_ms else None
         gpu_ms = r.mask_prep_gpu_ms
         gpu_share = 100 * gpu_ms / r.total_ms if gpu_ms and r.total_ms else None
         lines.append(
-            f"| {r.seqlen // 1024}K | {r.head_dim} | {r.mask} | {r.sparsity:.2f} "
+            f"| {r.seqlen // 1024}K | {r.head_dim} | {heads} | {r.mask} | {r.sparsity:.2f} "
             f"| {r.impl}{f' ({r.note})' if r.note else ''} "
             f"| {f(r.fwd_ms)} | {f(r.total_ms)} | {f(r.fwd_tflops, '{:.0f}')} "
             f"| {f(r.total_tflops, '{:.0f}')} | {f(r.mask_prep_ms, '{:.3f}')} "
@@ -509,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))
     parser.add_argument("--tokens", type=int, default=32768, help="batch x seqlen (fixed)")
     parser.add_argument("--hidden", type=int, default=2048, help="heads x head_dim (fixed)")
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=0,
+        help="key/value heads (grouped-query attention when fewer than the query heads; "
+        "0: as many as the query heads)",
+    )
     parser.add_argument("--impls", default="flashmask,flex,sdpa")
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument(
@@ -522,13 +562,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.min_repeats < 1:
         parser.error(f"--min-repeats must be at least 1, got {args.min_repeats}")
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    for d in head_dims:
+        heads = max(1, args.hidden // d)
+        if args.kv_heads < 0 or (args.kv_heads and heads % args.kv_heads):
+            parser.error(
+                f"--kv-heads must be 0 or divide the query heads ({heads} at head dim {d}), "
+                f"got {args.kv_heads}"
+            )
     if not torch.cuda.is_available():
         print("flashmask bench needs a CUDA GPU", file=sys.stderr)
         return 2
     # One compiled flex kernel per shape and causal flag; never fall back to eager flex.
     torch._dynamo.config.cache_size_limit = 64
-    seqlens = [int(x) for x in args.seqlens.split(",")]
-    head_dims = [int(x) for x in args.head_dims.split(",")]
     names = args.masks.split(",")
     impls = args.impls.split(",")
     cases = [(s, d, n) for s in seqlens for d in head_dims for n in names]
@@ -545,12 +592,15 @@ def main(argv: list[str] | None = None) -> int:
             shape = (s, d)
         batch = max(1, args.tokens // s)
         heads = max(1, args.hidden // d)
+        kv_heads = args.kv_heads or heads
         try:
             rows += run_case(
-                n, s, batch, heads, d, impls, args.rep_ms, args.dense_limit_gb, args.min_repeats
-            )
+                n, s, batch, heads, d, impls, args.rep_ms, args.dense_limit_gb,
+                args.min_repeats, kv_heads,
+            )  # fmt: skip
         except torch.OutOfMemoryError as exc:  # report and carry on with the next case
-            rows.append(Row(n, s, batch, heads, d, "error", math.nan, note=f"OOM: {exc}"[:200]))
+            note = f"OOM: {exc}"[:200]
+            rows.append(Row(n, s, batch, heads, d, "error", math.nan, note=note, kv_heads=kv_heads))
             torch.cuda.empty_cache()
         bar.update(1)
         _write_json(Path(args.out), rows, args)  # partial results survive an interrupted run
