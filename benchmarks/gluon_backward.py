@@ -78,7 +78,8 @@ def compile_only(
                        f"{gluon_bwd.dq_shared_layout(head_dim)!r}>"} if dq_tma else {}),
         "dk_ptr": "*fp32" if dkdv_fp32 else f"*{short}",
         "dv_ptr": "*fp32" if dkdv_fp32 else f"*{short}", "bounds_ptr": "*i32",
-        "entries_ptr": "*i32", "counts_ptr": "*i32", "stride_dqb": "i32", "stride_dqs": "i32",
+        "entries_ptr": "*i32", "counts_ptr": "*i32", "order_ptr": "*i32", "stride_dqb": "i32",
+        "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
@@ -90,7 +91,7 @@ def compile_only(
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
-              "ROW_TERMS_SMEM": row_terms_smem,
+              "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(

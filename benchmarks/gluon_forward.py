@@ -49,13 +49,14 @@ def compile_only(
     signature = {
         "q_desc": desc_type(), "k_desc": desc_type(block_n), "v_desc": desc_type(block_n),
         "out_ptr": f"*{short}", "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
-        "counts_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32", "stride_oh": "i32",
+        "counts_ptr": "*i32", "order_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32",
+        "stride_oh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "MASK_FULL_TILES": dense, "BLOCK_M": block, "BLOCK_N": block_n,
+              "MASK_FULL_TILES": dense, "ORDERED": True, "BLOCK_M": block, "BLOCK_N": block_n,
               "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers,
               "COMPUTE_REGISTERS": gluon_fwd.COMPUTE_REGISTERS}  # fmt: skip
     compiled = compile_gluon_sm90(

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # before anything imports triton
 import pytest
 
 from flashmask import kernels
+from flashmask.kernels import tiles
 from tests.kernels.sm90_compile import compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
@@ -192,8 +193,9 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     through ``gluon_bwd256`` at D = 256)."""
     seen = {}
 
-    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale):
+    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, order=None):
         seen.update(dout=dout, q=q, lse=lse, delta=delta, lists=lists, hm=hm, causal=causal)
+        seen.update(order=order)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     fake = types.SimpleNamespace(backward=fake_backward)
@@ -217,6 +219,8 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     # 384 keys in 128- (64-) key tiles, 256 / 64 query tiles
     assert seen["lists"].entries.shape[-2:] == (key_tiles, 4)
     assert (seen["hm"], seen["causal"]) == (1, True)
+    # Heaviest programs first over the grid (key tiles, 2 kv heads, 1 batch).
+    assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 2, False))
 
 
 def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm90_reports):

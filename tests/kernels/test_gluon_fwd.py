@@ -23,6 +23,7 @@ if not torch.cuda.is_available():  # before anything imports triton
 import pytest
 
 from flashmask import kernels, masks
+from flashmask.kernels import tiles
 from tests.kernels.sm90_compile import compile_reports
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
@@ -175,9 +176,11 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     row-major lists at its 128x128 tiles, the mask head count, causal, scale and mode."""
     seen = {}
 
-    def fake_forward(q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots):
+    def fake_forward(
+        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None
+    ):
         seen.update(q=q, k=k, bounds=bounds, lists=lists, hm=hm, causal=causal, scale=scale)
-        seen.update(tiles=(block_n, slots))
+        seen.update(tiles=(block_n, slots), order=order)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward)
@@ -193,11 +196,17 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert seen["lists"].entries.shape[-2:] == (2, 3)  # 256 / 128 query tiles, 384 / 128 keys
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
     assert seen["tiles"] == kernels.gluon_forward_tiles(128) == (128, 3)
+    # The programs run heaviest first over the grid (2 query tiles, 4 heads, 1 batch).
+    want = tiles.program_order(seen["lists"].counts, 4, True)
+    assert torch.equal(seen["order"], want) and sorted(want.tolist()) == list(range(8))
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
     assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
     assert seen["lists"].entries.shape[-2:] == (3, 3)
+    assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 4, True))
+    kernels.forward(q, k, k, None, False, 0.125, config=cfg)
+    assert seen["order"] is None  # full attention: every list alike, the natural order
 
 
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted

@@ -231,3 +231,21 @@ def test_a_forward_that_a_backward_follows_prepares_the_backwards_lists_too(monk
     assert counts == {"summarize_kernel": 3, "tile_list_kernel": 3}
     for a, b in zip((out, lse, *grads), (plain_out, plain_lse, *plain), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations(monkeypatch):
+    """``kernels.program_order`` answers the same tensor for the same lists and grid (every
+    layer's forward shares a mask's lists), another for another grid or another lists, none
+    with ``PROGRAM_ORDER`` off; ``clear_prepared`` forgets them."""
+    call = dict(causal=True, seqlen_k=SK, batch=2, device=DEVICE, shapes=[(16, 16, True)])
+    _, (lists,) = kernels.prepare_cached(None, seqlen_q=SQ, **call)
+    first = kernels.program_order(lists, 4, True)
+    assert kernels.program_order(lists, 4, True) is first
+    assert torch.equal(first.cpu(), kernels.tiles.program_order(lists.counts, 4, True).cpu())
+    assert kernels.program_order(lists, 2, True) is not first
+    _, (shorter,) = kernels.prepare_cached(None, seqlen_q=SQ - 16, **call)
+    assert kernels.program_order(shorter, 4, True).numel() != first.numel()
+    kernels.clear_prepared()
+    assert kernels.program_order(lists, 4, True) is not first
+    monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
+    assert kernels.program_order(lists, 4, True) is None

@@ -276,6 +276,46 @@ def test_compact_lists_partial_then_full_tiles_ascending_with_their_encoding():
     assert lists.entries[0, 0, 2].tolist() == list(range(9))
 
 
+def test_program_order_runs_the_longest_lists_first_each_length_class_in_grid_order():
+    """A column of global tokens (8 query tiles against 2-3 for the rest) runs first for both
+    grid heads; the others keep the grid's order (tile fastest, then head): lengths 2 and 3
+    share a class (bit length 2), 1 is the next, and an empty list runs last."""
+    counts = torch.tensor([[[8, 2, 3, 1, 0]]], dtype=torch.int32)  # [B, Hm, T]
+    order = tiles.program_order(counts, grid_heads=2, reverse_tiles=False)
+    assert order.dtype == torch.int32
+    assert order.tolist() == [0, 5, 1, 2, 6, 7, 3, 8, 4, 9]
+
+
+def test_program_order_reads_each_grid_heads_mask_head_and_the_reversed_tiles():
+    """Grid head ``h`` reads mask head ``h // (grid_heads // Hm)``; with ``reverse_tiles`` grid
+    index ``p`` runs tile ``T - 1 - p`` (the forward's heaviest-last-rows-first grid)."""
+    counts = torch.tensor([[[1, 4], [4, 1]]], dtype=torch.int32)  # mask heads 0 and 1
+    # Four grid heads: 0 and 1 read mask head 0, 2 and 3 mask head 1.
+    order = tiles.program_order(counts, grid_heads=4, reverse_tiles=False)
+    assert order.tolist() == [1, 3, 4, 6, 0, 2, 5, 7]
+    reversed_order = tiles.program_order(counts, grid_heads=4, reverse_tiles=True)
+    assert reversed_order.tolist() == [0, 2, 5, 7, 1, 3, 4, 6]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_program_order_is_a_permutation_of_the_grid_heaviest_class_first(seed):
+    """Every program runs exactly once; along the order the bit length of a program's list
+    length never rises, and programs of one class keep the grid's order (random lengths, two
+    batches, two mask heads over four grid heads, reversed tiles)."""
+    gen = torch.Generator().manual_seed(_seed(f"order-{seed}"))
+    batch, mask_heads, heads, num_tiles = 2, 2, 4, 7
+    counts = torch.randint(0, 40, (batch, mask_heads, num_tiles), generator=gen)
+    order = tiles.program_order(counts.to(torch.int32), heads, reverse_tiles=True).tolist()
+    assert sorted(order) == list(range(batch * heads * num_tiles))
+
+    def length_class(i):
+        b, h, p = i // (num_tiles * heads), (i // num_tiles) % heads, i % num_tiles
+        return int(counts[b, h // (heads // mask_heads), num_tiles - 1 - p]).bit_length()
+
+    keys = [(-length_class(i), i) for i in order]
+    assert keys == sorted(keys)
+
+
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_forward_and_backward_lists_describe_the_same_tiles(form):
     """Tile (m, n) is in query tile m's forward list iff m is in key tile n's backward list, with

@@ -449,12 +449,52 @@ _UNMASKED: OrderedDict[tuple, dict[tuple[int, int, bool], tiles.TileLists]] = Or
 _UNMASKED_LOCK = threading.Lock()
 
 
+# Launch orders (tiles.program_order) of recently used lists. Each is stored with its lists'
+# counts tensor and found by that tensor's identity: the reference held keeps the id from being
+# reused by another tensor while the entry lives.
+ORDER_CAPACITY = 16
+_ORDERS: OrderedDict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_ORDERS_LOCK = threading.Lock()
+# Heaviest programs first (tiles.program_order) in the forward kernels and the Gluon backward;
+# off: the grid's natural order (for measurement).
+PROGRAM_ORDER = True
+
+
+def program_order(
+    lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
+) -> torch.Tensor | None:
+    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads, computed
+    once per lists (``None``: the natural order, with :data:`PROGRAM_ORDER` off)."""
+    if not PROGRAM_ORDER:
+        return None
+    counts = lists.counts
+    device = counts.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing or torch.compiler.is_compiling():
+        return tiles.program_order(counts, grid_heads, reverse_tiles)
+    key = (id(counts), grid_heads, reverse_tiles)
+    with _ORDERS_LOCK:
+        hit = _ORDERS.get(key)
+        if hit is not None and hit[0] is counts:
+            _ORDERS.move_to_end(key)
+            return hit[1]
+    order = tiles.program_order(counts, grid_heads, reverse_tiles)
+    with _ORDERS_LOCK:
+        _ORDERS[key] = (counts, order)
+        while len(_ORDERS) > ORDER_CAPACITY:
+            _ORDERS.popitem(last=False)
+    return order
+
+
 def clear_prepared() -> None:
-    """Forget every cached preparation (:func:`prepare_cached`); the next call of each mask
-    (or without one) prepares it again. For benchmarks that time a call with its preparation."""
+    """Forget every cached preparation (:func:`prepare_cached`, :func:`program_order`); the
+    next call of each mask (or without one) prepares it again. For benchmarks that time a call
+    with its preparation."""
     _PREPARED.clear()
     with _UNMASKED_LOCK:
         _UNMASKED.clear()
+    with _ORDERS_LOCK:
+        _ORDERS.clear()
 
 
 def _unmasked_lists(
@@ -865,14 +905,17 @@ def forward(
     bounds, (lists, *_) = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
+    # Full attention's lists are all alike: its natural order is the sorted one.
+    order = None if bounds is None and not causal else program_order(lists, hq, True)
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 
         q, k, v = (tma_ready(x) for x in (q, k, v))
         key_tile, slots = gluon_forward_tiles(d)
         return gluon_fwd.forward(
-            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots
-        )
+            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots,
+            order=order,
+        )  # fmt: skip
     if bounds is None:
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
@@ -902,7 +945,8 @@ def forward(
             describe(v, config.fwd_n, block_d),
         )
     flashmask_fwd_kernel[(tm, hq, b)](
-        q, k, v, out, lse, bounds, lists.entries, lists.counts, *descs,
+        q, k, v, out, lse, bounds, lists.entries, lists.counts,
+        lists.counts if order is None else order, *descs,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
@@ -915,6 +959,7 @@ def forward(
         EVEN_D=even_d,
         USE_TMA=use_tma,
         TMA_FLAT=use_tma and flat,
+        ORDERED=order is not None,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,
@@ -995,9 +1040,10 @@ def backward(
         bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
         delta = backward_delta(out, dout, dlse)
+        order = None if bounds is None and not causal else program_order(lists, hk, False)
         return gluon_backward_module(d).backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
-            softmax_scale,
+            softmax_scale, order=order,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     bounds, lists = prepare_cached(

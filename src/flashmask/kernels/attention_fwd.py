@@ -95,8 +95,24 @@ def load_rows_tma(
 
 
 @triton.jit
+def launched_program(order_ptr, tiles, heads, ORDERED: tl.constexpr):
+    """``(p, h, b)``: the grid position ``(tiles, heads, batch)`` this program runs, its own or,
+    with ``ORDERED``, the one that ``order_ptr`` (``kernels.tiles.program_order``) gives its
+    launch index."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if ORDERED:
+        item = tl.load(order_ptr + p + tiles * (h + heads * b))
+        p = item % tiles
+        h = (item // tiles) % heads
+        b = item // (tiles * heads)
+    return p, h, b
+
+
+@triton.jit
 def flashmask_fwd_kernel(
-    Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts, DescQ, DescK, DescV,
+    Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts, ProgramOrder, DescQ, DescK, DescV,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -113,6 +129,7 @@ def flashmask_fwd_kernel(
     EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr,
     TMA_FLAT: tl.constexpr,
+    ORDERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -120,11 +137,11 @@ def flashmask_fwd_kernel(
 ):  # fmt: skip
     """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
     copies, no per-thread address arithmetic) instead of pointer loads; same values. ``TMA_FLAT``:
-    the descriptors are 2-D (see :func:`load_rows_tma`)."""
+    the descriptors are 2-D (see :func:`load_rows_tma`). ``ORDERED``: programs run in the order
+    ``ProgramOrder`` gives (:func:`launched_program`)."""
+    p, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
     # Heavier query tiles (later rows under causal-like masks) launch first.
-    m_tile = num_m_tiles - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    m_tile = num_m_tiles - 1 - p
     bh = b * num_heads_q + h
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head

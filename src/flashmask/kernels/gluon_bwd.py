@@ -61,6 +61,7 @@ from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
     hide_pairs,
+    launched_program,
     load_column_bounds,
     shared_layout,
     tma_load,
@@ -603,7 +604,8 @@ def allocate_row_terms(lse_ptr, delta_ptr, BLOCK_M: gl.constexpr, NUM_BUFFERS: g
 def gluon_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
     bounds_ptr,
-    entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
+    entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
+    stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
@@ -618,17 +620,17 @@ def gluon_bwd_kernel(
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    ORDERED: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(key tiles, kv heads, batch)``: dK and dV (``dk_ptr``/``dv_ptr`` share K's
+    """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
+    ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
     ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer; ``None``
     without)."""
     dtype: gl.constexpr = q_desc.dtype
-    n_tile = gl.program_id(0)
-    h_kv = gl.program_id(1)
-    b = gl.program_id(2)
+    n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -700,6 +702,8 @@ def backward(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
+    *,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts
     at D = 64 or 128, contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
@@ -707,13 +711,14 @@ def backward(
     ``lse`` (the forward's) and ``delta`` (``kernels.backward_delta``) are float32 ``[B, H, Sq]``;
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
-    ``kernels.prepare_cached``."""
+    ``kernels.prepare_cached``; ``order`` (``kernels.program_order`` over the grid ``(key
+    tiles, kv heads, batch)``, ``None``: the natural order) is the order the programs run in."""
     if ROW_TERMS_SMEM not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
+        order=order, split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
         LATE_DQ=LATE_DQ_HANDOFF,
     )  # fmt: skip
 
@@ -736,13 +741,15 @@ def launch(
     causal: bool,
     softmax_scale: float,
     *,
+    order: torch.Tensor | None = None,
     split_queries: bool = False,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
     ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
     Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
-    kernel's further ``constants``; the other arguments and the result as :func:`backward`'s.
+    kernel's further ``constants``; the other arguments (``order`` too) and the result as
+    :func:`backward`'s.
 
     With ``split_queries``, full attention (no mask, not causal) that
     ``query_chunks.query_chunk_rows`` splits runs once per chunk of query rows
@@ -753,7 +760,8 @@ def launch(
     if bounds is not None or causal or not rows:
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
-            bounds, lists, num_mask_heads, causal, softmax_scale, None, **constants,
+            bounds, lists, num_mask_heads, causal, softmax_scale, None, order=order,
+            **constants,
         )  # fmt: skip
     key_tiles = lists.entries.shape[-2]
     accumulators = []  # with CHUNKS_ADD_IN_KERNEL: the first chunk's fp32 dK, dV
@@ -797,11 +805,14 @@ def _launch_once(
     dkdv_dtype: torch.dtype | None,
     dk_out: torch.Tensor | None = None,
     dv_out: torch.Tensor | None = None,
+    *,
+    order: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
     ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums), into ``dk_out``
-    and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them)."""
+    and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them); the programs in
+    ``order`` (``None``: the grid's)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -825,6 +836,7 @@ def _launch_once(
     kernel[(tn, hk, b)](
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
+        lists.counts if order is None else order,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
@@ -832,7 +844,7 @@ def _launch_once(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
-        DQ_BUFFERS=dq_buffers, **constants,
+        DQ_BUFFERS=dq_buffers, ORDERED=order is not None, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv

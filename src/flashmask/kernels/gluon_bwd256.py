@@ -54,7 +54,7 @@ from flashmask.kernels.gluon_bwd import (
     store_dk_dv,
     transposed_probabilities,
 )
-from flashmask.kernels.gluon_fwd import load_column_bounds
+from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds
 
 BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
 BLOCK_N = GLUON_BWD256_KEYS  # keys per program
@@ -201,7 +201,8 @@ def _bwd256_compute_partition(
 def gluon_bwd256_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
     bounds_ptr,
-    entries_ptr, counts_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks, stride_kh,
+    entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
+    stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
@@ -216,14 +217,13 @@ def gluon_bwd256_kernel(
     DQ_TMA: gl.constexpr,
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
     and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
     ``dq_desc`` and TMA reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
-    n_tile = gl.program_id(0)
-    h_kv = gl.program_id(1)
-    b = gl.program_id(2)
+    n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -288,13 +288,15 @@ def backward(
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
+    *,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
-    ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
+    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``order`` as there)."""
     if ROW_TERMS_SMEM not in (0, 2):
         raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0 or 2, got {ROW_TERMS_SMEM}")
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        order=order, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip

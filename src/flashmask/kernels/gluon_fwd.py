@@ -289,16 +289,32 @@ def query_tile_list(
 
 
 @gluon.jit
-def query_tile_program(
-    bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_kv, heads_per_mask_head,
-    num_mask_heads, num_m_tiles, num_n_tiles,
-):  # fmt: skip
-    """This program of the grid ``(query tiles, query heads, batch)``, heaviest query tiles
-    first: ``(query tile, query head, batch, kv head, its mask head's bounds, the tile's list
-    length and entries)``."""
-    m_tile = num_m_tiles - 1 - gl.program_id(0)
+def launched_program(order_ptr, tiles, heads, ORDERED: gl.constexpr):
+    """``(p, h, b)``: the grid position ``(tiles, heads, batch)`` this program runs, its own or,
+    with ``ORDERED``, the one that ``order_ptr`` (``kernels.tiles.program_order``) gives its
+    launch index (the Triton kernels' ``attention_fwd.launched_program``)."""
+    p = gl.program_id(0)
     h = gl.program_id(1)
     b = gl.program_id(2)
+    if ORDERED:
+        item = gl.load(order_ptr + p + tiles * (h + heads * b))
+        p = item % tiles
+        h = (item // tiles) % heads
+        b = item // (tiles * heads)
+    return p, h, b
+
+
+@gluon.jit
+def query_tile_program(
+    bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    ORDERED: gl.constexpr,
+):  # fmt: skip
+    """This program of the grid ``(query tiles, query heads, batch)``, heaviest query tiles
+    first (in the order ``order_ptr`` gives with ``ORDERED``): ``(query tile, query head,
+    batch, kv head, its mask head's bounds, the tile's list length and entries)``."""
+    p, h, b = launched_program(order_ptr, num_m_tiles, num_heads_q, ORDERED)
+    m_tile = num_m_tiles - 1 - p
     bounds, count, entries = query_tile_list(
         m_tile, h, b, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles,
@@ -322,7 +338,7 @@ def query_tile_rows(
 
 @gluon.jit
 def gluon_fwd_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
     stride_ob, stride_os, stride_oh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale,
@@ -330,16 +346,18 @@ def gluon_fwd_kernel(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
+    ORDERED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first."""
+    """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first (with
+    ``ORDERED``, in the order of ``order_ptr``: ``kernels.tiles.program_order``)."""
     m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
-        bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_kv, heads_per_mask_head,
-        num_mask_heads, num_m_tiles, num_n_tiles,
+        bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
+        heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, ORDERED,
     )  # fmt: skip
     dtype: gl.constexpr = q_desc.dtype
 
@@ -414,6 +432,8 @@ def forward(
     skip_tiles: bool,
     block_n: int = BLOCK_N,
     num_buffers: int = NUM_BUFFERS,
+    *,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
     ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
@@ -423,7 +443,9 @@ def forward(
     tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
     ``block_n`` (dividing Sk) is the key tile and ``num_buffers`` the K/V slots: the launcher
     passes ``kernels.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256);
-    other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``)."""
+    other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
+    ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
+    which the programs run."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -438,11 +460,13 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     gluon_fwd_kernel[(tm, hq, b)](
         q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
-        lists.entries, lists.counts, out.stride(0), out.stride(1), out.stride(2),
+        lists.entries, lists.counts, lists.counts if order is None else order,
+        out.stride(0), out.stride(1), out.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
         softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
-        MASK_FULL_TILES=not skip_tiles, BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d,
+        MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, HEAD_DIM=d,
         NUM_BUFFERS=num_buffers, COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip

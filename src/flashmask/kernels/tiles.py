@@ -117,3 +117,32 @@ def forward_lists(classes: torch.Tensor) -> TileLists:
 def backward_lists(classes: torch.Tensor) -> TileLists:
     """Per key tile, the query tiles to visit."""
     return compact(classes.transpose(-1, -2))
+
+
+def program_order(counts: torch.Tensor, grid_heads: int, reverse_tiles: bool) -> torch.Tensor:
+    """The launch order of a kernel over lists with ``counts`` int32 ``[B, Hm, T]``, whose grid
+    ``(T, grid_heads, B)`` runs one list per program (the forward: query tiles and query heads;
+    the dK/dV pass: key tiles and key/value heads, each program walking the lists of the query
+    heads that share its key/value head, which the mask heads, 1 or ``Hkv``, never split).
+
+    Returns int32 ``[B * grid_heads * T]``: the ``i``-th program launched (in the grid's linear
+    order, its first index fastest) runs the program whose natural linear index is entry ``i``,
+    ``(b * grid_heads + h) * T + p``, where grid head ``h`` reads mask head
+    ``h // (grid_heads // Hm)`` and runs tile ``p`` (``T - 1 - p`` with ``reverse_tiles``).
+
+    Programs run heaviest first by the bit length of their list's length (powers of two of
+    work), each such class in natural order. A GPU starts programs in launch order as it has
+    room, so a long list launched late decides the kernel's end: packed documents' global or
+    shared-prompt tokens give a few key (or query) tiles lists many times the typical one, and
+    with grouped-query heads a dK/dV program walks several of them. Within a class the natural
+    order keeps programs that run at the same time on neighbouring tiles of one head (sharing
+    its K/V or Q/dO tiles in L2): sorting by exact length would spread them over all heads.
+    The order changes which SM runs a program and when, never a program's arithmetic."""
+    mask_heads = counts.shape[1]
+    work = counts.repeat_interleave(grid_heads // mask_heads, dim=1)
+    if reverse_tiles:
+        work = work.flip(-1)
+    # frexp's exponent of n > 0 is n's bit length (1 for 1, 2 for 2-3, 3 for 4-7, ...), 0 for 0.
+    _, length_class = torch.frexp(work.float())
+    order = torch.argsort(length_class.flatten(), descending=True, stable=True)
+    return order.to(torch.int32)
