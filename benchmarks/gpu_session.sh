@@ -13,6 +13,9 @@
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
 #   bench-hd256-128k flashmask bench, 128K, hd256, six masks; bench-hd256-128k-b the other six
 #   bench-hd64    flashmask bench, 8K and 32K, hd64, 12 masks (~290 s cold: STEP_TIMEOUT=330)
+#   program-order program_order.py: the kernels' programs longest lists first
+#                 (kernels.program_order) against the grid's order, 12 masks at 8K and 32K,
+#                 16 heads and 16:4 grouped-query heads (bitwise checks and times)
 #   bench-hd128-gqa flashmask bench, 8K and 32K, hd128, 12 masks, 16 query heads sharing 4
 #                 key/value heads (grouped-query attention; ~290 s cold)
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
@@ -169,6 +172,10 @@ for step in "$@"; do
     bench-hd64)
         run_step bench_hd64 python -m flashmask bench --seqlens 8192,32768 --head-dims 64 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64"
+        ;;
+    program-order)
+        run_step program_order python benchmarks/program_order.py --seqlens 8192,32768 \
+            --kv-heads 16,4
         ;;
     bench-hd128-gqa)
         run_step bench_hd128_gqa python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
