@@ -139,9 +139,9 @@ def flashmask_fwd_kernel(
     copies, no per-thread address arithmetic) instead of pointer loads; same values. ``TMA_FLAT``:
     the descriptors are 2-D (see :func:`load_rows_tma`). ``ORDERED``: programs run in the order
     ``ProgramOrder`` gives (:func:`launched_program`)."""
-    p, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
+    grid_tile, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
     # Heavier query tiles (later rows under causal-like masks) launch first.
-    m_tile = num_m_tiles - 1 - p
+    m_tile = num_m_tiles - 1 - grid_tile
     bh = b * num_heads_q + h
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head
