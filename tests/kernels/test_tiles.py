@@ -316,6 +316,27 @@ def test_program_order_is_a_permutation_of_the_grid_heaviest_class_first(seed):
     assert keys == sorted(keys)
 
 
+@pytest.mark.parametrize(
+    ("batch", "mask_heads", "grid_heads", "num_tiles", "chunk"),
+    [(2, 1, 4, 7, 16), (1, 2, 2, 33, 8), (3, 2, 6, 5, 512)],
+)
+@pytest.mark.parametrize("reverse_tiles", [True, False])
+def test_the_order_kernel_sorts_as_the_oracle(
+    batch, mask_heads, grid_heads, num_tiles, chunk, reverse_tiles, monkeypatch
+):
+    """``mask_prep.program_order_kernel`` (what the launchers use) gives
+    :func:`tiles.program_order`'s order, over one chunk or many, with an empty list and
+    lengths from 0 to past a power of two; the launchers' cache entry is the kernel's."""
+    monkeypatch.setattr(kernels, "ORDER_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(_seed(f"order-kernel-{batch}-{num_tiles}-{chunk}"))
+    counts = torch.randint(0, 70, (batch, mask_heads, num_tiles), generator=gen)
+    counts[0, 0, 0] = 0
+    counts = counts.to(torch.int32)
+    want = tiles.program_order(counts, grid_heads, reverse_tiles)
+    got = kernels._launch_program_order(counts.to(DEVICE), grid_heads, reverse_tiles)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_forward_and_backward_lists_describe_the_same_tiles(form):
     """Tile (m, n) is in query tile m's forward list iff m is in key tile n's backward list, with
@@ -466,7 +487,7 @@ _COMPILE_MASK_PREP = """
 import itertools, json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flashmask.kernels.mask_prep import summarize_kernel, tile_list_kernel
+from flashmask.kernels.mask_prep import program_order_kernel, summarize_kernel, tile_list_kernel
 target = GPUTarget("cuda", 90, 32)
 def compile(kernel, runtime, constexprs):
     names = kernel.arg_names
@@ -492,16 +513,22 @@ for has_mask in (True, False):
     compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
         ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
         ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
+order_args = {"Counts": "*i32", "Order": "*i32",
+    **ints("num_items num_tiles grid_heads heads_per_mask_head num_mask_heads")}
+for reverse in (True, False):
+    compile(program_order_kernel, order_args, dict(REVERSE_TILES=reverse, CHUNK=512))
 """
 
 
 def test_the_mask_preparation_kernels_compile_for_sm90():
-    """Both kernels compile for Hopper in the forms the launchers use: summaries of one width
-    and of two (``SUB_N``) for every bounds form, and a two-list launch of the forward's and
-    the Gluon backward's tile shapes, with and without a mask."""
+    """The kernels compile for Hopper in the forms the launchers use: summaries of one width
+    and of two (``SUB_N``) for every bounds form, a two-list launch of the forward's and the
+    Gluon backward's tile shapes, with and without a mask, and the launch order's sort with
+    and without reversed tiles."""
     from tests.kernels.sm90_compile import json_lines
 
     compiled = json_lines(["-c", _COMPILE_MASK_PREP])
     summaries = [r for r in compiled if r["kernel"] == "summarize_kernel"]
     assert {r["SUB_N"] for r in summaries} == {0, 64} and len(summaries) == 10
     assert sum(r["kernel"] == "tile_list_kernel" for r in compiled) == 2
+    assert sum(r["kernel"] == "program_order_kernel" for r in compiled) == 2

@@ -463,26 +463,47 @@ PROGRAM_ORDER = True
 def program_order(
     lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
 ) -> torch.Tensor | None:
-    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads, computed
-    once per lists (``None``: the natural order, with :data:`PROGRAM_ORDER` off)."""
+    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads (one launch
+    of ``mask_prep.program_order_kernel``), computed once per lists (``None``: the natural
+    order, with :data:`PROGRAM_ORDER` off)."""
     if not PROGRAM_ORDER:
         return None
     counts = lists.counts
     device = counts.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if capturing or torch.compiler.is_compiling():
-        return tiles.program_order(counts, grid_heads, reverse_tiles)
+        return _launch_program_order(counts, grid_heads, reverse_tiles)
     key = (id(counts), grid_heads, reverse_tiles)
     with _ORDERS_LOCK:
         hit = _ORDERS.get(key)
         if hit is not None and hit[0] is counts:
             _ORDERS.move_to_end(key)
             return hit[1]
-    order = tiles.program_order(counts, grid_heads, reverse_tiles)
+    order = _launch_program_order(counts, grid_heads, reverse_tiles)
     with _ORDERS_LOCK:
         _ORDERS[key] = (counts, order)
         while len(_ORDERS) > ORDER_CAPACITY:
             _ORDERS.popitem(last=False)
+    return order
+
+
+# Items per program of the order's counting sort (every program also counts all items).
+ORDER_CHUNK = 512
+
+
+def _launch_program_order(
+    counts: torch.Tensor, grid_heads: int, reverse_tiles: bool
+) -> torch.Tensor:
+    """:func:`tiles.program_order` computed by ``mask_prep.program_order_kernel``."""
+    from flashmask.kernels.mask_prep import program_order_kernel
+
+    batch, mask_heads, num_tiles = counts.shape
+    num_items = batch * grid_heads * num_tiles
+    order = torch.empty(num_items, dtype=torch.int32, device=counts.device)
+    program_order_kernel[(triton_cdiv(num_items, ORDER_CHUNK),)](
+        counts, order, num_items, num_tiles, grid_heads, grid_heads // mask_heads, mask_heads,
+        REVERSE_TILES=reverse_tiles, CHUNK=ORDER_CHUNK,
+    )  # fmt: skip
     return order
 
 

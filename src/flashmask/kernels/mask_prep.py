@@ -239,3 +239,74 @@ def tile_list_kernel(
             seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
             CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
         )  # fmt: skip
+
+
+@triton.jit
+def _length_classes(
+    counts_ptr, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+    REVERSE_TILES: tl.constexpr,
+):  # fmt: skip
+    """The bit length (0 for 0, 1 for 1, 2 for 2-3, ...) of the list length of each grid item
+    ``(b * grid_heads + h) * num_tiles + p`` (``tiles.program_order``'s numbering)."""
+    p = items % num_tiles
+    h = (items // num_tiles) % grid_heads
+    b = items // (num_tiles * grid_heads)
+    tile = num_tiles - 1 - p if REVERSE_TILES else p
+    row = b * num_mask_heads + h // heads_per_mask_head
+    n = tl.load(counts_ptr + row * num_tiles + tile, mask=valid, other=0)
+    length = tl.where(n > 0, 1, 0)
+    # Binary search for the highest set bit (lengths stay below 2**31).
+    big = (n >> 16) > 0
+    n = tl.where(big, n >> 16, n)
+    length += tl.where(big, 16, 0)
+    big = (n >> 8) > 0
+    n = tl.where(big, n >> 8, n)
+    length += tl.where(big, 8, 0)
+    big = (n >> 4) > 0
+    n = tl.where(big, n >> 4, n)
+    length += tl.where(big, 4, 0)
+    big = (n >> 2) > 0
+    n = tl.where(big, n >> 2, n)
+    length += tl.where(big, 2, 0)
+    length += tl.where((n >> 1) > 0, 1, 0)
+    return length
+
+
+@triton.jit
+def program_order_kernel(
+    Counts, Order, num_items, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+    REVERSE_TILES: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``tiles.program_order`` in one launch: a stable counting sort of the ``num_items`` grid
+    items by descending bit length of their list length (``Counts`` int32 ``[B, Hm, T]``), the
+    item numbers stored to ``Order``. Grid ``(cdiv(num_items, CHUNK),)``: every program counts
+    each class over all items and over the items before its chunk (the grids sorted are a few
+    thousand items), then places its own chunk's items, each after the heavier classes, the
+    earlier chunks' items of its class and the items of its class before it in the chunk."""
+    chunk = tl.program_id(0)
+    classes = tl.arange(0, 32)
+    every = tl.zeros([32], dtype=tl.int32)
+    before = tl.zeros([32], dtype=tl.int32)
+    for start in range(0, num_items, CHUNK):
+        items = start + tl.arange(0, CHUNK)
+        valid = items < num_items
+        length = _length_classes(
+            Counts, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+            REVERSE_TILES,
+        )  # fmt: skip
+        hist = tl.sum(((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32), 0)
+        every += hist
+        before += tl.where(start < chunk * CHUNK, hist, 0)
+    # Slots taken by the classes above each class (longer lists run first).
+    heavier = tl.sum(tl.where(classes[None, :] > classes[:, None], every[None, :], 0), 1)
+    items = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = items < num_items
+    length = _length_classes(
+        Counts, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+        REVERSE_TILES,
+    )  # fmt: skip
+    onehot = ((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
+    first = tl.sum(onehot * (heavier + before)[None, :], 1)
+    tl.store(Order + first + rank, items, mask=valid)
