@@ -357,7 +357,7 @@ def run_case(
             clear_prepared()
             _, fwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, fwd_shapes)
             _, bwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, bwd_shapes)
-            if sri is not None or causal:  # the launch orders (full attention needs none)
+            if sri is not None:  # the launch orders (none without a mask)
                 program_order(fwd_lists[0], heads, True)
                 program_order(bwd_lists[0], kv_heads, False)
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # before anything imports triton
 
 import pytest
 
-from flashmask import kernels
+from flashmask import kernels, masks
 from flashmask.kernels import tiles
 from tests.kernels.sm90_compile import compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
@@ -219,7 +219,10 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     # 384 keys in 128- (64-) key tiles, 256 / 64 query tiles
     assert seen["lists"].entries.shape[-2:] == (key_tiles, 4)
     assert (seen["hm"], seen["causal"]) == (1, True)
-    # Heaviest programs first over the grid (key tiles, 2 kv heads, 1 batch).
+    assert seen["order"] is None  # no mask: the grid's own order
+    # With a mask, longest lists first over the grid (key tiles, 2 kv heads, 1 batch).
+    sri = masks.causal_document([64, 128, 192], seqlen=384).startend_row_indices
+    kernels.backward(dout, dlse, q, k, k, out, lse, sri, True, 0.125, False, config=cfg)
     assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 2, False))
 
 

@@ -196,17 +196,15 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert seen["lists"].entries.shape[-2:] == (2, 3)  # 256 / 128 query tiles, 384 / 128 keys
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
     assert seen["tiles"] == kernels.gluon_forward_tiles(128) == (128, 3)
-    # The programs run heaviest first over the grid (2 query tiles, 4 heads, 1 batch).
-    want = tiles.program_order(seen["lists"].counts, 4, True)
-    assert torch.equal(seen["order"], want) and sorted(want.tolist()) == list(range(8))
+    assert seen["order"] is None  # no mask: the grid's own order
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
     assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
     assert seen["lists"].entries.shape[-2:] == (3, 3)
-    assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 4, True))
-    kernels.forward(q, k, k, None, False, 0.125, config=cfg)
-    assert seen["order"] is None  # full attention: every list alike, the natural order
+    # With a mask the programs run longest lists first (3 query tiles, 4 heads, 1 batch).
+    want = tiles.program_order(seen["lists"].counts, 4, True)
+    assert torch.equal(seen["order"], want) and sorted(want.tolist()) == list(range(12))
 
 
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted

@@ -668,10 +668,10 @@ def test_launch_layout_and_load_masking_change_no_bit(case):
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
 def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
-    """The forward's programs in ``kernels.program_order`` (longest lists first) against the
-    grid's natural order (``PROGRAM_ORDER`` off): the same bits, since the order only moves
-    programs between SMs. Under a causal mask, whose lists differ in length across the tiles of
-    every head, the order does reorder them."""
+    """With a mask, the forward's programs in ``kernels.program_order`` (longest lists first)
+    against the grid's natural order (``PROGRAM_ORDER`` off): the same bits, since the order
+    only moves programs between SMs. Under a causal mask, whose lists differ in length across
+    the tiles of every head, the order does reorder them; without a mask none is made."""
     x = make_inputs(case, torch.float16)
     orders = []
     real = kernels.program_order
@@ -684,8 +684,8 @@ def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
     monkeypatch.setattr(kernels, "program_order", recording)
     kernels.clear_prepared()
     ordered = run_kernels(x, case.causal)
-    assert orders and all(order is not None for order in orders)
-    if case.causal:
+    assert len(orders) == (x.sri is not None)  # the forward's; the Triton backward takes none
+    if orders and case.causal:
         natural = torch.arange(orders[0].numel(), dtype=torch.int32)
         assert not torch.equal(orders[0].cpu(), natural), "lists alike: nothing reordered"
     monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
