@@ -333,17 +333,8 @@ def test_the_order_kernel_sorts_as_the_oracle(
     counts[0, 0, 0] = 0
     counts = counts.to(torch.int32)
     want = tiles.program_order(counts, grid_heads, reverse_tiles)
-    lists = tiles.TileLists(counts, counts.to(DEVICE), counts)  # only the counts are read
-    (got,) = kernels._launch_program_orders([(lists, grid_heads, reverse_tiles)])
+    got = kernels._launch_program_order(counts.to(DEVICE), grid_heads, reverse_tiles)
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
-    # Two orders in one launch (a forward's and its backward's): each as alone.
-    other = tiles.TileLists(counts, counts[..., :3].contiguous().to(DEVICE), counts)
-    first, second = kernels._launch_program_orders(
-        [(lists, grid_heads, reverse_tiles), (other, 2 * grid_heads, not reverse_tiles)]
-    )
-    assert torch.equal(first.cpu(), want)
-    want_second = tiles.program_order(counts[..., :3], 2 * grid_heads, not reverse_tiles)
-    assert torch.equal(second.cpu(), want_second)
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
@@ -522,17 +513,10 @@ for has_mask in (True, False):
     compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
         ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
         ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
-order_args = {}
-for slot in "AB":
-    order_args |= {f"Counts{slot}": "*i32", f"Order{slot}": "*i32"}
-    order_args |= ints(" ".join(f"{n}_{slot.lower()}" for n in
-        ("num_items", "num_tiles", "grid_heads", "heads_per_mask_head")))
-    if slot == "A":
-        order_args |= ints("num_chunks_a")
-order_args |= ints("num_mask_heads")
-for has_b in (True, False):
-    compile(program_order_kernel, order_args, dict(REVERSE_TILES_A=True, HAS_B=has_b,
-        REVERSE_TILES_B=False, CHUNK=512))
+order_args = {"Counts": "*i32", "Order": "*i32",
+    **ints("num_items num_tiles grid_heads heads_per_mask_head num_mask_heads")}
+for reverse in (True, False):
+    compile(program_order_kernel, order_args, dict(REVERSE_TILES=reverse, CHUNK=512))
 """
 
 

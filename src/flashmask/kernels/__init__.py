@@ -463,79 +463,48 @@ PROGRAM_ORDER = True
 def program_order(
     lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
 ) -> torch.Tensor | None:
-    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads, computed
-    once per lists (``None``: the natural order, with :data:`PROGRAM_ORDER` off); see
-    :func:`program_orders`."""
-    return program_orders([(lists, grid_heads, reverse_tiles)])[0]
-
-
-def program_orders(
-    requests: list[tuple[tiles.TileLists, int, bool]],
-) -> list[torch.Tensor | None]:
-    """:func:`program_order` of each ``(lists, grid_heads, reverse_tiles)`` of ``requests`` (at
-    most two, of one mask), those not computed yet in one launch of
-    ``mask_prep.program_order_kernel``: a forward computes its backward's with its own."""
+    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads (one launch
+    of ``mask_prep.program_order_kernel``), computed once per lists (``None``: the natural
+    order, with :data:`PROGRAM_ORDER` off)."""
     if not PROGRAM_ORDER:
-        return [None] * len(requests)
-    device = requests[0][0].counts.device
+        return None
+    counts = lists.counts
+    device = counts.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    caching = not (capturing or torch.compiler.is_compiling())
-    found: list[torch.Tensor | None] = [None] * len(requests)
-    if caching:
-        with _ORDERS_LOCK:
-            for i, (lists, heads, reverse) in enumerate(requests):
-                hit = _ORDERS.get((id(lists.counts), heads, reverse))
-                if hit is not None and hit[0] is lists.counts:
-                    _ORDERS.move_to_end((id(lists.counts), heads, reverse))
-                    found[i] = hit[1]
-    missing = [i for i, order in enumerate(found) if order is None]
-    if missing:
-        computed = _launch_program_orders([requests[i] for i in missing])
-        for i, order in zip(missing, computed, strict=True):
-            found[i] = order
-        if caching:
-            with _ORDERS_LOCK:
-                for i in missing:
-                    lists, heads, reverse = requests[i]
-                    _ORDERS[(id(lists.counts), heads, reverse)] = (lists.counts, found[i])
-                while len(_ORDERS) > ORDER_CAPACITY:
-                    _ORDERS.popitem(last=False)
-    return found
+    if capturing or torch.compiler.is_compiling():
+        return _launch_program_order(counts, grid_heads, reverse_tiles)
+    key = (id(counts), grid_heads, reverse_tiles)
+    with _ORDERS_LOCK:
+        hit = _ORDERS.get(key)
+        if hit is not None and hit[0] is counts:
+            _ORDERS.move_to_end(key)
+            return hit[1]
+    order = _launch_program_order(counts, grid_heads, reverse_tiles)
+    with _ORDERS_LOCK:
+        _ORDERS[key] = (counts, order)
+        while len(_ORDERS) > ORDER_CAPACITY:
+            _ORDERS.popitem(last=False)
+    return order
 
 
 # Items per program of the order's counting sort (every program also counts all items).
 ORDER_CHUNK = 512
 
 
-def _launch_program_orders(requests: list[tuple[tiles.TileLists, int, bool]]) -> list:
-    """:func:`tiles.program_order` of one or two ``(lists, grid_heads, reverse_tiles)`` (of one
-    mask: the same mask heads) by one launch of ``mask_prep.program_order_kernel``."""
+def _launch_program_order(
+    counts: torch.Tensor, grid_heads: int, reverse_tiles: bool
+) -> torch.Tensor:
+    """:func:`tiles.program_order` computed by ``mask_prep.program_order_kernel``."""
     from flashmask.kernels.mask_prep import program_order_kernel
 
-    if not 1 <= len(requests) <= 2:
-        raise ValueError(f"one or two orders per launch, got {len(requests)}")
-    args, flags, orders, chunks = [], {}, [], []
-    mask_heads = requests[0][0].counts.shape[1]
-    for slot, (lists, grid_heads, reverse) in zip("AB", requests, strict=False):
-        batch, heads_m, num_tiles = lists.counts.shape
-        if heads_m != mask_heads:
-            raise ValueError("the orders of one launch must share their mask heads")
-        num_items = batch * grid_heads * num_tiles
-        order = torch.empty(num_items, dtype=torch.int32, device=lists.counts.device)
-        orders.append(order)
-        chunks.append(triton_cdiv(num_items, ORDER_CHUNK))
-        args.append(
-            [lists.counts, order, num_items, num_tiles, grid_heads, grid_heads // mask_heads]
-        )
-        flags[f"REVERSE_TILES_{slot}"] = reverse
-    if len(requests) == 1:  # slot B unused: a copy of A's arguments that no program reads
-        args.append(args[0])
-        flags["REVERSE_TILES_B"] = flags["REVERSE_TILES_A"]
-    program_order_kernel[(sum(chunks),)](
-        *args[0], chunks[0], *args[1], mask_heads,
-        HAS_B=len(requests) == 2, CHUNK=ORDER_CHUNK, **flags,
+    batch, mask_heads, num_tiles = counts.shape
+    num_items = batch * grid_heads * num_tiles
+    order = torch.empty(num_items, dtype=torch.int32, device=counts.device)
+    program_order_kernel[(triton_cdiv(num_items, ORDER_CHUNK),)](
+        counts, order, num_items, num_tiles, grid_heads, grid_heads // mask_heads, mask_heads,
+        REVERSE_TILES=reverse_tiles, CHUNK=ORDER_CHUNK,
     )  # fmt: skip
-    return orders
+    return order
 
 
 def clear_prepared() -> None:
@@ -954,21 +923,13 @@ def forward(
             )
             if shape not in shapes
         ]
-    bounds, all_lists = prepare_cached(
+    bounds, (lists, *_) = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
-    lists = all_lists[0]
     # Without a mask the grid's own order stays: full attention's lists are all alike, and
     # causal's already launch longest first per head (sorted, it measured 2.8% slower at 32K,
     # results/program_order_precise_s15.log).
-    order = None
-    if bounds is not None:
-        requests = [(lists, hq, True)]
-        if backward_follows and _use_gluon_backward(q, k, v, q, deterministic, True, True, config):
-            # The Gluon backward's order too, in the same launch (the backward then finds it).
-            gluon_shape = _backward_shapes(True, deterministic, d, config)[0]
-            requests.append((all_lists[shapes.index(gluon_shape)], hk, False))
-        order = program_orders(requests)[0]
+    order = None if bounds is None else program_order(lists, hq, True)
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 

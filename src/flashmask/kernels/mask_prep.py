@@ -273,13 +273,18 @@ def _length_classes(
 
 
 @triton.jit
-def _place_chunk(
-    Counts, Order, chunk, num_items, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+def program_order_kernel(
+    Counts, Order, num_items, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
     REVERSE_TILES: tl.constexpr,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One program of :func:`program_order_kernel`'s sort: the items of ``chunk`` placed in
-    ``Order``."""
+    """``tiles.program_order`` in one launch: a stable counting sort of the ``num_items`` grid
+    items by descending bit length of their list length (``Counts`` int32 ``[B, Hm, T]``), the
+    item numbers stored to ``Order``. Grid ``(cdiv(num_items, CHUNK),)``: every program counts
+    each class over all items and over the items before its chunk (the grids sorted are a few
+    thousand items), then places its own chunk's items, each after the heavier classes, the
+    earlier chunks' items of its class and the items of its class before it in the chunk."""
+    chunk = tl.program_id(0)
     classes = tl.arange(0, 32)
     every = tl.zeros([32], dtype=tl.int32)
     before = tl.zeros([32], dtype=tl.int32)
@@ -290,7 +295,7 @@ def _place_chunk(
             Counts, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
             REVERSE_TILES,
         )  # fmt: skip
-        hist = tl.histogram(length, 32, mask=valid)
+        hist = tl.sum(((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32), 0)
         every += hist
         before += tl.where(start < chunk * CHUNK, hist, 0)
     # Slots taken by the classes above each class (longer lists run first).
@@ -305,34 +310,3 @@ def _place_chunk(
     rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
     first = tl.sum(onehot * (heavier + before)[None, :], 1)
     tl.store(Order + first + rank, items, mask=valid)
-
-
-@triton.jit
-def program_order_kernel(
-    CountsA, OrderA, num_items_a, num_tiles_a, grid_heads_a, heads_per_mask_head_a, num_chunks_a,
-    CountsB, OrderB, num_items_b, num_tiles_b, grid_heads_b, heads_per_mask_head_b,
-    num_mask_heads,
-    REVERSE_TILES_A: tl.constexpr,
-    HAS_B: tl.constexpr,
-    REVERSE_TILES_B: tl.constexpr,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    """``tiles.program_order`` of one or two lists (A and, with ``HAS_B``, B: the forward's and
-    the Gluon backward's) in one launch: a stable counting sort of each list's grid items by
-    descending bit length of their list length (``Counts*`` int32 ``[B, Hm, T]``), the item
-    numbers stored to ``Order*``. Grid ``(A's chunks of CHUNK items + B's,)``: every program
-    counts each class over all of its list's items and over those before its chunk (the grids
-    sorted are a few thousand items), then places its own chunk's items, each after the
-    heavier classes, the earlier chunks' items of its class and the items of its class before
-    it in the chunk."""
-    pid = tl.program_id(0)
-    if pid < num_chunks_a:
-        _place_chunk(
-            CountsA, OrderA, pid, num_items_a, num_tiles_a, grid_heads_a, heads_per_mask_head_a,
-            num_mask_heads, REVERSE_TILES_A, CHUNK,
-        )  # fmt: skip
-    elif HAS_B:
-        _place_chunk(
-            CountsB, OrderB, pid - num_chunks_a, num_items_b, num_tiles_b, grid_heads_b,
-            heads_per_mask_head_b, num_mask_heads, REVERSE_TILES_B, CHUNK,
-        )  # fmt: skip
