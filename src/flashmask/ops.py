@@ -152,14 +152,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
-        out, lse = _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+        inputs = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+        out, lse = _forward(*inputs)
         # An unused output's gradient arrives as None, as the custom op's backward gets it
         # (no zeros for dlse to subtract, no zero dout to multiply).
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
-        ctx.causal = causal
-        ctx.softmax_scale = softmax_scale
-        ctx.deterministic = deterministic
+        _setup_context(ctx, inputs, (out, lse))
         return out, lse
 
     @staticmethod

@@ -460,6 +460,13 @@ _ORDERS_LOCK = threading.Lock()
 PROGRAM_ORDER = True
 
 
+def _may_cache(device: torch.device) -> bool:
+    """Whether preparations made on ``device`` now may be kept for later calls: not during CUDA
+    graph capture (the tensors belong to the graph's pool) nor while ``torch.compile`` traces."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return not (capturing or torch.compiler.is_compiling())
+
+
 def program_order(
     lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
 ) -> torch.Tensor | None:
@@ -469,9 +476,7 @@ def program_order(
     if not PROGRAM_ORDER:
         return None
     counts = lists.counts
-    device = counts.device
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing or torch.compiler.is_compiling():
+    if not _may_cache(counts.device):
         return _launch_program_order(counts, grid_heads, reverse_tiles)
     key = (id(counts), grid_heads, reverse_tiles)
     with _ORDERS_LOCK:
@@ -555,8 +560,7 @@ def prepare_cached(
     graph capture or while ``torch.compile`` traces.
     """
     sri = startend_row_indices
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing or torch.compiler.is_compiling():
+    if not _may_cache(device):
         return prepare(sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     params = (causal, seqlen_q, seqlen_k, batch, device, stream, skip_tiles)
