@@ -45,9 +45,11 @@ def mask_case(name: str, seqlen: int, batch: int, device: str = "cuda"):
 def visible_flop(mask, causal: bool, seqlen: int, head_dim: int, heads: int, batch: int,
                  per_pair: float) -> float:  # fmt: skip
     """FLOPs over the visible query-key pairs only, ``per_pair * head_dim`` per pair and head
-    (4 for a forward, 10 for a five-matmul backward), as ``flashmask bench`` counts them."""
+    (4 for a forward, 10 for a five-matmul backward), as ``flashmask bench`` counts them: each
+    of the ``Hm`` mask heads serves ``heads // Hm`` heads."""
     pairs = bench.visible_pairs(mask, causal, seqlen, seqlen)
-    return per_pair * head_dim * int(pairs.sum()) * heads * (batch // pairs.shape[0])
+    per_mask_head = heads // pairs.shape[1]
+    return per_pair * head_dim * int(pairs.sum()) * per_mask_head * (batch // pairs.shape[0])
 
 
 class BackwardCase(NamedTuple):

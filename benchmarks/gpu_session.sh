@@ -16,6 +16,11 @@
 #   program-order program_order.py: the kernels' programs longest lists first
 #                 (kernels.program_order) against the grid's order, 12 masks at 8K and 32K,
 #                 16 heads and 16:4 grouped-query heads (bitwise checks and times)
+#   order-cost    order_cost.py: a new mask's lists alone, with both launch orders in one launch
+#                 and in two (GPU time, host queued ahead), six masks at 8K and 32K, 16 and 4
+#                 key/value heads
+#   program-order-masks program-order on the ten masks with a mask (full and causal keep the
+#                 grid's order)
 #   bench-hd128-gqa flashmask bench, 8K and 32K, hd128, 12 masks, 16 query heads sharing 4
 #                 key/value heads (grouped-query attention; ~290 s cold)
 #   tune-dq       tune.py --set dq at 8K for hd128 and hd256 (dQ-pass variants)
@@ -176,6 +181,16 @@ for step in "$@"; do
     program-order)
         run_step program_order python benchmarks/program_order.py --seqlens 8192,32768 \
             --kv-heads 16,4
+        ;;
+    order-cost)
+        run_step order_cost python benchmarks/order_cost.py --seqlens 8192,32768 --masks \
+            sliding_window,causal_document,share_question,global_sliding_window,qk_sparse,random_eviction
+        run_step order_cost_gqa python benchmarks/order_cost.py --seqlens 8192,32768 --kv-heads 4 \
+            --masks sliding_window,global_sliding_window,share_question
+        ;;
+    program-order-masks)
+        run_step program_order python benchmarks/program_order.py --seqlens 8192,32768 \
+            --kv-heads 16,4 --masks sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
         ;;
     bench-hd128-gqa)
         run_step bench_hd128_gqa python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \

@@ -86,7 +86,7 @@ def main() -> None:
                 start, end = torch.cuda.Event(True), torch.cuda.Event(True)
                 start.record()
                 for _ in range(10):
-                    kernels._launch_program_order(lists_f[0].counts, heads, True)
+                    kernels._launch_program_orders([(lists_f[0], heads, True)])
                 end.record()
                 torch.cuda.synchronize()
                 order_us = start.elapsed_time(end) / 10 * 1e3

@@ -338,7 +338,7 @@ def run_case(
             device_shared_memory,
             forward_list_shapes,
             prepare_cached,
-            program_order,
+            program_orders,
             tile_config,
         )
 
@@ -348,7 +348,8 @@ def run_case(
         )
         # What one forward + backward of a new mask prepares, call by call as the launchers do
         # (the lists of the kernels they route to: Triton's or, on Hopper, Gluon's): the
-        # forward's lists, then what the backward does not find prepared, and both launch orders.
+        # forward's lists, then what the backward does not find prepared, and both launch orders
+        # (in one launch, as a forward followed by the Gluon backward computes them).
         scale = head_dim**-0.5
         fwd_shapes = forward_list_shapes(q, k, v, sri, scale, cfg)
         bwd_shapes = backward_list_shapes(q, k, v, do, sri, False, cfg)
@@ -358,8 +359,7 @@ def run_case(
             _, fwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, fwd_shapes)
             _, bwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, bwd_shapes)
             if sri is not None:  # the launch orders (none without a mask)
-                program_order(fwd_lists[0], heads, True)
-                program_order(bwd_lists[0], kv_heads, False)
+                program_orders([(fwd_lists[0], heads, True), (bwd_lists[0], kv_heads, False)])
 
         # Each timed call prepares its mask, as a model's first layer does (later layers and
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.

@@ -249,3 +249,51 @@ def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations
     assert kernels.program_order(lists, 4, True) is not first
     monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
     assert kernels.program_order(lists, 4, True) is None
+
+
+def _count_order_launches(monkeypatch) -> list[dict]:
+    """The constexprs of every ``program_order_kernel`` launch."""
+    from flashmask.kernels import mask_prep
+
+    launches: list[dict] = []
+    real = mask_prep.program_order_kernel.run
+
+    def run(*args, **kwargs):
+        launches.append({k: v for k, v in kwargs.items() if k.isupper()})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mask_prep.program_order_kernel, "run", run)
+    return launches
+
+
+def test_two_orders_take_one_launch_and_only_the_missing_ones_are_computed(monkeypatch):
+    call = dict(causal=True, seqlen_k=SK, batch=2, device=DEVICE)
+    _, (rows, cols) = kernels.prepare_cached(
+        None, seqlen_q=SQ, shapes=[(16, 16, True), (16, 16, False)], **call
+    )
+    launches = _count_order_launches(monkeypatch)
+    fwd, bwd = kernels.program_orders([(rows, 4, True), (cols, 2, False)])
+    assert len(launches) == 1 and launches[0]["HAS_B"]
+    assert kernels.program_order(cols, 2, False) is bwd and len(launches) == 1
+    again, other = kernels.program_orders([(rows, 4, True), (cols, 4, False)])
+    assert again is fwd and len(launches) == 2 and not launches[1]["HAS_B"]
+    assert torch.equal(other.cpu(), kernels.tiles.program_order(cols.counts, 4, False).cpu())
+
+
+def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeypatch):
+    """Inputs that require grad and a backward routed to the Gluon kernel: the forward
+    computes its order and the backward's in one launch, which the backward then finds."""
+    sri = _mask()
+    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, SQ, 4, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkv")
+    k, v = k[:, :SK, :2].contiguous(), v[:, :SK, :2].contiguous()
+    launches = _count_order_launches(monkeypatch)
+    kernels.forward(q.requires_grad_(), k, v, sri, True, 0.25)
+    assert len(launches) == 1 and launches[0]["HAS_B"]
+    config = kernels.tile_config(16, has_mask=True)
+    shape = kernels._backward_shapes(True, False, 16, config)[0]
+    _, (cols,) = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [shape])
+    bwd = kernels.program_order(cols, 2, False)
+    assert len(launches) == 1  # found, not computed again
+    assert torch.equal(bwd.cpu(), kernels.tiles.program_order(cols.counts.cpu(), 2, False))

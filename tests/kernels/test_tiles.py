@@ -317,24 +317,35 @@ def test_program_order_is_a_permutation_of_the_grid_heaviest_class_first(seed):
 
 
 @pytest.mark.parametrize(
-    ("batch", "mask_heads", "grid_heads", "num_tiles", "chunk"),
-    [(2, 1, 4, 7, 16), (1, 2, 2, 33, 8), (3, 2, 6, 5, 512)],
+    ("batch", "mask_heads", "grid_heads", "num_tiles", "chunks"),
+    [(2, 1, 4, 7, (16, 4)), (1, 2, 2, 33, (8, 8)), (3, 2, 6, 5, (2048, 128)), (2, 2, 8, 9, (4, 2))],
 )
 @pytest.mark.parametrize("reverse_tiles", [True, False])
 def test_the_order_kernel_sorts_as_the_oracle(
-    batch, mask_heads, grid_heads, num_tiles, chunk, reverse_tiles, monkeypatch
+    batch, mask_heads, grid_heads, num_tiles, chunks, reverse_tiles, monkeypatch
 ):
     """``mask_prep.program_order_kernel`` (what the launchers use) gives
-    :func:`tiles.program_order`'s order, over one chunk or many, with an empty list and
-    lengths from 0 to past a power of two; the launchers' cache entry is the kernel's."""
-    monkeypatch.setattr(kernels, "ORDER_CHUNK", chunk)
-    gen = torch.Generator().manual_seed(_seed(f"order-kernel-{batch}-{num_tiles}-{chunk}"))
+    :func:`tiles.program_order`'s order, counting and placing in one step or many, with grid
+    heads reading one mask head or several each, an empty list and lengths from 0 to past a
+    power of two."""
+    monkeypatch.setattr(kernels, "ORDER_COUNT_CHUNK", chunks[0])
+    monkeypatch.setattr(kernels, "ORDER_PLACE_CHUNK", chunks[1])
+    gen = torch.Generator().manual_seed(_seed(f"order-kernel-{batch}-{num_tiles}-{chunks}"))
     counts = torch.randint(0, 70, (batch, mask_heads, num_tiles), generator=gen)
     counts[0, 0, 0] = 0
     counts = counts.to(torch.int32)
     want = tiles.program_order(counts, grid_heads, reverse_tiles)
-    got = kernels._launch_program_order(counts.to(DEVICE), grid_heads, reverse_tiles)
+    lists = tiles.TileLists(counts, counts.to(DEVICE), counts)  # only the counts are read
+    (got,) = kernels._launch_program_orders([(lists, grid_heads, reverse_tiles)])
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    # Two orders in one launch (a forward's and its backward's): each as alone.
+    other = tiles.TileLists(counts, counts[..., :3].contiguous().to(DEVICE), counts)
+    first, second = kernels._launch_program_orders(
+        [(lists, grid_heads, reverse_tiles), (other, 2 * grid_heads, not reverse_tiles)]
+    )
+    assert torch.equal(first.cpu(), want)
+    want_second = tiles.program_order(counts[..., :3], 2 * grid_heads, not reverse_tiles)
+    assert torch.equal(second.cpu(), want_second)
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
@@ -513,10 +524,15 @@ for has_mask in (True, False):
     compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
         ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
         ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
-order_args = {"Counts": "*i32", "Order": "*i32",
-    **ints("num_items num_tiles grid_heads heads_per_mask_head num_mask_heads")}
-for reverse in (True, False):
-    compile(program_order_kernel, order_args, dict(REVERSE_TILES=reverse, CHUNK=512))
+order_args = {}
+for slot in "AB":
+    order_args |= {f"Counts{slot}": "*i32", f"Order{slot}": "*i32"}
+    order_args |= ints(" ".join(f"{n}_{slot.lower()}" for n in
+        ("num_tiles", "grid_heads", "heads_per_mask_head")))
+order_args |= ints("batch num_mask_heads")
+for has_b in (True, False):
+    compile(program_order_kernel, order_args, dict(REVERSE_TILES_A=True, HAS_B=has_b,
+        REVERSE_TILES_B=False, COUNT_CHUNK=2048, PLACE_CHUNK=128))
 """
 
 

@@ -668,20 +668,20 @@ def test_launch_layout_and_load_masking_change_no_bit(case):
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
 def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
-    """With a mask, the forward's programs in ``kernels.program_order`` (longest lists first)
+    """With a mask, the forward's programs in ``kernels.program_orders`` (longest lists first)
     against the grid's natural order (``PROGRAM_ORDER`` off): the same bits, since the order
     only moves programs between SMs. Under a causal mask, whose lists differ in length across
     the tiles of every head, the order does reorder them; without a mask none is made."""
     x = make_inputs(case, torch.float16)
     orders = []
-    real = kernels.program_order
+    real = kernels.program_orders
 
-    def recording(*args):
-        order = real(*args)
-        orders.append(order)
-        return order
+    def recording(requests):
+        computed = real(requests)
+        orders.append(computed[0])  # the forward's
+        return computed
 
-    monkeypatch.setattr(kernels, "program_order", recording)
+    monkeypatch.setattr(kernels, "program_orders", recording)
     kernels.clear_prepared()
     ordered = run_kernels(x, case.causal)
     assert len(orders) == (x.sri is not None)  # the forward's; the Triton backward takes none

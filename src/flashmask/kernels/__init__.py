@@ -470,46 +470,83 @@ def _may_cache(device: torch.device) -> bool:
 def program_order(
     lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
 ) -> torch.Tensor | None:
-    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads (one launch
-    of ``mask_prep.program_order_kernel``), computed once per lists (``None``: the natural
-    order, with :data:`PROGRAM_ORDER` off)."""
+    """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads, computed
+    once per lists (``None``: the natural order, with :data:`PROGRAM_ORDER` off); see
+    :func:`program_orders`."""
+    return program_orders([(lists, grid_heads, reverse_tiles)])[0]
+
+
+def program_orders(
+    requests: list[tuple[tiles.TileLists, int, bool]],
+) -> list[torch.Tensor | None]:
+    """:func:`program_order` of each ``(lists, grid_heads, reverse_tiles)`` of ``requests`` (at
+    most two, of one mask), those not computed yet in one launch of
+    ``mask_prep.program_order_kernel``: a forward computes its backward's with its own."""
     if not PROGRAM_ORDER:
-        return None
-    counts = lists.counts
-    if not _may_cache(counts.device):
-        return _launch_program_order(counts, grid_heads, reverse_tiles)
-    key = (id(counts), grid_heads, reverse_tiles)
-    with _ORDERS_LOCK:
-        hit = _ORDERS.get(key)
-        if hit is not None and hit[0] is counts:
-            _ORDERS.move_to_end(key)
-            return hit[1]
-    order = _launch_program_order(counts, grid_heads, reverse_tiles)
-    with _ORDERS_LOCK:
-        _ORDERS[key] = (counts, order)
-        while len(_ORDERS) > ORDER_CAPACITY:
-            _ORDERS.popitem(last=False)
-    return order
+        return [None] * len(requests)
+    device = requests[0][0].counts.device
+    caching = _may_cache(device)
+    found: list[torch.Tensor | None] = [None] * len(requests)
+    if caching:
+        with _ORDERS_LOCK:
+            for i, (lists, heads, reverse) in enumerate(requests):
+                hit = _ORDERS.get((id(lists.counts), heads, reverse))
+                if hit is not None and hit[0] is lists.counts:
+                    _ORDERS.move_to_end((id(lists.counts), heads, reverse))
+                    found[i] = hit[1]
+    missing = [i for i, order in enumerate(found) if order is None]
+    if missing:
+        computed = _launch_program_orders([requests[i] for i in missing])
+        for i, order in zip(missing, computed, strict=True):
+            found[i] = order
+        if caching:
+            with _ORDERS_LOCK:
+                for i in missing:
+                    lists, heads, reverse = requests[i]
+                    _ORDERS[(id(lists.counts), heads, reverse)] = (lists.counts, found[i])
+                while len(_ORDERS) > ORDER_CAPACITY:
+                    _ORDERS.popitem(last=False)
+    return found
 
 
-# Items per program of the order's counting sort (every program also counts all items).
-ORDER_CHUNK = 512
+# Mask items counted per step of the order's sort (every program counts all of a mask's
+# B * Hm * T lists: one step for one mask head up to 32K tokens at 64-row tiles), and items
+# placed per step of its row.
+ORDER_COUNT_CHUNK = 2048
+ORDER_PLACE_CHUNK = 128
 
 
-def _launch_program_order(
-    counts: torch.Tensor, grid_heads: int, reverse_tiles: bool
-) -> torch.Tensor:
-    """:func:`tiles.program_order` computed by ``mask_prep.program_order_kernel``."""
+def _launch_program_orders(requests: list[tuple[tiles.TileLists, int, bool]]) -> list:
+    """:func:`tiles.program_order` of one or two ``(lists, grid_heads, reverse_tiles)`` (of one
+    mask: the same batch and mask heads) by one launch of ``mask_prep.program_order_kernel``."""
     from flashmask.kernels.mask_prep import program_order_kernel
 
-    batch, mask_heads, num_tiles = counts.shape
-    num_items = batch * grid_heads * num_tiles
-    order = torch.empty(num_items, dtype=torch.int32, device=counts.device)
-    program_order_kernel[(triton_cdiv(num_items, ORDER_CHUNK),)](
-        counts, order, num_items, num_tiles, grid_heads, grid_heads // mask_heads, mask_heads,
-        REVERSE_TILES=reverse_tiles, CHUNK=ORDER_CHUNK,
+    if not 1 <= len(requests) <= 2:
+        raise ValueError(f"one or two orders per launch, got {len(requests)}")
+    args, flags, orders, rows = [], {}, [], 0
+    batch, mask_heads, _ = requests[0][0].counts.shape
+    for slot, (lists, grid_heads, reverse) in zip("AB", requests, strict=False):
+        counts = lists.counts.contiguous()
+        b, heads_m, num_tiles = counts.shape
+        if (b, heads_m) != (batch, mask_heads):
+            raise ValueError("the orders of one launch must share their batch and mask heads")
+        if grid_heads % mask_heads:
+            raise ValueError(
+                f"grid_heads={grid_heads} is not a multiple of the {mask_heads} mask heads"
+            )
+        order = torch.empty(batch * grid_heads * num_tiles, dtype=torch.int32, device=counts.device)
+        orders.append(order)
+        rows += batch * grid_heads
+        args.append([counts, order, num_tiles, grid_heads, grid_heads // mask_heads])
+        flags[f"REVERSE_TILES_{slot}"] = reverse
+    if len(requests) == 1:  # slot B unused: a copy of A's arguments that no program reads
+        args.append(args[0])
+        flags["REVERSE_TILES_B"] = flags["REVERSE_TILES_A"]
+    program_order_kernel[(rows,)](
+        *args[0], *args[1], batch, mask_heads, HAS_B=len(requests) == 2,
+        COUNT_CHUNK=ORDER_COUNT_CHUNK, PLACE_CHUNK=ORDER_PLACE_CHUNK, **flags,
     )  # fmt: skip
-    return order
+    return orders
 
 
 def clear_prepared() -> None:
@@ -927,13 +964,21 @@ def forward(
             )
             if shape not in shapes
         ]
-    bounds, (lists, *_) = prepare_cached(
+    bounds, all_lists = prepare_cached(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
+    lists = all_lists[0]
     # Without a mask the grid's own order stays: full attention's lists are all alike, and
     # causal's already launch longest first per head (sorted, it measured 2.8% slower at 32K,
     # results/program_order_precise_s15.log).
-    order = None if bounds is None else program_order(lists, hq, True)
+    order = None
+    if bounds is not None:
+        requests = [(lists, hq, True)]
+        if backward_follows and _use_gluon_backward(q, k, v, q, deterministic, True, True, config):
+            # The Gluon backward's order too, in the same launch (the backward then finds it).
+            gluon_shape = _backward_shapes(True, deterministic, d, config)[0]
+            requests.append((all_lists[shapes.index(gluon_shape)], hk, False))
+        order = program_orders(requests)[0]
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 

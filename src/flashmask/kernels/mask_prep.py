@@ -1,6 +1,7 @@
-"""Triton mask preparation: normalised bounds, per-key-tile min/max summary, tile lists.
+"""Triton mask preparation: normalised bounds, per-key-tile min/max summary, tile lists, and
+the kernels' launch orders.
 
-Two small kernels replace the dozens of torch ops of :mod:`.tiles` (which stays as their
+Three small kernels replace the dozens of torch ops of :mod:`.tiles` (which stays as their
 oracle) so that preparing a mask costs O(N) + O(tiles) work in two launches per call (one
 without a mask):
 
@@ -14,6 +15,9 @@ without a mask):
   (a key tile's query tiles) of the tile grid and compacts the survivors into a list (partial
   tiles, then full ones), as :func:`.tiles.compact` does. Without a mask it needs no summary:
   only the causal triangle and the ragged last key tile classify tiles.
+* ``program_order_kernel`` (one program per grid row, batch and head, of each of up to two
+  launch orders): the attention kernels' programs sorted longest list first, as
+  :func:`.tiles.program_order` does (with a mask only).
 """
 
 from __future__ import annotations
@@ -242,20 +246,10 @@ def tile_list_kernel(
 
 
 @triton.jit
-def _length_classes(
-    counts_ptr, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
-    REVERSE_TILES: tl.constexpr,
-):  # fmt: skip
-    """The bit length (0 for 0, 1 for 1, 2 for 2-3, ...) of the list length of each grid item
-    ``(b * grid_heads + h) * num_tiles + p`` (``tiles.program_order``'s numbering)."""
-    p = items % num_tiles
-    h = (items // num_tiles) % grid_heads
-    b = items // (num_tiles * grid_heads)
-    tile = num_tiles - 1 - p if REVERSE_TILES else p
-    row = b * num_mask_heads + h // heads_per_mask_head
-    n = tl.load(counts_ptr + row * num_tiles + tile, mask=valid, other=0)
+def _bit_length(n):
+    """The bit length of each int32 ``n >= 0`` (0 for 0, 1 for 1, 2 for 2-3, 3 for 4-7, ...):
+    a binary search for the highest set bit."""
     length = tl.where(n > 0, 1, 0)
-    # Binary search for the highest set bit (lengths stay below 2**31).
     big = (n >> 16) > 0
     n = tl.where(big, n >> 16, n)
     length += tl.where(big, 16, 0)
@@ -273,40 +267,80 @@ def _length_classes(
 
 
 @triton.jit
-def program_order_kernel(
-    Counts, Order, num_items, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
+def _place_row(
+    Counts, Order, row, batch, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
     REVERSE_TILES: tl.constexpr,
-    CHUNK: tl.constexpr,
+    COUNT_CHUNK: tl.constexpr,
+    PLACE_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """``tiles.program_order`` in one launch: a stable counting sort of the ``num_items`` grid
-    items by descending bit length of their list length (``Counts`` int32 ``[B, Hm, T]``), the
-    item numbers stored to ``Order``. Grid ``(cdiv(num_items, CHUNK),)``: every program counts
-    each class over all items and over the items before its chunk (the grids sorted are a few
-    thousand items), then places its own chunk's items, each after the heavier classes, the
-    earlier chunks' items of its class and the items of its class before it in the chunk."""
-    chunk = tl.program_id(0)
+    """One program of :func:`program_order_kernel`'s sort: the ``num_tiles`` items of grid row
+    ``row = b * grid_heads + h`` placed in ``Order``.
+
+    An item's slot is the number of items of heavier classes, plus those of its class in the
+    grid rows before ``row``, plus those of its class before it in its row. The first two come
+    from the mask rows' lists (``Counts`` ``[B, Hm, T]``, contiguous), each standing for the
+    ``heads_per_mask_head`` consecutive grid rows that read it: the mask rows before ``row``'s
+    count for all of theirs, ``row``'s own for the grid rows of it before ``row``. Counting
+    ``B * Hm * T`` lengths instead of the grid's ``B * grid_heads * T`` keeps the pass short
+    (one chunk for a single mask head up to 32K tokens)."""
     classes = tl.arange(0, 32)
-    every = tl.zeros([32], dtype=tl.int32)
-    before = tl.zeros([32], dtype=tl.int32)
-    for start in range(0, num_items, CHUNK):
-        items = start + tl.arange(0, CHUNK)
-        valid = items < num_items
-        length = _length_classes(
-            Counts, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
-            REVERSE_TILES,
-        )  # fmt: skip
-        hist = tl.sum(((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32), 0)
-        every += hist
-        before += tl.where(start < chunk * CHUNK, hist, 0)
-    # Slots taken by the classes above each class (longer lists run first).
+    b = row // grid_heads
+    h = row % grid_heads
+    mask_row = b * num_mask_heads + h // heads_per_mask_head
+    own_rows_before = h % heads_per_mask_head
+    every = tl.zeros([32], dtype=tl.int32)  # per class, over all mask rows
+    rows_before = tl.zeros([32], dtype=tl.int32)  # over the mask rows before mask_row
+    own = tl.zeros([32], dtype=tl.int32)  # over mask_row
+    num_mask_items = batch * num_mask_heads * num_tiles
+    for start in range(0, num_mask_items, COUNT_CHUNK):
+        items = start + tl.arange(0, COUNT_CHUNK)
+        valid = items < num_mask_items
+        length = _bit_length(tl.load(Counts + items, mask=valid, other=0))
+        item_row = items // num_tiles
+        every += tl.histogram(length, 32, mask=valid)
+        rows_before += tl.histogram(length, 32, mask=valid & (item_row < mask_row))
+        own += tl.histogram(length, 32, mask=valid & (item_row == mask_row))
+    # Slots taken by the classes above each class (longer lists run first), then by the
+    # class's items in the grid rows before this one.
     heavier = tl.sum(tl.where(classes[None, :] > classes[:, None], every[None, :], 0), 1)
-    items = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = items < num_items
-    length = _length_classes(
-        Counts, items, valid, num_tiles, grid_heads, heads_per_mask_head, num_mask_heads,
-        REVERSE_TILES,
-    )  # fmt: skip
-    onehot = ((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
-    first = tl.sum(onehot * (heavier + before)[None, :], 1)
-    tl.store(Order + first + rank, items, mask=valid)
+    taken = (heavier + rows_before) * heads_per_mask_head + own * own_rows_before
+    for start in range(0, num_tiles, PLACE_CHUNK):
+        p = start + tl.arange(0, PLACE_CHUNK)
+        valid = p < num_tiles
+        tile = num_tiles - 1 - p if REVERSE_TILES else p
+        length = _bit_length(tl.load(Counts + mask_row * num_tiles + tile, mask=valid, other=0))
+        onehot = ((length[:, None] == classes[None, :]) & valid[:, None]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1
+        first = tl.sum(onehot * taken[None, :], 1)
+        tl.store(Order + first + rank, row * num_tiles + p, mask=valid)
+        taken += tl.sum(onehot, 0)
+
+
+@triton.jit
+def program_order_kernel(
+    CountsA, OrderA, num_tiles_a, grid_heads_a, heads_per_mask_head_a,
+    CountsB, OrderB, num_tiles_b, grid_heads_b, heads_per_mask_head_b,
+    batch, num_mask_heads,
+    REVERSE_TILES_A: tl.constexpr,
+    HAS_B: tl.constexpr,
+    REVERSE_TILES_B: tl.constexpr,
+    COUNT_CHUNK: tl.constexpr,
+    PLACE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``tiles.program_order`` of one or two lists (A and, with ``HAS_B``, B: the forward's and
+    the Gluon backward's) in one launch: a stable counting sort of each list's grid items
+    ``(b * grid_heads + h) * T + p`` by descending bit length of their list length (``Counts*``
+    int32 ``[B, Hm, T]``), the item numbers stored to ``Order*``. Grid ``(B * grid_heads_a +
+    B * grid_heads_b,)``: one program per grid row (:func:`_place_row`)."""
+    pid = tl.program_id(0)
+    rows_a = batch * grid_heads_a
+    if pid < rows_a:
+        _place_row(
+            CountsA, OrderA, pid, batch, num_tiles_a, grid_heads_a, heads_per_mask_head_a,
+            num_mask_heads, REVERSE_TILES_A, COUNT_CHUNK, PLACE_CHUNK,
+        )  # fmt: skip
+    elif HAS_B:
+        _place_row(
+            CountsB, OrderB, pid - rows_a, batch, num_tiles_b, grid_heads_b,
+            heads_per_mask_head_b, num_mask_heads, REVERSE_TILES_B, COUNT_CHUNK, PLACE_CHUNK,
+        )  # fmt: skip
