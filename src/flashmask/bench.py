@@ -333,10 +333,9 @@ def run_case(
 
     def run_flashmask() -> None:
         from flashmask.kernels import (
-            backward_list_shapes,
             clear_prepared,
             device_shared_memory,
-            forward_list_shapes,
+            forward_preparation,
             prepare_cached,
             program_orders,
             tile_config,
@@ -346,20 +345,20 @@ def run_case(
         cfg = tile_config(
             head_dim, has_mask=sri is not None, shared_memory=device_shared_memory(device)
         )
-        # What one forward + backward of a new mask prepares, call by call as the launchers do
-        # (the lists of the kernels they route to: Triton's or, on Hopper, Gluon's): the
-        # forward's lists, then what the backward does not find prepared, and both launch orders
-        # (in one launch, as a forward followed by the Gluon backward computes them).
-        scale = head_dim**-0.5
-        fwd_shapes = forward_list_shapes(q, k, v, sri, scale, cfg)
-        bwd_shapes = backward_list_shapes(q, k, v, do, sri, False, cfg)
+        # What one forward + backward of a new mask prepares, as the launchers do it (the lists
+        # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
+        # and the backward's in one call, with the launch orders computed in the lists' launch.
+        shapes, orders = forward_preparation(q, k, v, sri, head_dim**-0.5, False, cfg)
 
         def prep():
             clear_prepared()
-            _, fwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, fwd_shapes)
-            _, bwd_lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, bwd_shapes)
-            if sri is not None:  # the launch orders (none without a mask)
-                program_orders([(fwd_lists[0], heads, True), (bwd_lists[0], kv_heads, False)])
+            _, lists = prepare_cached(
+                sri, causal, seqlen, seqlen, batch, device, shapes, orders=orders
+            )
+            if orders:  # found in the cache, as the forward and backward find them
+                program_orders(
+                    [(lists[shapes.index(s)], *request) for s, request in orders.items()]
+                )
 
         # Each timed call prepares its mask, as a model's first layer does (later layers and
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.
