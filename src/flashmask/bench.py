@@ -347,18 +347,14 @@ def run_case(
         )
         # What one forward + backward of a new mask prepares, as the launchers do it (the lists
         # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
-        # and the backward's in one call, with the launch orders computed in the lists' launch.
+        # and the backward's in one call, then the launch orders in one launch.
         shapes, orders = forward_preparation(q, k, v, sri, head_dim**-0.5, False, cfg)
 
         def prep():
             clear_prepared()
-            _, lists = prepare_cached(
-                sri, causal, seqlen, seqlen, batch, device, shapes, orders=orders
-            )
-            if orders:  # found in the cache, as the forward and backward find them
-                program_orders(
-                    [(lists[shapes.index(s)], *request) for s, request in orders.items()]
-                )
+            _, lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, shapes)
+            if orders:
+                program_orders([(lists[shapes.index(s)], *request) for s, request in orders])
 
         # Each timed call prepares its mask, as a model's first layer does (later layers and
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.

@@ -280,94 +280,23 @@ def test_two_orders_take_one_launch_and_only_the_missing_ones_are_computed(monke
     assert torch.equal(other.cpu(), kernels.tiles.program_order(cols.counts, 4, False).cpu())
 
 
-def _list_launch_flags(monkeypatch) -> list[dict]:
-    """The constexprs of every ``tile_list_kernel`` launch."""
-    from flashmask.kernels import mask_prep
-
-    launches: list[dict] = []
-    real = mask_prep.tile_list_kernel.run
-
-    def run(*args, **kwargs):
-        launches.append({k: v for k, v in kwargs.items() if k.isupper()})
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mask_prep.tile_list_kernel, "run", run)
-    return launches
-
-
 def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeypatch):
-    """Inputs that require grad and a backward routed to the Gluon kernel: a new mask's
-    forward computes its order and the backward's in the launch that builds their lists (no
-    order launch of its own), and the backward then finds its order, equal to the oracle's."""
+    """Inputs that require grad and a backward routed to the Gluon kernel: the forward
+    computes its order and the backward's in one launch, which the backward then finds."""
     sri = _mask()
     monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, SQ, 4, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkv")
     k, v = k[:, :SK, :2].contiguous(), v[:, :SK, :2].contiguous()
-    order_launches = _count_order_launches(monkeypatch)
-    list_launches = _list_launch_flags(monkeypatch)
+    launches = _count_order_launches(monkeypatch)
     kernels.forward(q.requires_grad_(), k, v, sri, True, 0.25)
-    assert not order_launches
-    assert len(list_launches) == 1
-    assert list_launches[0]["ORDER_A"] and list_launches[0]["ORDER_B"]
+    assert len(launches) == 1 and launches[0]["HAS_B"]
     config = kernels.tile_config(16, has_mask=True)
     shape = kernels._backward_shapes(True, False, 16, config)[0]
     _, (cols,) = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [shape])
     bwd = kernels.program_order(cols, 2, False)
-    assert not order_launches and len(list_launches) == 1  # found, not computed again
+    assert len(launches) == 1  # found, not computed again
     assert torch.equal(bwd.cpu(), kernels.tiles.program_order(cols.counts.cpu(), 2, False))
-
-
-def test_a_backward_that_builds_its_own_lists_orders_them_in_their_launch(monkeypatch):
-    """The Gluon backward of a mask that no forward prepared (a forward without grad, a
-    mask changed in between) builds its lists with their launch order in one launch."""
-    sri = _mask(seed=4)
-    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
-    seen = {}
-
-    class Stub:
-        @staticmethod
-        def backward(*args, order=None):
-            seen["order"], seen["lists"] = order, args[7]
-            return None
-
-    monkeypatch.setattr(kernels, "gluon_backward_module", lambda d: Stub)
-    monkeypatch.setattr(kernels, "backward_delta", lambda *args: None)
-    gen = torch.Generator().manual_seed(5)
-    q, k, v, do = (
-        torch.randn(2, SQ, 2, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkvd"
-    )
-    lse = torch.zeros(2, 2, SQ, device=DEVICE)
-    order_launches = _count_order_launches(monkeypatch)
-    list_launches = _list_launch_flags(monkeypatch)
-    kernels.backward(do, None, q, k, v, q, lse, sri, True, 0.25, False)
-    assert not order_launches and len(list_launches) == 1 and list_launches[0]["ORDER_A"]
-    want = kernels.tiles.program_order(seen["lists"].counts.cpu(), 2, False)
-    assert torch.equal(seen["order"].cpu(), want)
-
-
-def test_lists_of_summarised_widths_zero_their_launch_counters_themselves(monkeypatch):
-    """A list whose key-tile width is already summarised (no summary launch to zero the list
-    launch's counters) still gets the oracle's order in its launch; without a mask, or with
-    ``PROGRAM_ORDER`` off, no order is computed."""
-    sri = _mask(seed=6)
-    list_launches = _list_launch_flags(monkeypatch)
-    kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
-    _, (cols,) = kernels.prepare_cached(
-        sri, True, SQ, SK, 2, DEVICE, [(32, 16, False)], orders={(32, 16, False): (4, False)}
-    )
-    assert list_launches[-1]["ORDER_A"] and not list_launches[-1]["ORDER_B"]
-    order_launches = _count_order_launches(monkeypatch)
-    got = kernels.program_order(cols, 4, False)
-    assert not order_launches
-    assert torch.equal(got.cpu(), kernels.tiles.program_order(cols.counts.cpu(), 4, False))
-    kernels.prepare_cached(None, True, SQ, SK, 2, DEVICE, [(16, 16, True)],
-                           orders={(16, 16, True): (2, True)})  # fmt: skip
-    assert not list_launches[-1]["ORDER_A"]
-    monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
-    kernels.prepare_cached(_mask(seed=7), True, SQ, SK, 2, DEVICE, [(16, 16, True)],
-                           orders={(16, 16, True): (2, True)})  # fmt: skip
-    assert not list_launches[-1]["ORDER_A"]
 
 
 @pytest.mark.parametrize("gluon_backward", [False, True], ids=["triton-bwd", "gluon-bwd"])
@@ -387,9 +316,8 @@ def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, mon
     kernels.forward(q, k, v, sri, True, 0.25, config=config)
     launches = _count_launches(monkeypatch)
     order_launches = _count_order_launches(monkeypatch)
-    _, lists = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, shapes, orders=orders)
-    for shape, (heads, reverse) in orders.items():
-        kernels.program_order(lists[shapes.index(shape)], heads, reverse)
+    _, lists = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, shapes)
+    kernels.program_orders([(lists[shapes.index(s)], *request) for s, request in orders])
     assert launches == {"summarize_kernel": 0, "tile_list_kernel": 0} and not order_launches
-    assert orders[shapes[0]] == (4, True)
+    assert orders[0] == (shapes[0], (4, True))
     assert len(orders) == 1 + gluon_backward

@@ -490,40 +490,6 @@ def test_triton_prepare_costs_at_most_two_launches_per_call(masked, monkeypatch)
     _assert_lists_equal(cols, tiles.backward_lists(classes), "column-major lists")
 
 
-@pytest.mark.parametrize(
-    ("mask_heads", "heads", "chunks"), [(1, 4, (2048, 128)), (2, 6, (8, 4)), (2, 2, (4, 2))]
-)
-def test_the_list_launch_computes_the_launch_orders_of_its_lists(
-    mask_heads, heads, chunks, monkeypatch
-):
-    """With a mask, the launch orders that ``prepare_cached(orders=...)`` asks for are computed
-    in the list launch (the list programs, then the order programs once every list is done):
-    the lists stay the oracle's, each order is :func:`tiles.program_order` of its list, and
-    the separate order kernel never runs."""
-    from flashmask.kernels import mask_prep
-
-    monkeypatch.setattr(kernels, "ORDER_COUNT_CHUNK", chunks[0])
-    monkeypatch.setattr(kernels, "ORDER_PLACE_CHUNK", chunks[1])
-    monkeypatch.setattr(mask_prep.program_order_kernel, "run", None)  # any launch fails
-    form = Form(True, 2)
-    sq, sk = 70, 53
-    gen = torch.Generator().manual_seed(_seed(f"list-orders-{mask_heads}-{heads}"))
-    sri = _random_indices(form, 2, mask_heads, sq, sk, gen)
-    rows_shape, cols_shape = (16, 16, True), (8, 16, False)
-    _, (rows, cols) = kernels.prepare_cached(
-        sri.to(DEVICE), True, sq, sk, 2, DEVICE, [rows_shape, cols_shape],
-        orders={rows_shape: (heads, True), cols_shape: (2 * mask_heads, False)},
-    )  # fmt: skip
-    expected = tiles.column_bounds(sri, True, sq, sk, 2, torch.device("cpu"))
-    _assert_lists_equal(rows, tiles.forward_lists(tiles.tile_classes(expected, True, sq, 16, 16)),
-                        "row-major lists")  # fmt: skip
-    _assert_lists_equal(cols, tiles.backward_lists(tiles.tile_classes(expected, True, sq, 8, 16)),
-                        "column-major lists")  # fmt: skip
-    for lists, grid_heads, reverse in ((rows, heads, True), (cols, 2 * mask_heads, False)):
-        got = kernels.program_order(lists, grid_heads, reverse)
-        assert torch.equal(got.cpu(), tiles.program_order(lists.counts.cpu(), grid_heads, reverse))
-
-
 # Runs in a process of its own (Triton's interpreter off): the mask-preparation kernels compiled
 # for sm_90 as the launchers call them. The interpreter runs Python where the compiler needs
 # constexprs (an annotated constexpr local compiled under the interpreter only), so a kernel the
@@ -543,7 +509,7 @@ def compile(kernel, runtime, constexprs):
 ints = lambda names: dict.fromkeys(names.split(), "i32")
 summary_args = {**dict.fromkeys(["Indices", "Bounds", "Summary", "SubSummary"], "*i32"),
     **ints("stride_ib stride_ih stride_is stride_ic num_mask_heads seqlen_q seqlen_k "
-           "num_n_tiles num_sub_tiles"), "Tickets": "*i32", "num_tickets": "i32"}
+           "num_n_tiles num_sub_tiles")}
 for causal, c, (bn, sub) in itertools.product((True, False), (1, 2, 4), ((64, 0), (128, 64))):
     if causal and c == 4:
         continue
@@ -554,15 +520,10 @@ for slot in "AB":
     list_args |= {f"{n}{slot}": "*i32" for n in ("Summary", "Entries", "Counts", "NumPartial")}
     list_args |= {f"num_m_tiles_{slot.lower()}": "i32", f"num_n_tiles_{slot.lower()}": "i32"}
 list_args |= ints("num_outer_a seqlen_q seqlen_k")
-list_args |= {"Tickets": "*i32", "OrderA": "*i32", "order_heads_a": "i32", "OrderB": "*i32",
-    **ints("order_heads_b num_outer num_mask_heads batch")}
-# Without a mask and unordered; with one, unordered, both orders, the forward's alone.
-for has_mask, order_a, order_b in ((False, False, False), (True, False, False),
-                                   (True, True, True), (True, True, False)):
+for has_mask in (True, False):
     compile(tile_list_kernel, list_args, dict(CAUSAL=True, HAS_MASK=has_mask, SKIP_TILES=True,
         ROW_MAJOR_A=True, BLOCK_M_A=64, BLOCK_N_A=64, CHUNK_A=128, HAS_B=True,
-        ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64, ORDER_A=order_a,
-        REVERSE_A=True, ORDER_B=order_b, REVERSE_B=False, COUNT_CHUNK=2048, PLACE_CHUNK=128))
+        ROW_MAJOR_B=False, BLOCK_M_B=128, BLOCK_N_B=128, CHUNK_B=64))
 order_args = {}
 for slot in "AB":
     order_args |= {f"Counts{slot}": "*i32", f"Order{slot}": "*i32"}
@@ -578,15 +539,12 @@ for has_b in (True, False):
 def test_the_mask_preparation_kernels_compile_for_sm90():
     """The kernels compile for Hopper in the forms the launchers use: summaries of one width
     and of two (``SUB_N``) for every bounds form, a two-list launch of the forward's and the
-    Gluon backward's tile shapes, with and without a mask, with both launch orders, the first
-    alone or none, and the separate launch order's sort with and without reversed tiles."""
+    Gluon backward's tile shapes, with and without a mask, and the launch order's sort with
+    and without reversed tiles."""
     from tests.kernels.sm90_compile import json_lines
 
     compiled = json_lines(["-c", _COMPILE_MASK_PREP])
     summaries = [r for r in compiled if r["kernel"] == "summarize_kernel"]
     assert {r["SUB_N"] for r in summaries} == {0, 64} and len(summaries) == 10
-    lists = [r for r in compiled if r["kernel"] == "tile_list_kernel"]
-    assert [(r["HAS_MASK"], r["ORDER_A"], r["ORDER_B"]) for r in lists] == [
-        (False, False, False), (True, False, False), (True, True, True), (True, True, False)
-    ]  # fmt: skip
+    assert sum(r["kernel"] == "tile_list_kernel" for r in compiled) == 2
     assert sum(r["kernel"] == "program_order_kernel" for r in compiled) == 2

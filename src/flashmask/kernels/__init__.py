@@ -317,47 +317,18 @@ def _add_lists(
     bounds: torch.Tensor | None,
     summaries: dict[int, torch.Tensor],
     lists: dict[tuple[int, int, bool], tiles.TileLists],
-    orders: dict[tuple[int, int, bool], tuple[int, bool]] | None = None,
-) -> list[tuple[tiles.TileLists, int, bool, torch.Tensor]]:
+) -> None:
     """Add to ``lists`` those of ``shapes`` it lacks, first adding the summaries they need (and,
-    with the first summary, the normalised ``bounds``) to ``summaries``.
-
-    ``orders`` maps shapes to the ``(grid_heads, reverse_tiles)`` of the kernel that will run
-    their lists: with a mask and :data:`PROGRAM_ORDER`, each list built here gets that launch
-    order (:func:`program_order`) in its own list launch. Returns ``(lists, grid_heads,
-    reverse_tiles, order)`` of each order so computed."""
-    missing = list(dict.fromkeys(shape for shape in shapes if shape not in lists))
+    with the first summary, the normalised ``bounds``) to ``summaries``."""
+    missing = [shape for shape in shapes if shape not in lists]
     if not missing:
-        return []
-    hm = 1 if sri is None else sri.shape[1]
-    wanted = {}
-    if sri is not None and PROGRAM_ORDER and orders:
-        wanted = {
-            shape: orders[shape]
-            for shape in missing
-            if shape in orders and orders[shape][0] % hm == 0
-        }
-    pairs = [missing[i : i + 2] for i in range(0, len(missing), 2)]
-    ordered_pairs = sum(any(shape in wanted for shape in pair) for pair in pairs)
-    # Two counters per list launch that computes orders, zeroed by the summary launch below
-    # (its first program) or, when no summary is missing, here.
-    tickets = (
-        torch.empty(2 * ordered_pairs, dtype=torch.int32, device=device) if ordered_pairs else None
-    )
-    zeroed = False
+        return
     if sri is not None:
-        zeroed = _summarize(
-            sri, causal, seqlen_q, seqlen_k, bounds, summaries, [bn for _, bn, _ in missing],
-            tickets,
-        )  # fmt: skip
-    if tickets is not None and not zeroed:
-        tickets.zero_()
-    built, computed = _build_lists(
-        summaries, causal, seqlen_q, seqlen_k, batch, hm, device, pairs, skip_tiles, wanted,
-        tickets,
-    )  # fmt: skip
-    lists.update(built)
-    return computed
+        _summarize(sri, causal, seqlen_q, seqlen_k, bounds, summaries, [bn for _, bn, _ in missing])
+    hm = 1 if sri is None else sri.shape[1]
+    lists.update(
+        _build_lists(summaries, causal, seqlen_q, seqlen_k, batch, hm, device, missing, skip_tiles)
+    )
 
 
 def _summarize(
@@ -368,19 +339,15 @@ def _summarize(
     bounds: torch.Tensor,
     summaries: dict[int, torch.Tensor],
     widths: list[int],
-    tickets: torch.Tensor | None = None,
-) -> bool:
+) -> None:
     """Add the per-key-tile summaries of the key-tile ``widths`` missing from ``summaries``; the
     first summary ever built for ``bounds`` also writes the normalised bounds. Two missing
     widths of which the narrower divides the wider (the forward's 64 and the Gluon backward's
-    128) take one launch. The first launch also zeroes ``tickets`` (at most 8 int32); returns
-    whether one did."""
+    128) take one launch."""
     from flashmask.kernels.mask_prep import summarize_kernel
 
     batch, hm = bounds.shape[:2]
     todo = sorted({bn for bn in widths if bn not in summaries}, reverse=True)
-    to_zero = tickets if tickets is not None and tickets.numel() <= 8 else None
-    zeroed = False
     while todo:
         bn = todo.pop(0)
         sub = next((w for w in todo if bn % w == 0), 0)
@@ -394,10 +361,9 @@ def _summarize(
             if sub
             else summary  # never written without SUB_N
         )
-        zero_now = to_zero is not None and not zeroed
         summarize_kernel[(tn, hm, batch)](
             sri, bounds, summary, sub_summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
-            sub_tiles, to_zero if zero_now else summary, to_zero.numel() if zero_now else 0,
+            sub_tiles,
             CAUSAL=causal,
             BOUNDS_PER_COLUMN=sri.shape[-1],
             HAS_MASK=True,
@@ -405,11 +371,9 @@ def _summarize(
             BLOCK_N=bn,
             SUB_N=sub,
         )  # fmt: skip
-        zeroed = zeroed or zero_now
         summaries[bn] = summary
         if sub:
             summaries[sub] = sub_summary
-    return zeroed
 
 
 def _build_lists(
@@ -420,24 +384,16 @@ def _build_lists(
     batch: int,
     hm: int,
     device: torch.device,
-    pairs: list[list[tuple[int, int, bool]]],
+    shapes: list[tuple[int, int, bool]],
     skip_tiles: bool,
-    orders: dict[tuple[int, int, bool], tuple[int, bool]],
-    tickets: torch.Tensor | None,
-) -> tuple[
-    dict[tuple[int, int, bool], tiles.TileLists],
-    list[tuple[tiles.TileLists, int, bool, torch.Tensor]],
-]:
-    """The tile lists of ``pairs`` of distinct shapes, one launch per pair (``summaries``
-    empty: no mask), with the launch orders that ``orders`` asks of them in the same launch
-    (two of ``tickets``' zeroed counters per launch that has any)."""
+) -> dict[tuple[int, int, bool], tiles.TileLists]:
+    """The tile lists of the distinct ``shapes``, two per launch (``summaries`` empty: no mask)."""
     from flashmask.kernels.mask_prep import tile_list_kernel
 
     built: dict[tuple[int, int, bool], tiles.TileLists] = {}
-    computed: list[tuple[tiles.TileLists, int, bool, torch.Tensor]] = []
-    ordered_launches = 0
-    for pair in pairs:
-        args, flags, outers, order_args = [], {}, [], []
+    todo = list(dict.fromkeys(shapes))  # each distinct list once
+    for pair in (todo[i : i + 2] for i in range(0, len(todo), 2)):
+        args, flags, outers = [], {}, []
         for slot, (bm, bn, row_major) in zip("AB", pair, strict=False):
             tm, tn = -(-seqlen_q // bm), -(-seqlen_k // bn)
             outer, inner = (tm, tn) if row_major else (tn, tm)
@@ -456,41 +412,18 @@ def _build_lists(
                 f"BLOCK_N_{slot}": bn,
                 f"CHUNK_{slot}": min(256, max(16, 1 << (inner - 1).bit_length())),
             }
-            request = orders.get((bm, bn, row_major))
-            if request is None:  # no order: any int32 pointer and 0 grid heads fill the slot
-                order_args += [lists.counts, 0]
-                flags |= {f"ORDER_{slot}": False, f"REVERSE_{slot}": False}
-            else:
-                heads, reverse = request
-                order = torch.empty(batch * heads * outer, dtype=torch.int32, device=device)
-                computed.append((lists, heads, reverse, order))
-                order_args += [order, heads]
-                flags |= {f"ORDER_{slot}": True, f"REVERSE_{slot}": reverse}
         if len(pair) == 1:  # slot B unused: a copy of A's arguments that no program reads
             args += args
-            order_args += [order_args[0], 0]
-            flags |= {k.replace("_A", "_B"): v for k, v in flags.items() if k.endswith("_A")}
-            flags["ORDER_B"] = False
-        num_outer = sum(outers)
-        order_rows = batch * (order_args[1] + order_args[3])
-        if order_rows:
-            counters = tickets[2 * ordered_launches : 2 * ordered_launches + 2]
-            ordered_launches += 1
-            grid = (num_outer * hm * batch + order_rows,)
-        else:
-            counters = lists.counts  # never read without an order
-            grid = (num_outer, hm, batch)
-        tile_list_kernel[grid](
-            *args, outers[0], seqlen_q, seqlen_k, counters, *order_args, num_outer, hm, batch,
+            flags |= {k.replace("_A", "_B"): v for k, v in flags.items()}
+        tile_list_kernel[(sum(outers), hm, batch)](
+            *args, outers[0], seqlen_q, seqlen_k,
             CAUSAL=causal,
             HAS_MASK=bool(summaries),
             SKIP_TILES=skip_tiles,
             HAS_B=len(pair) == 2,
-            COUNT_CHUNK=ORDER_COUNT_CHUNK,
-            PLACE_CHUNK=ORDER_PLACE_CHUNK,
             **flags,
         )  # fmt: skip
-    return built, computed
+    return built
 
 
 @dataclass
@@ -567,20 +500,13 @@ def program_orders(
         for i, order in zip(missing, computed, strict=True):
             found[i] = order
         if caching:
-            _remember_orders([(*requests[i], found[i]) for i in missing])
+            with _ORDERS_LOCK:
+                for i in missing:
+                    lists, heads, reverse = requests[i]
+                    _ORDERS[(id(lists.counts), heads, reverse)] = (lists.counts, found[i])
+                while len(_ORDERS) > ORDER_CAPACITY:
+                    _ORDERS.popitem(last=False)
     return found
-
-
-def _remember_orders(computed: list[tuple[tiles.TileLists, int, bool, torch.Tensor]]) -> None:
-    """Cache each ``(lists, grid_heads, reverse_tiles, order)`` for :func:`program_orders`."""
-    if not computed:
-        return
-    with _ORDERS_LOCK:
-        for lists, heads, reverse, order in computed:
-            _ORDERS[(id(lists.counts), heads, reverse)] = (lists.counts, order)
-            _ORDERS.move_to_end((id(lists.counts), heads, reverse))
-        while len(_ORDERS) > ORDER_CAPACITY:
-            _ORDERS.popitem(last=False)
 
 
 # Mask items counted per step of the order's sort (every program counts all of a mask's
@@ -659,7 +585,6 @@ def prepare_cached(
     device: torch.device,
     shapes: list[tuple[int, int, bool]],
     skip_tiles: bool = True,
-    orders: dict[tuple[int, int, bool], tuple[int, bool]] | None = None,
 ) -> tuple[torch.Tensor | None, list[tiles.TileLists]]:
     """:func:`prepare`, reusing what an earlier call prepared from the same mask tensor.
 
@@ -670,10 +595,6 @@ def prepare_cached(
     and mode. Lists of shapes not seen yet are added to the entry. Without a mask the lists of
     the last :data:`UNMASKED_CAPACITY` parameter sets are kept. Nothing is cached during CUDA
     graph capture or while ``torch.compile`` traces.
-
-    ``orders`` (shape -> ``(grid_heads, reverse_tiles)``) names the launch orders that the
-    caller will ask :func:`program_order` for: with a mask, those of lists built by this call
-    are computed in the lists' own launch and cached for it (one launch fewer per new mask).
     """
     sri = startend_row_indices
     if not _may_cache(device):
@@ -690,11 +611,10 @@ def prepare_cached(
             torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device), {}, {}
         ),
     )
-    computed = _add_lists(
+    _add_lists(
         sri, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles,
-        entry.bounds, entry.summaries, entry.lists, orders,
+        entry.bounds, entry.summaries, entry.lists,
     )  # fmt: skip
-    _remember_orders(computed)
     return entry.bounds, [entry.lists[shape] for shape in shapes]
 
 
@@ -1006,7 +926,7 @@ def _forward_preparation(
     deterministic: bool,
     backward_follows: bool,
     config: TileConfig,
-) -> tuple[list[tuple[int, int, bool]], dict[tuple[int, int, bool], tuple[int, bool]]]:
+) -> tuple[list[tuple[int, int, bool]], list[tuple[tuple[int, int, bool], tuple[int, bool]]]]:
     """:func:`forward_preparation` for a forward routed to Gluon (``use_gluon``) or not."""
     shapes = _forward_shapes(use_gluon, q.shape[-1], config)
     if backward_follows:
@@ -1021,12 +941,13 @@ def _forward_preparation(
     # The launch orders, with a mask only: without one the grid's own order stays (full
     # attention's lists are all alike, and causal's already launch longest first per head;
     # sorted, it measured 2.8% slower at 32K, results/program_order_precise_s15.log).
-    orders = {}
+    orders = []
     if startend_row_indices is not None:
-        orders[shapes[0]] = (q.shape[2], True)
+        orders.append((shapes[0], (q.shape[2], True)))
         if backward_follows and _use_gluon_backward(q, k, v, q, deterministic, True, True, config):
+            # The Gluon backward's order too, in the same launch (the backward then finds it).
             gluon_shape = _backward_shapes(True, deterministic, q.shape[-1], config)[0]
-            orders[gluon_shape] = (k.shape[2], False)
+            orders.append((gluon_shape, (k.shape[2], False)))
     return shapes, orders
 
 
@@ -1039,13 +960,13 @@ def forward_preparation(
     deterministic: bool,
     config: TileConfig,
     backward_follows: bool = True,
-) -> tuple[list[tuple[int, int, bool]], dict[tuple[int, int, bool], tuple[int, bool]]]:
-    """What :func:`forward` prepares for these inputs with ``config`` in one
-    :func:`prepare_cached` call: the list shapes (its kernel's, then, when a backward follows,
-    the backward's that it lacks) and the launch orders computed in the lists' launch (shape ->
-    ``(grid_heads, reverse_tiles)``: with a mask, the forward's and, before the Gluon backward,
-    that one's, which it then finds cached). For a benchmark that times the preparation alone,
-    as ``flashmask bench`` does."""
+) -> tuple[list[tuple[int, int, bool]], list[tuple[tuple[int, int, bool], tuple[int, bool]]]]:
+    """What :func:`forward` prepares for these inputs with ``config``: the list shapes of its
+    one :func:`prepare_cached` call (its kernel's, then, when a backward follows, the
+    backward's that it lacks) and the launch orders it then asks :func:`program_orders` for, in
+    one launch (``(shape, (grid_heads, reverse_tiles))``: with a mask, the forward's and,
+    before the Gluon backward, that one's, which the backward then finds cached). For a
+    benchmark that times the preparation alone, as ``flashmask bench`` does."""
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
     return _forward_preparation(
@@ -1094,16 +1015,14 @@ def forward(
         q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config
     )
     bounds, all_lists = prepare_cached(
-        startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles, order_requests
+        startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
     )
     lists = all_lists[0]
     order = None
-    if bounds is not None:
-        requests = [
-            (all_lists[shapes.index(shape)], heads, reverse)
-            for shape, (heads, reverse) in order_requests.items()
-        ]
-        order = program_orders(requests)[0]
+    if order_requests:
+        order = program_orders(
+            [(all_lists[shapes.index(shape)], *request) for shape, request in order_requests]
+        )[0]
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 
@@ -1234,11 +1153,7 @@ def backward(
     use_gluon = _use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
     shapes = _backward_shapes(use_gluon, deterministic, d, config)
     if use_gluon:
-        # Lists built here (no forward prepared them) get their order in their own launch.
-        orders = {shapes[0]: (hk, False)} if masked else None
-        bounds, (lists,) = prepare_cached(
-            startend_row_indices, causal, sq, sk, b, q.device, shapes, orders=orders
-        )
+        bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
         delta = backward_delta(out, dout, dlse)
         order = None if bounds is None else program_order(lists, hk, False)

@@ -17,9 +17,7 @@ without a mask):
   only the causal triangle and the ragged last key tile classify tiles.
 * ``program_order_kernel`` (one program per grid row, batch and head, of each of up to two
   launch orders): the attention kernels' programs sorted longest list first, as
-  :func:`.tiles.program_order` does (with a mask only). ``tile_list_kernel`` can run the same
-  programs after its lists in its own launch, which is how a new mask's forward gets them; the
-  separate kernel serves lists built earlier without their orders.
+  :func:`.tiles.program_order` does (with a mask only).
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def _store_summary(s, stride, lts, lte, uts, ute, valid, AXIS: tl.constexpr, sto
 def summarize_kernel(
     Indices, Bounds, Summary, SubSummary,
     stride_ib, stride_ih, stride_is, stride_ic,
-    num_mask_heads, seqlen_q, seqlen_k, num_n_tiles, num_sub_tiles, Tickets, num_tickets,
+    num_mask_heads, seqlen_q, seqlen_k, num_n_tiles, num_sub_tiles,
     CAUSAL: tl.constexpr,
     BOUNDS_PER_COLUMN: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -58,15 +56,10 @@ def summarize_kernel(
 ):  # fmt: skip
     """Summaries of the ``BLOCK_N``-key tiles into ``Summary``; with ``SUB_N`` (0: none; else
     a divisor of ``BLOCK_N``) also of the ``SUB_N``-key tiles into ``SubSummary``
-    (``[B, Hm, 8, num_sub_tiles]``), each program its ``BLOCK_N // SUB_N`` of them. The first
-    program also zeroes ``Tickets[:num_tickets]`` (at most 8; the counters of a
-    ``tile_list_kernel`` launch that computes launch orders, which runs after this one)."""
+    (``[B, Hm, 8, num_sub_tiles]``), each program its ``BLOCK_N // SUB_N`` of them."""
     n_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    if n_tile + h + b == 0:
-        slots = tl.arange(0, 8)
-        tl.store(Tickets + slots, tl.zeros([8], dtype=tl.int32), mask=slots < num_tickets)
     bh = b * num_mask_heads + h
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = cols < seqlen_k
@@ -216,10 +209,10 @@ def _build_list(
 
 
 @triton.jit
-def _list_program(
+def tile_list_kernel(
     SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
     SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
-    num_outer_a, seqlen_q, seqlen_k, pid, bh,
+    num_outer_a, seqlen_q, seqlen_k,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     SKIP_TILES: tl.constexpr,
@@ -233,7 +226,11 @@ def _list_program(
     BLOCK_N_B: tl.constexpr,
     CHUNK_B: tl.constexpr,
 ):  # fmt: skip
-    """List program ``pid`` (A's outer tiles, then B's) of (batch x mask head) ``bh``."""
+    """One or two tile lists (A and, with ``HAS_B``, B) in one launch; grid ``(outer tiles of A +
+    outer tiles of B, mask heads, batch)``. Each list has its own tile shape and orientation;
+    ``Summary*`` is the summary at that list's key-tile width (unused without ``HAS_MASK``)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     if pid < num_outer_a:
         _build_list(
             SummaryA, EntriesA, CountsA, NumPartialA, bh, pid,
@@ -245,98 +242,6 @@ def _list_program(
             SummaryB, EntriesB, CountsB, NumPartialB, bh, pid - num_outer_a,
             seqlen_q, seqlen_k, num_m_tiles_b, num_n_tiles_b,
             CAUSAL, HAS_MASK, ROW_MAJOR_B, SKIP_TILES, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
-        )  # fmt: skip
-
-
-@triton.jit
-def tile_list_kernel(
-    SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
-    SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
-    num_outer_a, seqlen_q, seqlen_k,
-    Tickets, OrderA, order_heads_a, OrderB, order_heads_b, num_outer, num_mask_heads, batch,
-    CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SKIP_TILES: tl.constexpr,
-    ROW_MAJOR_A: tl.constexpr,
-    BLOCK_M_A: tl.constexpr,
-    BLOCK_N_A: tl.constexpr,
-    CHUNK_A: tl.constexpr,
-    HAS_B: tl.constexpr,
-    ROW_MAJOR_B: tl.constexpr,
-    BLOCK_M_B: tl.constexpr,
-    BLOCK_N_B: tl.constexpr,
-    CHUNK_B: tl.constexpr,
-    ORDER_A: tl.constexpr,
-    REVERSE_A: tl.constexpr,
-    ORDER_B: tl.constexpr,
-    REVERSE_B: tl.constexpr,
-    COUNT_CHUNK: tl.constexpr,
-    PLACE_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """One or two tile lists (A and, with ``HAS_B``, B) in one launch, each with its own tile
-    shape and orientation; ``Summary*`` is the summary at that list's key-tile width (unused
-    without ``HAS_MASK``).
-
-    Without ``ORDER_A``/``ORDER_B``: grid ``(outer tiles of A + of B = num_outer, mask heads,
-    batch)``, one list program each. With them, also the launch order of A's and/or B's
-    kernel (``Order*``, :func:`program_order_kernel`'s over ``order_heads_*`` grid heads) in
-    the same launch: grid ``(num_outer * num_mask_heads * batch + batch * (order_heads_a +
-    order_heads_b),)`` over the zeroed counters ``Tickets[0:2]``. Each program takes a ticket
-    (the order programs start): the first ``num_outer * Hm * B`` tickets build the lists in
-    the 3-D grid's order and count themselves done, the rest wait until every list is done and
-    then place one grid row of an order (:func:`_place_row`). A program waits only on
-    programs that took their tickets before it, so already run: no wait can deadlock,
-    whatever the GPU co-schedules. The counters' release/acquire and the barriers around them
-    are Inductor's grid-barrier pattern."""
-    if ORDER_A or ORDER_B:
-        ticket = tl.atomic_add(Tickets, 1)
-        num_lists = num_outer * num_mask_heads * batch
-        if ticket < num_lists:
-            _list_program(
-                SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
-                SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
-                num_outer_a, seqlen_q, seqlen_k, ticket % num_outer,
-                (ticket // num_outer).to(tl.int64),
-                CAUSAL, HAS_MASK, SKIP_TILES, ROW_MAJOR_A, BLOCK_M_A, BLOCK_N_A, CHUNK_A,
-                HAS_B, ROW_MAJOR_B, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
-            )  # fmt: skip
-            tl.debug_barrier()
-            tl.atomic_add(Tickets + 1, 1, sem="release")
-        else:
-            row = ticket - num_lists
-            done = tl.atomic_add(Tickets + 1, 0, sem="acquire")
-            while done < num_lists:
-                done = tl.atomic_add(Tickets + 1, 0, sem="acquire")
-            tl.debug_barrier()
-            outer_a = num_m_tiles_a if ROW_MAJOR_A else num_n_tiles_a
-            outer_b = num_m_tiles_b if ROW_MAJOR_B else num_n_tiles_b
-            if ORDER_A:
-                if row < batch * order_heads_a:
-                    _place_row(
-                        CountsA, OrderA, row, batch, outer_a, order_heads_a,
-                        order_heads_a // num_mask_heads, num_mask_heads, REVERSE_A,
-                        COUNT_CHUNK, PLACE_CHUNK,
-                    )  # fmt: skip
-                elif ORDER_B:
-                    _place_row(
-                        CountsB, OrderB, row - batch * order_heads_a, batch, outer_b,
-                        order_heads_b, order_heads_b // num_mask_heads, num_mask_heads,
-                        REVERSE_B, COUNT_CHUNK, PLACE_CHUNK,
-                    )  # fmt: skip
-            else:
-                _place_row(
-                    CountsB, OrderB, row, batch, outer_b, order_heads_b,
-                    order_heads_b // num_mask_heads, num_mask_heads, REVERSE_B,
-                    COUNT_CHUNK, PLACE_CHUNK,
-                )  # fmt: skip
-    else:
-        _list_program(
-            SummaryA, EntriesA, CountsA, NumPartialA, num_m_tiles_a, num_n_tiles_a,
-            SummaryB, EntriesB, CountsB, NumPartialB, num_m_tiles_b, num_n_tiles_b,
-            num_outer_a, seqlen_q, seqlen_k, tl.program_id(0),
-            tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
-            CAUSAL, HAS_MASK, SKIP_TILES, ROW_MAJOR_A, BLOCK_M_A, BLOCK_N_A, CHUNK_A,
-            HAS_B, ROW_MAJOR_B, BLOCK_M_B, BLOCK_N_B, CHUNK_B,
         )  # fmt: skip
 
 
