@@ -510,8 +510,8 @@ def program_orders(
 
 
 # Mask items counted per step of the order's sort (every program counts all of a mask's
-# B * Hm * T lists: one step for one mask head up to 32K tokens at 64-row tiles), and items
-# placed per step of its row.
+# B * Hm * T lists: one step up to 2048, e.g. one mask head over 128K tokens of 64-row tiles),
+# and items placed per step of its row.
 ORDER_COUNT_CHUNK = 2048
 ORDER_PLACE_CHUNK = 128
 

@@ -282,7 +282,7 @@ def _place_row(
     ``heads_per_mask_head`` consecutive grid rows that read it: the mask rows before ``row``'s
     count for all of theirs, ``row``'s own for the grid rows of it before ``row``. Counting
     ``B * Hm * T`` lengths instead of the grid's ``B * grid_heads * T`` keeps the pass short
-    (one chunk for a single mask head up to 32K tokens)."""
+    (one step of ``COUNT_CHUNK`` while that is at most its size)."""
     classes = tl.arange(0, 32)
     b = row // grid_heads
     h = row % grid_heads
