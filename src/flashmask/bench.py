@@ -87,7 +87,6 @@ class Row:
     # Device time alone (the host's launch latency hidden, as when the host runs ahead).
     mask_prep_gpu_ms: float | None = None
     peak_gb: float | None = None
-    max_abs_err: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
     # Key/value heads (grouped-query attention when fewer than ``heads``); None: ``heads``.
