@@ -1,6 +1,7 @@
 """The cases the GPU comparison scripts share (``gluon_forward.py``, ``gluon_backward.py``): their
-common command line, a bench mask by name, its mask-aware
-FLOP count, the inputs of a backward comparison, and how far results are from reference ones."""
+common command line, a bench mask by name, its mask-aware FLOP count
+(``flashmask.bench.visible_flop``), the inputs of a backward comparison, and how far results
+are from reference ones."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashmask import bench, masks
+from flashmask import masks
+from flashmask.bench import visible_flop  # also imported from here by the scripts
 
 DEFAULT_MASKS = "full,causal,causal_document,share_question,document,sliding_window"
 
@@ -40,16 +42,6 @@ def mask_case(name: str, seqlen: int, batch: int, device: str = "cuda"):
         return None, None, name == "causal"
     mask = masks.example(name, seqlen, batch_size=batch, generator=torch.Generator().manual_seed(0))
     return mask, mask.startend_row_indices.to(device), mask.causal
-
-
-def visible_flop(mask, causal: bool, seqlen: int, head_dim: int, heads: int, batch: int,
-                 per_pair: float) -> float:  # fmt: skip
-    """FLOPs over the visible query-key pairs only, ``per_pair * head_dim`` per pair and head
-    (4 for a forward, 10 for a five-matmul backward), as ``flashmask bench`` counts them: each
-    of the ``Hm`` mask heads serves ``heads // Hm`` heads."""
-    pairs = bench.visible_pairs(mask, causal, seqlen, seqlen)
-    per_mask_head = heads // pairs.shape[1]
-    return per_pair * head_dim * int(pairs.sum()) * per_mask_head * (batch // pairs.shape[0])
 
 
 class BackwardCase(NamedTuple):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashmask import masks
-from flashmask.bench import Row, _markdown, input_gradients, visible_pairs
+from flashmask.bench import Row, _markdown, input_gradients, visible_flop, visible_pairs
 from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
 
 
@@ -34,6 +34,16 @@ def test_visible_pairs_counts_the_dense_mask(form, data):
 def test_visible_pairs_of_the_benchmark_masks(name):
     mask = masks.example(name, 256, batch_size=2, num_heads=2 if name == "random_eviction" else 1)
     assert torch.equal(visible_pairs(mask, mask.causal, 256, 256), _dense_count(mask, 256))
+
+
+def test_visible_flop_counts_each_query_head_once_whatever_the_mask_heads():
+    """A mask per key/value head (``Hm`` = 2 serving 8 query heads) counts each query head's
+    visible pairs once, as a mask shared by all heads does; a batch-1 mask counts every row."""
+    per_head = masks.example("random_eviction", 64, batch_size=2, num_heads=2)
+    pairs = _dense_count(per_head, 64)  # [B, Hm]
+    want = 4.0 * 16 * int(pairs.sum()) * (8 // 2)
+    assert visible_flop(per_head, True, 64, 16, 8, 2) == want
+    assert visible_flop(None, False, 64, 16, 8, 3, per_pair=10.0) == 10.0 * 16 * 64 * 64 * 8 * 3
 
 
 @pytest.mark.parametrize(("causal", "expected"), [(False, 35), (True, 15)])

@@ -33,7 +33,7 @@ from flashmask import masks
 from flashmask.attention import flashmask_attention
 from flashmask.mask import FlashMask
 
-__all__ = ["main", "visible_pairs"]
+__all__ = ["main", "visible_flop", "visible_pairs"]
 
 
 def visible_pairs(
@@ -66,6 +66,24 @@ def visible_pairs(
         + length([a, l, u])
     )  # fmt: skip
     return (seqlen_q - union).sum(-1)
+
+
+def visible_flop(
+    mask: FlashMask | None,
+    causal: bool,
+    seqlen: int,
+    head_dim: int,
+    heads: int,
+    batch: int,
+    per_pair: float = 4.0,
+) -> float:
+    """FLOPs over the visible query-key pairs of a ``[batch, seqlen]`` self-attention call with
+    ``heads`` query heads: ``per_pair * head_dim`` per pair and query head (4 for a forward, 10
+    for a five-matmul backward). Each of ``mask``'s ``Hm`` mask heads serves ``heads // Hm``
+    query heads, and a batch-1 mask all ``batch`` rows."""
+    pairs = visible_pairs(mask.to("cpu") if mask is not None else None, causal, seqlen, seqlen)
+    per_mask_head = heads // pairs.shape[1]
+    return per_pair * head_dim * int(pairs.sum()) * per_mask_head * (batch // pairs.shape[0])
 
 
 @dataclass
@@ -301,9 +319,7 @@ def run_case(
         mask if mask is not None else (masks.causal(seqlen) if causal else masks.full(seqlen))
     )
     sparsity = ref_mask.to(device).sparsity(128, 128)
-    pairs = visible_pairs(mask.to("cpu") if mask is not None else None, causal, seqlen, seqlen)
-    pairs_total = int(pairs.sum()) * (heads // pairs.shape[1]) * (batch // pairs.shape[0])
-    fwd_flop = 4.0 * head_dim * pairs_total
+    fwd_flop = visible_flop(mask, causal, seqlen, head_dim, heads, batch)
     q = torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, seqlen, kv_heads, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
