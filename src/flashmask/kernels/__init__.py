@@ -484,15 +484,15 @@ def program_orders(
     ``mask_prep.program_order_kernel``: a forward computes its backward's with its own."""
     if not PROGRAM_ORDER:
         return [None] * len(requests)
-    device = requests[0][0].counts.device
-    caching = _may_cache(device)
+    caching = _may_cache(requests[0][0].counts.device)
+    keys = [(id(lists.counts), heads, reverse) for lists, heads, reverse in requests]
     found: list[torch.Tensor | None] = [None] * len(requests)
     if caching:
         with _ORDERS_LOCK:
-            for i, (lists, heads, reverse) in enumerate(requests):
-                hit = _ORDERS.get((id(lists.counts), heads, reverse))
+            for i, ((lists, _, _), key) in enumerate(zip(requests, keys, strict=True)):
+                hit = _ORDERS.get(key)
                 if hit is not None and hit[0] is lists.counts:
-                    _ORDERS.move_to_end((id(lists.counts), heads, reverse))
+                    _ORDERS.move_to_end(key)
                     found[i] = hit[1]
     missing = [i for i, order in enumerate(found) if order is None]
     if missing:
@@ -502,8 +502,7 @@ def program_orders(
         if caching:
             with _ORDERS_LOCK:
                 for i in missing:
-                    lists, heads, reverse = requests[i]
-                    _ORDERS[(id(lists.counts), heads, reverse)] = (lists.counts, found[i])
+                    _ORDERS[keys[i]] = (requests[i][0].counts, found[i])
                 while len(_ORDERS) > ORDER_CAPACITY:
                     _ORDERS.popitem(last=False)
     return found
