@@ -8,6 +8,7 @@
 #   check-quick   gpu_check.py --quick as two processes (masks, shapes), merged (~230 s cold)
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
+#   bench-hd128-8k the same at 8K only (~150 s)
 #   bench-hd128-dense flashmask bench, full and causal at 8K, 32K and 128K, hd128, with at
 #                 least 10 timed calls per measurement (~250 s)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
@@ -169,6 +170,10 @@ for step in "$@"; do
     bench-hd128)
         run_step bench_hd128 python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128"
+        ;;
+    bench-hd128-8k)
+        run_step bench_hd128_8k python -m flashmask bench --seqlens 8192 --head-dims 128 \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_8k"
         ;;
     bench-hd256)
         run_step bench_hd256_32k python -m flashmask bench --seqlens 32768 --head-dims 256 \

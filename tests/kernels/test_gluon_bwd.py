@@ -190,15 +190,19 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     """What ``kernels.backward`` passes the Gluon backward (a stand-in records it; the kernel
     needs a GPU): contiguous q/k/v/dout equal to the caller's, the forward's lse as float32,
     ``delta = rowsum(dO * O) - dlse`` and the column-major lists at its tiles (64x128; 64x64
-    through ``gluon_bwd256`` at D = 256)."""
+    through ``gluon_bwd256`` at D = 256), and a float32 dQ accumulator like q that the delta
+    kernel has zeroed where the backward is one launch (the stand-in says it is)."""
     seen = {}
 
-    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, order=None):
+    def fake_backward(
+        dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, order=None,
+        dq_accumulator=None,
+    ):  # fmt: skip
         seen.update(dout=dout, q=q, lse=lse, delta=delta, lists=lists, hm=hm, causal=causal)
-        seen.update(order=order)
+        seen.update(order=order, dq_accumulator=dq_accumulator)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    fake = types.SimpleNamespace(backward=fake_backward)
+    fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
     monkeypatch.setitem(sys.modules, f"flashmask.kernels.{module}", fake)
     monkeypatch.setattr(kernels, module, fake, raising=False)
     monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
@@ -220,6 +224,9 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     assert seen["lists"].entries.shape[-2:] == (key_tiles, 4)
     assert (seen["hm"], seen["causal"]) == (1, True)
     assert seen["order"] is None  # no mask: the grid's own order
+    accumulator = seen["dq_accumulator"]
+    assert accumulator.dtype == torch.float32 and accumulator.shape == q.shape
+    assert accumulator.is_contiguous() and not accumulator.any()
     # With a mask, longest lists first over the grid (key tiles, 2 kv heads, 1 batch).
     sri = masks.causal_document([64, 128, 192], seqlen=384).startend_row_indices
     kernels.backward(dout, dlse, q, k, k, out, lse, sri, True, 0.125, False, config=cfg)
@@ -326,8 +333,18 @@ lists = tiles.TileLists(torch.zeros(1, 1, 2, 5, dtype=torch.int32),
                         torch.zeros(1, 1, 2, dtype=torch.int32), None)
 dq, dk, dv = gluon_bwd.launch(None, 128, 2, 2, True, q, q, k, k, lse, lse, None, lists, 1,
                               False, 0.125, split_queries=True, ADD_DKDV=False)
+try:
+    gluon_bwd.launch(None, 128, 2, 2, True, q, q, k, k, lse, lse, None, lists, 1, False, 0.125,
+                     split_queries=True, dq_accumulator=torch.zeros(q.shape), ADD_DKDV=False)
+    refused = ""
+except ValueError as error:
+    refused = str(error)
+one_launch = [gluon_bwd.one_launch(q, k, masked, causal, split)
+              for masked, causal, split in [(False, False, True), (True, False, True),
+                                            (False, True, True), (False, False, False)]]
 print(json.dumps({"launches": launches, "dk": sorted(set(dk.float().flatten().tolist())),
-                  "dv": sorted(set(dv.float().flatten().tolist())), "dtype": str(dk.dtype)}))
+                  "dv": sorted(set(dv.float().flatten().tolist())), "dtype": str(dk.dtype),
+                  "refused": refused, "one_launch": one_launch}))
 """
 
 
@@ -342,6 +359,9 @@ def test_query_chunks_after_the_first_add_into_its_fp32_sums():
     assert [launch["into_first"] for launch in result["launches"][1:]] == [True, True]
     assert result["dk"] == [3.0] and result["dv"] == [6.0]  # each chunk added once
     assert result["dtype"] == "torch.bfloat16"
+    # Only full attention splits: one dQ accumulator for all rows would not fit the chunks.
+    assert result["one_launch"] == [False, True, True, True]
+    assert "dq_accumulator" in result["refused"]
 
 
 def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_reports):

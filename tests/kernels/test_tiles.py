@@ -26,11 +26,13 @@ import itertools
 import zlib
 
 import pytest
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flashmask import kernels
-from flashmask.kernels import tiles
+from flashmask.kernels import mask_prep, tiles
 from flashmask.mask import ColumnIntervals, FlashMask, TileClass, dense_rows
 from tests.strategies import FORM_IDS, FORMS, Form, flashmasks, random_cases
 
@@ -327,12 +329,14 @@ def test_the_order_kernel_sorts_as_the_oracle(
     """``mask_prep.program_order_kernel`` (what the launchers use) gives
     :func:`tiles.program_order`'s order, counting and placing in one step or many, with grid
     heads reading one mask head or several each, an empty list and lengths from 0 to past a
-    power of two."""
+    power of two (and around 2**20)."""
     monkeypatch.setattr(kernels, "ORDER_COUNT_CHUNK", chunks[0])
     monkeypatch.setattr(kernels, "ORDER_PLACE_CHUNK", chunks[1])
     gen = torch.Generator().manual_seed(_seed(f"order-kernel-{batch}-{num_tiles}-{chunks}"))
     counts = torch.randint(0, 70, (batch, mask_heads, num_tiles), generator=gen)
     counts[0, 0, 0] = 0
+    counts[0, 0, 1] = 2**20 - 1  # lengths far past the usual: bit lengths 20 and 21
+    counts[-1, -1, -1] = 2**20
     counts = counts.to(torch.int32)
     want = tiles.program_order(counts, grid_heads, reverse_tiles)
     lists = tiles.TileLists(counts, counts.to(DEVICE), counts)  # only the counts are read
@@ -346,6 +350,23 @@ def test_the_order_kernel_sorts_as_the_oracle(
     assert torch.equal(first.cpu(), want)
     want_second = tiles.program_order(counts[..., :3], 2 * grid_heads, not reverse_tiles)
     assert torch.equal(second.cpu(), want_second)
+
+
+@triton.jit
+def _bit_lengths_kernel(N, Out, size, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(N + offs, mask=offs < size, other=0)
+    tl.store(Out + offs, mask_prep._bit_length(n), mask=offs < size)
+
+
+def test_the_order_kernels_length_classes_are_bit_lengths():
+    """``mask_prep._bit_length`` (the order kernel's class of a list length) is Python's
+    ``int.bit_length`` from 0 to 2**24: 0, 1, 2 for 2-3, 3 for 4-7, ..."""
+    values = sorted({*range(0, 300), *(2**e + d for e in range(8, 25) for d in (-1, 0, 1))})
+    n = torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(n)
+    _bit_lengths_kernel[(triton.cdiv(len(values), 128),)](n, out, len(values), BLOCK=128)
+    assert out.cpu().tolist() == [v.bit_length() for v in values]
 
 
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)

@@ -1038,3 +1038,28 @@ def test_every_supported_head_dim_matches_reference(case):
     x = make_inputs(case, torch.float16)
     actual = run_kernels(x, case.causal)
     check_against_reference(actual, x, case.causal, case.id)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
+def test_delta_kernel_zeros_the_dq_accumulator_it_is_given(with_dlse):
+    """``backward_delta`` with a ``dq_accumulator`` (as the Gluon backward gets it) writes zeros
+    over every element, here NaN beforehand, rows past a 64-row tile and padded head-dim columns
+    included, and returns the same delta as without one."""
+    gen = torch.Generator().manual_seed(3)
+    out, dout = (torch.randn(2, 80, 3, 24, generator=gen).half().to(DEVICE) for _ in range(2))
+    dlse = torch.randn(2, 3, 80, generator=gen).to(DEVICE) if with_dlse else None
+    accumulator = torch.full(out.shape, float("nan"), device=DEVICE)
+    delta = kernels.backward_delta(out, dout, dlse, accumulator)
+    assert torch.equal(accumulator, torch.zeros_like(accumulator))
+    assert torch.equal(delta, kernels.backward_delta(out, dout, dlse))
+
+
+def test_delta_kernel_refuses_an_accumulator_unlike_out():
+    out = torch.zeros(1, 8, 2, 16, dtype=torch.float16, device=DEVICE)
+    for bad in (
+        torch.zeros(1, 8, 2, 16, dtype=torch.float16, device=DEVICE),
+        torch.zeros(1, 8, 2, 8, device=DEVICE),
+        torch.zeros(1, 2, 8, 16, device=DEVICE).transpose(1, 2),
+    ):
+        with pytest.raises(ValueError, match="dq_accumulator"):
+            kernels.backward_delta(out, out, None, bad)

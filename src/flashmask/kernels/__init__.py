@@ -1085,19 +1085,37 @@ def forward(
 
 
 def backward_delta(
-    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq_accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``delta = rowsum(dO * O) - dlse``, float32 ``[B, H, Sq]`` (``out``/``dout``
-    ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term."""
+    ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term.
+
+    ``dq_accumulator`` (float32, contiguous, shaped like ``out``), where given, is zeroed in the
+    same launch: the Gluon backward adds dQ into it."""
     from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
 
     out = _last_dim_contiguous(out)
     b, sq, hq, d = out.shape
+    if dq_accumulator is not None and (
+        dq_accumulator.shape != out.shape
+        or dq_accumulator.dtype != torch.float32
+        or not dq_accumulator.is_contiguous()
+    ):
+        raise ValueError(
+            "dq_accumulator must be a contiguous float32 tensor shaped like out "
+            f"{tuple(out.shape)}, got {dq_accumulator.dtype} {tuple(dq_accumulator.shape)}"
+        )
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=out.device)
     dlse_arg = delta if dlse is None else dlse.float().contiguous()
+    zero = delta if dq_accumulator is None else dq_accumulator  # unread without ZERO_DQ
+    zero_strides = (0, 0, 0) if dq_accumulator is None else _s3(dq_accumulator)
     flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
-        out, dout, dlse_arg, delta, *_s3(out), *_s3(dout), sq, hq, d,
-        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
+        out, dout, dlse_arg, delta, zero, *_s3(out), *_s3(dout), *zero_strides, sq, hq, d,
+        HAS_DLSE=dlse is not None, ZERO_DQ=dq_accumulator is not None, BLOCK_M=64,
+        BLOCK_D=_block_d(d),
     )  # fmt: skip
     return delta
 
@@ -1154,11 +1172,17 @@ def backward(
     if use_gluon:
         bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
-        delta = backward_delta(out, dout, dlse)
+        module = gluon_backward_module(d)
+        dq_accumulator = None
+        if module.one_launch(q, k, masked, causal):
+            # Zeroed by the delta kernel (one launch fewer than ``torch.zeros``); a backward in
+            # query chunks zeros one per chunk.
+            dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta = backward_delta(out, dout, dlse, dq_accumulator)
         order = None if bounds is None else program_order(lists, hk, False)
-        return gluon_backward_module(d).backward(
+        return module.backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
-            softmax_scale, order=order,
+            softmax_scale, order=order, dq_accumulator=dq_accumulator,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     bounds, lists = prepare_cached(

@@ -468,15 +468,19 @@ def flashmask_bwd_fused_kernel(
 
 @triton.jit
 def flashmask_bwd_delta_kernel(
-    Out, DO, DLse, Delta,
+    Out, DO, DLse, Delta, DQZero,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
+    stride_zb, stride_zs, stride_zh,
     seqlen_q, num_heads_q, head_dim,
     HAS_DLSE: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term)."""
+    """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term); with
+    ``ZERO_DQ`` also zeros the same rows of the fp32 dQ accumulator ``DQZero`` (``[B, Sq, H,
+    D]``), which saves the atomic-dQ backward a launch of its own for that."""
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -500,3 +504,8 @@ def flashmask_bwd_delta_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLse + rows, mask=row_ok, other=0.0)
     tl.store(Delta + rows, delta, mask=row_ok)
+    if ZERO_DQ:
+        zero_ptrs = (
+            DQZero + b * stride_zb + h * stride_zh + offs_m[:, None] * stride_zs + offs_d[None, :]
+        )
+        tl.store(zero_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)

@@ -704,6 +704,7 @@ def backward(
     softmax_scale: float,
     *,
     order: torch.Tensor | None = None,
+    dq_accumulator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts
     at D = 64 or 128, contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
@@ -712,15 +713,29 @@ def backward(
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major
     :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x BLOCK_N`` tiles) come from
     ``kernels.prepare_cached``; ``order`` (``kernels.program_order`` over the grid ``(key
-    tiles, kv heads, batch)``, ``None``: the natural order) is the order the programs run in."""
+    tiles, kv heads, batch)``, ``None``: the natural order) is the order the programs run in.
+    ``dq_accumulator``: where :func:`one_launch` holds, a zeroed float32 tensor like ``q`` that
+    dQ is added into (``None``: zeroed here)."""
     if ROW_TERMS_SMEM not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        order=order, split_queries=True, ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False,
-        LATE_DQ=LATE_DQ_HANDOFF,
+        order=order, split_queries=True, dq_accumulator=dq_accumulator,
+        ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
     )  # fmt: skip
+
+
+def one_launch(
+    q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool, split_queries: bool = True
+) -> bool:
+    """Whether :func:`launch` runs all of ``q``'s rows (``[B, Sq, H, D]``) in one launch, so
+    that one dQ accumulator spans them (else full attention runs in query chunks, each with an
+    accumulator of its own)."""
+    if masked or causal or not split_queries:
+        return True
+    sq, hq, d = q.shape[1:]
+    return not query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
 
 
 def launch(
@@ -743,26 +758,29 @@ def launch(
     *,
     order: torch.Tensor | None = None,
     split_queries: bool = False,
+    dq_accumulator: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
     ``gluon_bwd256.gluon_bwd256_kernel``) with ``block_n`` keys per program, ``num_buffers``
     Q/dO slots, ``dq_buffers`` dQ buffers, dQ through TMA reduce-adds if ``dq_tma`` and the
-    kernel's further ``constants``; the other arguments (``order`` too) and the result as
-    :func:`backward`'s.
+    kernel's further ``constants``; the other arguments (``order``, ``dq_accumulator`` too) and
+    the result as :func:`backward`'s.
 
     With ``split_queries``, full attention (no mask, not causal) that
     ``query_chunks.query_chunk_rows`` splits runs once per chunk of query rows
     (``kernels.query_chunks``: a head's Q, dO and dQ then stay in L2), its dK/dV partial sums
     added in fp32."""
-    sq, hq, d = q.shape[1:]
-    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2]) if split_queries else 0
-    if bounds is not None or causal or not rows:
+    if one_launch(q, k, bounds is not None, causal, split_queries):
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
             bounds, lists, num_mask_heads, causal, softmax_scale, None, order=order,
-            **constants,
+            dq_accumulator=dq_accumulator, **constants,
         )  # fmt: skip
+    if dq_accumulator is not None:
+        raise ValueError("dq_accumulator: a backward in query chunks zeros one per chunk")
+    sq, hq, d = q.shape[1:]
+    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
     key_tiles = lists.entries.shape[-2]
     accumulators = []  # with CHUNKS_ADD_IN_KERNEL: the first chunk's fp32 dK, dV
 
@@ -807,12 +825,14 @@ def _launch_once(
     dv_out: torch.Tensor | None = None,
     *,
     order: torch.Tensor | None = None,
+    dq_accumulator: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
     ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums), into ``dk_out``
     and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them); the programs in
-    ``order`` (``None``: the grid's)."""
+    ``order`` (``None``: the grid's); dQ added into ``dq_accumulator`` (zeroed, float32 like
+    ``q``; ``None``: a new zeroed one)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -827,7 +847,9 @@ def _launch_once(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     dk = torch.empty_like(k, dtype=dkdv_dtype) if dk_out is None else dk_out
     dv = torch.empty_like(v, dtype=dkdv_dtype) if dv_out is None else dv_out
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_accum = dq_accumulator
+    if dq_accum is None:
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_desc = None
     if dq_tma:
         dq_desc = TensorDescriptor.from_tensor(

@@ -290,13 +290,19 @@ def backward(
     softmax_scale: float,
     *,
     order: torch.Tensor | None = None,
+    dq_accumulator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
-    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``order`` as there)."""
+    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``order``, ``dq_accumulator`` as there)."""
     if ROW_TERMS_SMEM not in (0, 2):
         raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0 or 2, got {ROW_TERMS_SMEM}")
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        order=order, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        order=order, dq_accumulator=dq_accumulator, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
     )  # fmt: skip
+
+
+def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
+    """Always: this backward never splits the query rows (``gluon_bwd.one_launch``)."""
+    return True

@@ -248,22 +248,9 @@ def tile_list_kernel(
 @triton.jit
 def _bit_length(n):
     """The bit length of each int32 ``n >= 0`` (0 for 0, 1 for 1, 2 for 2-3, 3 for 4-7, ...):
-    a binary search for the highest set bit."""
-    length = tl.where(n > 0, 1, 0)
-    big = (n >> 16) > 0
-    n = tl.where(big, n >> 16, n)
-    length += tl.where(big, 16, 0)
-    big = (n >> 8) > 0
-    n = tl.where(big, n >> 8, n)
-    length += tl.where(big, 8, 0)
-    big = (n >> 4) > 0
-    n = tl.where(big, n >> 4, n)
-    length += tl.where(big, 4, 0)
-    big = (n >> 2) > 0
-    n = tl.where(big, n >> 2, n)
-    length += tl.where(big, 2, 0)
-    length += tl.where((n >> 1) > 0, 1, 0)
-    return length
+    the exponent of ``n`` as a float32 (``tiles.program_order`` takes ``frexp``'s, the same)."""
+    biased_exponent = (n.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.where(n > 0, biased_exponent - 126, 0)
 
 
 @triton.jit
