@@ -9,6 +9,12 @@
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
 #   bench-hd128-8k the same at 8K only (~150 s)
+#   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
+#                 separate zeroing launch, alternating, 8K and 32K, 16 and 4 key/value heads
+#   host-gqa      host_overhead.py --kernels at 8K with 4 key/value heads: host vs GPU time and
+#                 the GPU time per kernel of sliding_window and share_question
+#   bench-hd128-gqa-sw flashmask bench at 8K, 4 key/value heads, the three sliding-window-like
+#                 masks only (FlashMask and flex)
 #   bench-hd128-dense flashmask bench, full and causal at 8K, 32K and 128K, hd128, with at
 #                 least 10 timed calls per measurement (~250 s)
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
@@ -174,6 +180,18 @@ for step in "$@"; do
     bench-hd128-8k)
         run_step bench_hd128_8k python -m flashmask bench --seqlens 8192 --head-dims 128 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_8k"
+        ;;
+    dq-zeroing)
+        run_step dq_zeroing python benchmarks/dq_zeroing.py --seqlens 8192,32768 --kv-heads 16,4
+        ;;
+    host-gqa)
+        run_step host_gqa python benchmarks/host_overhead.py --seqlens 8192 --kv-heads 4 \
+            --masks sliding_window,share_question --kernels
+        ;;
+    bench-hd128-gqa-sw)
+        run_step bench_hd128_gqa_sw python -m flashmask bench --seqlens 8192 --head-dims 128 \
+            --kv-heads 4 --masks sliding_window,share_question,global_sliding_window \
+            --impls flashmask,flex --rep-ms 100 --out "$OUT/bench_hd128_gqa_sw"
         ;;
     bench-hd256)
         run_step bench_hd256_32k python -m flashmask bench --seqlens 32768 --head-dims 256 \

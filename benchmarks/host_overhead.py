@@ -53,6 +53,9 @@ def measure(fn, rep_ms: int) -> tuple[float, float, float]:
 def main() -> None:
     parser = case_parser(__doc__)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--kv-heads", type=int, default=0, help="key/value heads (0: as many as query heads)"
+    )
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
@@ -77,9 +80,10 @@ def main() -> None:
         for name in args.masks:
             mask, _, causal = mask_case(name, s, batch)
             mask = mask.to("cuda") if mask is not None else None
+            kv_heads = args.kv_heads or heads
             q, k, v, do = (
-                torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
-                for _ in range(4)
+                torch.randn(batch, s, n, d, device="cuda", dtype=torch.bfloat16)
+                for n in (heads, kv_heads, kv_heads, heads)
             )
             qg, kg, vg = (x.requires_grad_() for x in (q.clone(), k.clone(), v.clone()))
 
