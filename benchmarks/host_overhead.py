@@ -186,6 +186,8 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
         (kernels, "forward", "kernels.forward"),
         (kernels, "backward", "kernels.backward"),
         (kernels, "prepare_cached", "kernels.prepare_cached"),
+        (kernels, "forward_preparation", "kernels.forward_preparation"),
+        (kernels, "program_orders", "kernels.program_orders"),
         (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
         (gluon_bwd, "launch", "gluon_bwd.launch"),
         (JITFunction, "run", "JITFunction.run (each launch)"),
