@@ -49,12 +49,13 @@ def _kernel(module):
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
-    add_dkdv: bool = False, late_dq: int | None = None,
+    add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
-    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128); registers, spills,
+    ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
+    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128); registers, spills,
     shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
@@ -63,6 +64,8 @@ def compile_only(
         dq_tma = module.DQ_TMA
     if late_dq is None:
         late_dq = gluon_bwd.LATE_DQ_HANDOFF
+    if dq_before_dk is None:
+        dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -92,7 +95,7 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq}
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -108,6 +111,7 @@ def compile_only(
         "dkdv_fp32": dkdv_fp32,
         "add_dkdv": add_dkdv,
         "late_dq": late_dq if module is gluon_bwd else 0,
+        "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -140,6 +144,7 @@ VARIANT_CONSTANTS = (
     "ROW_TERMS_SMEM",
     "CHUNKS_ADD_IN_KERNEL",
     "LATE_DQ_HANDOFF",
+    "DQ_BEFORE_DK",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )
@@ -316,6 +321,10 @@ def main() -> None:
         for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
             for causal, has_mask in ((False, False), (True, True)):
                 print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
+        for d in (64, 128):  # dK's product after dQ's (DQ_BEFORE_DK, measurement)
+            for causal, has_mask in ((False, False), (True, True)):
+                report = compile_only(d, causal, has_mask, dq_before_dk=True)
+                print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

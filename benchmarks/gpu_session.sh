@@ -9,6 +9,9 @@
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
 #   bench-hd128-8k the same at 8K only (~150 s)
+#   gluon-dq-before-dk gluon_backward.py timing dK's product after dQ's (DQ_BEFORE_DK=1,
+#                 FlashAttention-3/4's order) against the shipped order at 8K and 32K on six
+#                 masks; its GPU check: GLUON_BWD=DQ_BEFORE_DK=1 ... check-dq-tma
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
 #                 separate zeroing launch, alternating, 8K and 32K, 16 and 4 key/value heads
 #   host-gqa      host_overhead.py --kernels at 8K with 4 key/value heads: host vs GPU time and
@@ -180,6 +183,10 @@ for step in "$@"; do
     bench-hd128-8k)
         run_step bench_hd128_8k python -m flashmask bench --seqlens 8192 --head-dims 128 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128_8k"
+        ;;
+    gluon-dq-before-dk)
+        run_step gluon_backward_dq_before_dk python benchmarks/gluon_backward.py \
+            --seqlens 8192,32768 --variant DQ_BEFORE_DK=1
         ;;
     dq-zeroing)
         run_step dq_zeroing python benchmarks/dq_zeroing.py --seqlens 8192,32768 --kv-heads 16,4

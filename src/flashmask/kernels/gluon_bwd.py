@@ -141,6 +141,12 @@ CHUNKS_ADD_IN_KERNEL = True
 # stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
 # Triton 3.6).
 LATE_DQ_HANDOFF = 2
+# dK's product issued after dQ's instead of before (``_bwd_compute_partition``), so that the dQ
+# tile is stored for the writer while dK runs: FlashAttention-3's and -4's order. Measured in
+# the eighth session (change 18, before DQ_TMA, the late hand-off and the staged row terms):
+# +2-3% on 8K full/causal, -6% on 32K full, -5% on document. Off until re-measured on this
+# kernel (prepared in the seventeenth session, compiled offline only).
+DQ_BEFORE_DK = False
 
 
 @gluon.jit
@@ -422,15 +428,17 @@ def _bwd_compute_partition(
     ROW_TERMS_SMEM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
     ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
     (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All five
     products of a tile are awaited before its dQ is stored: issuing dK after dQ (to overlap it
     with the store) or leaving it running into the next tile were measured on the H200 and lost
-    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session). With
-    ``LATE_DQ`` the awaited dQ is handed over only once the next tile's score products are
-    issued (see ``LATE_DQ_HANDOFF``)."""
+    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session), before
+    dQ went through TMA reduce-adds; ``DQ_BEFORE_DK`` brings the second order back to measure it
+    on today's kernel (``DQ_BEFORE_DK``). With ``LATE_DQ`` the awaited dQ is handed over only
+    once the next tile's score products are issued (see ``LATE_DQ_HANDOFF``)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -501,7 +509,8 @@ def _bwd_compute_partition(
                 delta = delta_bufs.index(slot).load(query_layout)
             dst = (pt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
-            dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+            if not DQ_BEFORE_DK:
+                dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
             fence_async_shared()
@@ -511,15 +520,28 @@ def _bwd_compute_partition(
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
-            dv, dk, dq, _, _ = warpgroup_mma_wait(
-                0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
-            )
-            if LATE_DQ != 2:
-                mbarrier.arrive(empty.index(slot), count=1)
-            if LATE_DQ:
-                stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
+            if DQ_BEFORE_DK:
+                # FlashAttention-3/4's order: dK after dQ, so that dQ is stored for the writer
+                # while dK's product runs (products complete in issue order).
+                dk_token = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+                dv, dq, _ = warpgroup_mma_wait(1, deps=(dv_token, dq_token, pt_op))
+                if LATE_DQ:
+                    stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
+                else:
+                    hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+                dk, _ = warpgroup_mma_wait(0, deps=(dk_token, dst_op))
+                if LATE_DQ != 2:
+                    mbarrier.arrive(empty.index(slot), count=1)
             else:
-                hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+                dv, dk, dq, _, _ = warpgroup_mma_wait(
+                    0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
+                )
+                if LATE_DQ != 2:
+                    mbarrier.arrive(empty.index(slot), count=1)
+                if LATE_DQ:
+                    stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
+                else:
+                    hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
     if LATE_DQ:
         # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
@@ -623,6 +645,7 @@ def gluon_bwd_kernel(
     ORDERED: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -655,7 +678,7 @@ def gluon_bwd_kernel(
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
                     delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                    ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
+                    ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
                 ),
             ),
             (
@@ -723,6 +746,7 @@ def backward(
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
+        DQ_BEFORE_DK=DQ_BEFORE_DK,
     )  # fmt: skip
 
 
