@@ -436,9 +436,9 @@ def _bwd_compute_partition(
     products of a tile are awaited before its dQ is stored: issuing dK after dQ (to overlap it
     with the store) or leaving it running into the next tile were measured on the H200 and lost
     on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session), before
-    dQ went through TMA reduce-adds; ``DQ_BEFORE_DK`` brings the second order back to measure it
-    on today's kernel (``DQ_BEFORE_DK``). With ``LATE_DQ`` the awaited dQ is handed over only
-    once the next tile's score products are issued (see ``LATE_DQ_HANDOFF``)."""
+    dQ went through TMA reduce-adds; ``DQ_BEFORE_DK`` brings the first of them back, to be
+    measured on the current kernel. With ``LATE_DQ`` the awaited dQ is handed over only once
+    the next tile's score products are issued (see ``LATE_DQ_HANDOFF``)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
