@@ -756,10 +756,18 @@ def one_launch(
     """Whether :func:`launch` runs all of ``q``'s rows (``[B, Sq, H, D]``) in one launch, so
     that one dQ accumulator spans them (else full attention runs in query chunks, each with an
     accumulator of its own)."""
+    return not _chunk_rows(q, k, masked, causal, split_queries)
+
+
+def _chunk_rows(
+    q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool, split_queries: bool
+) -> int:
+    """The query rows per chunk :func:`launch` splits ``q`` into (0: one launch): only full
+    attention is split (``query_chunks.query_chunk_rows``)."""
     if masked or causal or not split_queries:
-        return True
+        return 0
     sq, hq, d = q.shape[1:]
-    return not query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
+    return query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
 
 
 def launch(
@@ -795,7 +803,8 @@ def launch(
     ``query_chunks.query_chunk_rows`` splits runs once per chunk of query rows
     (``kernels.query_chunks``: a head's Q, dO and dQ then stay in L2), its dK/dV partial sums
     added in fp32."""
-    if one_launch(q, k, bounds is not None, causal, split_queries):
+    rows = _chunk_rows(q, k, bounds is not None, causal, split_queries)
+    if not rows:
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
             bounds, lists, num_mask_heads, causal, softmax_scale, None, order=order,
@@ -803,8 +812,6 @@ def launch(
         )  # fmt: skip
     if dq_accumulator is not None:
         raise ValueError("dq_accumulator: a backward in query chunks zeros one per chunk")
-    sq, hq, d = q.shape[1:]
-    rows = query_chunks.query_chunk_rows(sq, d, hq // k.shape[2])
     key_tiles = lists.entries.shape[-2]
     accumulators = []  # with CHUNKS_ADD_IN_KERNEL: the first chunk's fp32 dK, dV
 
