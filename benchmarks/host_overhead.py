@@ -186,7 +186,7 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
         (kernels, "forward", "kernels.forward"),
         (kernels, "backward", "kernels.backward"),
         (kernels, "prepare_cached", "kernels.prepare_cached"),
-        (kernels, "forward_preparation", "kernels.forward_preparation"),
+        (kernels, "prepare_forward", "kernels.prepare_forward"),
         (kernels, "program_orders", "kernels.program_orders"),
         (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
         (gluon_bwd, "launch", "gluon_bwd.launch"),

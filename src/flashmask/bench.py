@@ -351,8 +351,7 @@ def run_case(
             clear_prepared,
             device_shared_memory,
             forward_preparation,
-            prepare_cached,
-            program_orders,
+            prepare_forward,
             tile_config,
         )
 
@@ -367,9 +366,7 @@ def run_case(
 
         def prep():
             clear_prepared()
-            _, lists = prepare_cached(sri, causal, seqlen, seqlen, batch, device, shapes)
-            if orders:
-                program_orders([(lists[shapes.index(s)], *request) for s, request in orders])
+            prepare_forward(sri, causal, seqlen, seqlen, batch, device, shapes, orders)
 
         # Each timed call prepares its mask, as a model's first layer does (later layers and
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.

@@ -302,9 +302,9 @@ def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeyp
 @pytest.mark.parametrize("gluon_backward", [False, True], ids=["triton-bwd", "gluon-bwd"])
 def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, monkeypatch):
     """``kernels.forward_preparation`` (what ``flashmask bench`` times as a new mask's
-    preparation) is exactly what a forward with inputs requiring grad prepares: after that
-    forward, preparing it launches nothing, and its orders are the forward's and, before the
-    Gluon backward only, the backward's."""
+    preparation, through ``kernels.prepare_forward``) is exactly what a forward with inputs
+    requiring grad prepares: after that forward, preparing it launches nothing, and its
+    orders are the forward's and, before the Gluon backward only, the backward's."""
     sri = _mask(seed=8)
     monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: gluon_backward)
     gen = torch.Generator().manual_seed(9)
@@ -316,8 +316,7 @@ def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, mon
     kernels.forward(q, k, v, sri, True, 0.25, config=config)
     launches = _count_launches(monkeypatch)
     order_launches = _count_order_launches(monkeypatch)
-    _, lists = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, shapes)
-    kernels.program_orders([(lists[shapes.index(s)], *request) for s, request in orders])
+    kernels.prepare_forward(sri, True, SQ, SK, 2, DEVICE, shapes, orders)
     assert launches == {"summarize_kernel": 0, "tile_list_kernel": 0} and not order_launches
     assert orders[0] == (shapes[0], (4, True))
     assert len(orders) == 1 + gluon_backward

@@ -964,13 +964,39 @@ def forward_preparation(
     one :func:`prepare_cached` call (its kernel's, then, when a backward follows, the
     backward's that it lacks) and the launch orders it then asks :func:`program_orders` for, in
     one launch (``(shape, (grid_heads, reverse_tiles))``: with a mask, the forward's and,
-    before the Gluon backward, that one's, which the backward then finds cached). For a
-    benchmark that times the preparation alone, as ``flashmask bench`` does."""
+    before the Gluon backward, that one's, which the backward then finds cached);
+    :func:`prepare_forward` prepares them. For a benchmark that times the preparation alone,
+    as ``flashmask bench`` does."""
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
     return _forward_preparation(
         q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config
     )
+
+
+def prepare_forward(
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    device: torch.device,
+    shapes: list[tuple[int, int, bool]],
+    order_requests: list[tuple[tuple[int, int, bool], tuple[int, bool]]],
+    skip_tiles: bool = True,
+) -> tuple[torch.Tensor | None, list[tiles.TileLists], list[torch.Tensor | None]]:
+    """Prepare what :func:`forward_preparation` names, as :func:`forward` does: ``(bounds,
+    lists, orders)``, the lists of ``shapes`` (one :func:`prepare_cached` call) and the launch
+    orders of ``order_requests`` (one :func:`program_orders` call; ``[]`` without requests)."""
+    bounds, lists = prepare_cached(
+        startend_row_indices, causal, seqlen_q, seqlen_k, batch, device, shapes, skip_tiles
+    )
+    orders = []
+    if order_requests:
+        orders = program_orders(
+            [(lists[shapes.index(shape)], *request) for shape, request in order_requests]
+        )
+    return bounds, lists, orders
 
 
 def forward(
@@ -1013,15 +1039,11 @@ def forward(
     shapes, order_requests = _forward_preparation(
         q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config
     )
-    bounds, all_lists = prepare_cached(
-        startend_row_indices, causal, sq, sk, b, q.device, shapes, skip_tiles
+    bounds, all_lists, orders = prepare_forward(
+        startend_row_indices, causal, sq, sk, b, q.device, shapes, order_requests, skip_tiles
     )
     lists = all_lists[0]
-    order = None
-    if order_requests:
-        order = program_orders(
-            [(all_lists[shapes.index(shape)], *request) for shape, request in order_requests]
-        )[0]
+    order = orders[0] if orders else None
     if use_gluon:
         from flashmask.kernels import gluon_fwd
 
