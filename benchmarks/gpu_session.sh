@@ -12,6 +12,8 @@
 #   gluon-dq-before-dk gluon_backward.py timing dK's product after dQ's (DQ_BEFORE_DK=1,
 #                 FlashAttention-3/4's order) against the shipped order at 8K and 32K on six
 #                 masks; its GPU check: GLUON_BWD=DQ_BEFORE_DK=1 ... check-dq-tma
+#   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
+#                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
 #                 separate zeroing launch, alternating, 8K and 32K, 16 and 4 key/value heads
 #   host-gqa      host_overhead.py --kernels at 8K with 4 key/value heads: host vs GPU time and
@@ -187,6 +189,10 @@ for step in "$@"; do
     gluon-dq-before-dk)
         run_step gluon_backward_dq_before_dk python benchmarks/gluon_backward.py \
             --seqlens 8192,32768 --variant DQ_BEFORE_DK=1
+        ;;
+    gluon-dk-first-hd64)
+        run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
+            --seqlens 8192,32768 --variant DQ_BEFORE_DK=0
         ;;
     dq-zeroing)
         run_step dq_zeroing python benchmarks/dq_zeroing.py --seqlens 8192,32768 --kv-heads 16,4

@@ -141,12 +141,14 @@ CHUNKS_ADD_IN_KERNEL = True
 # stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
 # Triton 3.6).
 LATE_DQ_HANDOFF = 2
-# dK's product issued after dQ's instead of before (``_bwd_compute_partition``), so that the dQ
-# tile is stored for the writer while dK runs: FlashAttention-3's and -4's order. Measured in
-# the eighth session (change 18, before DQ_TMA, the late hand-off and the staged row terms):
-# +2-3% on 8K full/causal, -6% on 32K full, -5% on document. Off until re-measured on this
-# kernel (prepared in the seventeenth session, compiled offline only).
-DQ_BEFORE_DK = False
+# dK's product issued after dQ's (``_bwd_compute_partition``), so that the dQ tile is stored for
+# the writer while dK runs: FlashAttention-3's and -4's order. dK/dV are the same products in
+# the same order (bitwise equal to the other order's). Measured on the H200 against dK before
+# dQ (``results/gluon_backward_dq_before_dk_s18.log``, hd128): full 32K 40.00 -> 38.94 ms,
+# causal 32K 19.73 -> 19.46, document 32K 5.90 -> 5.80; within +-0.6% on the sparse 8K/32K
+# masks. In the eighth session, before dQ went through TMA reduce-adds and before the late
+# hand-off, the same order had lost 6% on 32K full (change 18). False: dK first (measurement).
+DQ_BEFORE_DK = True
 
 
 @gluon.jit
@@ -433,12 +435,11 @@ def _bwd_compute_partition(
     """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
     ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
     (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All five
-    products of a tile are awaited before its dQ is stored: issuing dK after dQ (to overlap it
-    with the store) or leaving it running into the next tile were measured on the H200 and lost
-    on full attention at 32K (benchmarks/NOTES.md, change 16 and the eighth session), before
-    dQ went through TMA reduce-adds; ``DQ_BEFORE_DK`` brings the first of them back, to be
-    measured on the current kernel. With ``LATE_DQ`` the awaited dQ is handed over only once
-    the next tile's score products are issued (see ``LATE_DQ_HANDOFF``)."""
+    products of a tile are awaited within the tile: with ``DQ_BEFORE_DK`` (the default) dK's
+    product is issued after dQ's and runs while dQ is stored for the writer; leaving dK running
+    into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
+    stored dQ is handed over only once the next tile's score products are issued (see
+    ``LATE_DQ_HANDOFF``)."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
