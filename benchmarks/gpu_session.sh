@@ -12,6 +12,9 @@
 #   gluon-dq-before-dk gluon_backward.py timing dK's product after dQ's (DQ_BEFORE_DK=1,
 #                 FlashAttention-3/4's order) against the shipped order at 8K and 32K on six
 #                 masks; its GPU check: GLUON_BWD=DQ_BEFORE_DK=1 ... check-dq-tma
+#   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
+#                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
+#                 heads on five masks, then hd64 and hd256 on two
 #   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
 #                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
@@ -189,6 +192,11 @@ for step in "$@"; do
     gluon-dq-before-dk)
         run_step gluon_backward_dq_before_dk python benchmarks/gluon_backward.py \
             --seqlens 8192,32768 --variant DQ_BEFORE_DK=1
+        ;;
+    cached-launch)
+        run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4
+        run_step cached_launch_hd64_hd256 python benchmarks/cached_launch.py --head-dims 64,256 \
+            --kv-heads 16 --masks sliding_window,causal
         ;;
     gluon-dk-first-hd64)
         run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \

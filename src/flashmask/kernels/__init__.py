@@ -23,6 +23,7 @@ import torch
 
 from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.kernels import tiles
+from flashmask.kernels.launch import launch_kernel
 
 __all__ = [
     "TileConfig",
@@ -361,7 +362,8 @@ def _summarize(
             if sub
             else summary  # never written without SUB_N
         )
-        summarize_kernel[(tn, hm, batch)](
+        launch_kernel(
+            summarize_kernel, (tn, hm, batch),
             sri, bounds, summary, sub_summary, *sri.stride(), hm, seqlen_q, seqlen_k, tn,
             sub_tiles,
             CAUSAL=causal,
@@ -415,7 +417,8 @@ def _build_lists(
         if len(pair) == 1:  # slot B unused: a copy of A's arguments that no program reads
             args += args
             flags |= {k.replace("_A", "_B"): v for k, v in flags.items()}
-        tile_list_kernel[(sum(outers), hm, batch)](
+        launch_kernel(
+            tile_list_kernel, (sum(outers), hm, batch),
             *args, outers[0], seqlen_q, seqlen_k,
             CAUSAL=causal,
             HAS_MASK=bool(summaries),
@@ -541,7 +544,8 @@ def _launch_program_orders(requests: list[tuple[tiles.TileLists, int, bool]]) ->
     if len(requests) == 1:  # slot B unused: a copy of A's arguments that no program reads
         args.append(args[0])
         flags["REVERSE_TILES_B"] = flags["REVERSE_TILES_A"]
-    program_order_kernel[(rows,)](
+    launch_kernel(
+        program_order_kernel, (rows,),
         *args[0], *args[1], batch, mask_heads, HAS_B=len(requests) == 2,
         COUNT_CHUNK=ORDER_COUNT_CHUNK, PLACE_CHUNK=ORDER_PLACE_CHUNK, **flags,
     )  # fmt: skip
@@ -1081,7 +1085,8 @@ def forward(
             describe(k, config.fwd_n, block_d),
             describe(v, config.fwd_n, block_d),
         )
-    flashmask_fwd_kernel[(tm, hq, b)](
+    launch_kernel(
+        flashmask_fwd_kernel, (tm, hq, b),
         q, k, v, out, lse, bounds, lists.entries, lists.counts,
         lists.counts if order is None else order, *descs,
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
@@ -1134,7 +1139,8 @@ def backward_delta(
     dlse_arg = delta if dlse is None else dlse.float().contiguous()
     zero = delta if dq_accumulator is None else dq_accumulator  # unread without ZERO_DQ
     zero_strides = (0, 0, 0) if dq_accumulator is None else _s3(dq_accumulator)
-    flashmask_bwd_delta_kernel[(triton_cdiv(sq, 64), hq, b)](
+    launch_kernel(
+        flashmask_bwd_delta_kernel, (triton_cdiv(sq, 64), hq, b),
         out, dout, dlse_arg, delta, zero, *_s3(out), *_s3(dout), *zero_strides, sq, hq, d,
         HAS_DLSE=dlse is not None, ZERO_DQ=dq_accumulator is not None, BLOCK_M=64,
         BLOCK_D=_block_d(d),
@@ -1252,7 +1258,8 @@ def backward(
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_lists = lists[1]
         q_tm, q_tn = q_lists.entries.shape[-2:]
-        flashmask_bwd_fused_kernel[(kv_tn + q_tm * (hq // hk), hk, b)](
+        launch_kernel(
+            flashmask_bwd_fused_kernel, (kv_tn + q_tm * (hq // hk), hk, b),
             q, k, v, dout, lse, delta, dq, dk, dv, *dq_descs, bounds,
             kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
             q_lists.entries, q_lists.counts, q_lists.num_partial,
@@ -1286,7 +1293,8 @@ def backward(
         and _tma_usable((dq_accum,))
     ):
         dq_desc = _row_descriptor(dq_accum, config.bwd_m, block_d)
-    flashmask_bwd_dkdv_kernel[(kv_tn, hk, b)](
+    launch_kernel(
+        flashmask_bwd_dkdv_kernel, (kv_tn, hk, b),
         q, k, v, dout, lse, delta, dk, dv, dq_target, dq_desc, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv), *_s3(dq_target),
@@ -1311,7 +1319,8 @@ def backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q_lists = lists[1]
     tm, tn = q_lists.entries.shape[-2:]
-    flashmask_bwd_dq_kernel[(tm, hq, b)](
+    launch_kernel(
+        flashmask_bwd_dq_kernel, (tm, hq, b),
         q, k, v, dout, lse, delta, dq, *dq_descs, bounds,
         q_lists.entries, q_lists.counts, q_lists.num_partial,
         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),

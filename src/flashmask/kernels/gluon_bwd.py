@@ -67,6 +67,7 @@ from flashmask.kernels.gluon_fwd import (
     tma_load,
     wgmma_layout,
 )
+from flashmask.kernels.launch import launch_kernel
 from flashmask.kernels.tiles import TileLists
 
 # A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
@@ -887,7 +888,8 @@ def _launch_once(
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
-    kernel[(tn, hk, b)](
+    launch_kernel(
+        kernel, (tn, hk, b),
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         lists.counts if order is None else order,

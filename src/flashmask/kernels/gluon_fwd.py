@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashmask.kernels import GLUON_FWD_TILE
 from flashmask.kernels.attention_fwd import LOG2E_VALUE
+from flashmask.kernels.launch import launch_kernel
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
 # async_load.
@@ -458,7 +459,8 @@ def forward(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    gluon_fwd_kernel[(tm, hq, b)](
+    launch_kernel(
+        gluon_fwd_kernel, (tm, hq, b),
         q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
         lists.entries, lists.counts, lists.counts if order is None else order,
         out.stride(0), out.stride(1), out.stride(2),

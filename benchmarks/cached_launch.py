@@ -1,0 +1,135 @@
+"""``kernels.launch``'s cached launches against Triton's own launch path on the GPU: the same
+results, and the host time each takes per forward + backward.
+
+For every case (mask, length, head dim, key/value heads) the forward + backward runs with
+``launch.CACHED`` on and off, ``deterministic`` both ways (the Triton and the Gluon backward):
+out, lse, dK and dV must be bitwise equal, and dQ too where deterministic (the Gluon backward's
+dQ is summed by atomics in any order: within 1e-2 of its largest element). With the cache on
+and warm, the number of launches per call that still took Triton's path (``JITFunction.run``)
+is printed: 0 means every kernel of the call went through the cache.
+
+Then the host time per call (mask prepared in every call, as ``flashmask bench`` times it) and
+``do_bench``'s median, alternating the two settings over three rounds, and the GPU time with the
+host queued ahead. Usage (H200): ``PYTHONPATH=src python benchmarks/cached_launch.py``; exits 1
+on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+from bench_cases import mask_case
+from host_overhead import host_ms
+from triton.runtime.jit import JITFunction
+
+from flashmask import bench, flashmask_attention
+from flashmask.kernels import clear_prepared, launch
+
+_TRITON_PATH_CALLS = [0]
+_triton_run = JITFunction.run
+
+
+def _counting_run(self, *args, **kwargs):
+    _TRITON_PATH_CALLS[0] += 1
+    return _triton_run(self, *args, **kwargs)
+
+
+JITFunction.run = _counting_run
+
+
+def results(q, k, v, do, mask, causal, deterministic):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = flashmask_attention(
+        q, k, v, mask, causal=causal, deterministic=deterministic, return_softmax_lse=True
+    )
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def agree(part: str, x: torch.Tensor, y: torch.Tensor, deterministic: bool) -> bool:
+    if deterministic or part != "dq":
+        return torch.equal(x, y)
+    return bool((x.float() - y.float()).abs().max() <= 1e-2 * y.float().abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", default="8192")
+    parser.add_argument(
+        "--masks", default="sliding_window,share_question,causal_document,full,causal"
+    )
+    parser.add_argument("--head-dims", default="128,64,256")
+    parser.add_argument("--kv-heads", default="16,4")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=2048)
+    args = parser.parse_args()
+    failures = 0
+    print(
+        f"{'S':>6} {'D':>4} {'kv':>3} {'mask':<18} {'same':<5} {'triton-path/call':>16} "
+        f"{'host triton':>11} {'host cached':>11} {'bench triton':>12} {'bench cached':>12} "
+        f"{'gpu':>7}  (ms)"
+    )
+    for s in (int(x) for x in args.seqlens.split(",")):
+        for d in (int(x) for x in args.head_dims.split(",")):
+            for kv in (int(x) for x in args.kv_heads.split(",")):
+                batch, heads = max(1, args.tokens // s), max(1, args.hidden // d)
+                kv = min(kv, heads)
+                for name in args.masks.split(","):
+                    mask, _, causal = mask_case(name, s, batch)
+                    mask = mask.to("cuda") if mask is not None else None
+                    gen = torch.Generator(device="cuda").manual_seed(0)
+                    q, k, v, do = (
+                        torch.randn(batch, s, n, d, device="cuda", dtype=torch.bfloat16,
+                                    generator=gen)
+                        for n in (heads, kv, kv, heads)
+                    )  # fmt: skip
+                    same, warm_triton_calls = True, 0
+                    for deterministic in (True, False):
+                        got = {}
+                        for cached in (False, True, True):  # the second cached call: warm
+                            launch.CACHED = cached
+                            clear_prepared()
+                            _TRITON_PATH_CALLS[0] = 0
+                            got[cached] = results(q, k, v, do, mask, causal, deterministic)
+                        warm_triton_calls = max(warm_triton_calls, _TRITON_PATH_CALLS[0])
+                        for part in got[False]:
+                            ok = agree(part, got[True][part], got[False][part], deterministic)
+                            same &= ok
+                            if not ok:
+                                print(f"FAIL {name} S={s} D={d} kv={kv} "
+                                      f"deterministic={deterministic} {part}")  # fmt: skip
+                    failures += not same
+                    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+                    def call():
+                        clear_prepared()
+                        out = flashmask_attention(qg, kg, vg, mask, causal=causal)
+                        bench.input_gradients(out, (qg, kg, vg), do)
+
+                    host = {False: [], True: []}
+                    bench_ms = {False: [], True: []}
+                    for _ in range(3):
+                        for cached in (False, True):
+                            launch.CACHED = cached
+                            host[cached].append(host_ms(call))
+                            bench_ms[cached].append(
+                                triton.testing.do_bench(call, rep=100, return_mode="median")
+                            )
+                    launch.CACHED = True
+                    gpu = bench._gpu_time(call)
+                    print(
+                        f"{s:>6} {d:>4} {kv:>3} {name:<18} {same!s:<5} "
+                        f"{warm_triton_calls:>16} {min(host[False]):11.3f} "
+                        f"{min(host[True]):11.3f} {min(bench_ms[False]):12.3f} "
+                        f"{min(bench_ms[True]):12.3f} {gpu:7.3f}",
+                        flush=True,
+                    )
+    print(f"cached launch entries: {len(launch._PLANS)}; cases failed: {failures}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
