@@ -63,7 +63,7 @@ def main() -> None:
     )
     parser.add_argument("--head-dims", default="128,64,256")
     parser.add_argument("--kv-heads", default="16,4")
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=32768, help="batch x seqlen, as the bench")
     parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     failures = 0

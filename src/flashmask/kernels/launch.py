@@ -124,7 +124,7 @@ def _triton() -> types.SimpleNamespace:
         HookChain=HookChain,
         knobs=knobs,
         current_device=lambda: driver.active.get_current_device(),
-        current_stream=lambda device: driver.active.gettriton.current_stream(device),
+        current_stream=lambda device: driver.active.get_current_stream(device),
     )
 
 
