@@ -289,6 +289,28 @@ def test_dq_is_handed_over_under_the_next_tiles_products_without_serialising_the
         assert new["shared_kb"] == old["shared_kb"], (new, old)
 
 
+def test_slot_release_by_the_dq_handoff_takes_one_consumer_barrier_fewer(sm90_reports):
+    """``LATE_DQ_HANDOFF = 3`` (prepared, for measurement): the producer reuses a Q/dO slot once
+    the slot's dQ hand-off completes, so the consumers arrive on one barrier per tile instead
+    of two, and the barrier before the first arrive goes. Against the shipped form 2: one
+    ``BAR`` fewer, the same products and waits, no more spills or shared memory."""
+
+    def key(r):
+        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
+
+    merged = {key(r): r for r in sm90_reports if r["late_dq"] == 3}
+    assert {(d, c, m) for d, c, m, _, _ in merged} == {
+        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
+    }
+    for k, new in merged.items():
+        old = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        assert new["BAR"] == old["BAR"] - 1, (new, old)
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+        assert new["shared_kb"] <= old["shared_kb"], (new, old)
+
+
 def test_dk_after_dq_stores_dq_while_dk_runs_without_serialising_them(sm90_reports):
     """``gluon_bwd.DQ_BEFORE_DK`` (the default at D = 64/128): dK's product issued after dQ's.
     Against dK before dQ (the order before it): the same products, one ``wgmma`` wait more
