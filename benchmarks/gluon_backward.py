@@ -321,9 +321,11 @@ def main() -> None:
         for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
             for causal, has_mask in ((False, False), (True, True)):
                 print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
-        for d in (64, 128):  # the Q/dO slot released by the dQ hand-off (LATE_DQ_HANDOFF=3)
+        for d in (64, 128):  # the Q/dO slot released by the dQ hand-off (LATE_DQ_HANDOFF=3, 4)
             for causal, has_mask in ((False, False), (True, True)):
-                print(json.dumps(compile_only(d, causal, has_mask, late_dq=3)), flush=True)
+                for late_dq in (3, 4):
+                    report = compile_only(d, causal, has_mask, late_dq=late_dq)
+                    print(json.dumps(report), flush=True)
         for d in (64, 128):  # dK's product before dQ's (DQ_BEFORE_DK off, measurement)
             for causal, has_mask in ((False, False), (True, True)):
                 report = compile_only(d, causal, has_mask, dq_before_dk=False)

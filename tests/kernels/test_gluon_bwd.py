@@ -289,16 +289,18 @@ def test_dq_is_handed_over_under_the_next_tiles_products_without_serialising_the
         assert new["shared_kb"] == old["shared_kb"], (new, old)
 
 
-def test_slot_release_by_the_dq_handoff_takes_one_consumer_barrier_fewer(sm90_reports):
-    """``LATE_DQ_HANDOFF = 3`` (prepared, for measurement): the producer reuses a Q/dO slot once
-    the slot's dQ hand-off completes, so the consumers arrive on one barrier per tile instead
-    of two, and the barrier before the first arrive goes. Against the shipped form 2: one
-    ``BAR`` fewer, the same products and waits, no more spills or shared memory."""
+@pytest.mark.parametrize("form", [3, 4])
+def test_slot_release_by_the_dq_handoff_takes_one_consumer_barrier_fewer(sm90_reports, form):
+    """``LATE_DQ_HANDOFF`` 3 and 4 (prepared, for measurement): the producer reuses a Q/dO slot
+    once the slot's dQ hand-off completes, so the consumers arrive on one barrier per tile
+    instead of two (3: at the top of the tile step; 4: at the dS^T barrier, which the arrive's
+    own barrier then replaces). Against the shipped form 2: one ``BAR`` fewer, the same
+    products and waits, no more spills or shared memory."""
 
     def key(r):
         return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
 
-    merged = {key(r): r for r in sm90_reports if r["late_dq"] == 3}
+    merged = {key(r): r for r in sm90_reports if r["late_dq"] == form}
     assert {(d, c, m) for d, c, m, _, _ in merged} == {
         (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
     }

@@ -145,7 +145,9 @@ CHUNKS_ADD_IN_KERNEL = True
 # producer waits on the slot's "dq_full" barrier instead of its "empty" one; needs as many dQ
 # buffers as Q/dO slots), so that the top of the tile step has one consumer barrier fewer:
 # the stall profile puts 11% of the consumers' samples at the first of those barriers
-# (benchmarks/NOTES.md, eighteenth session).
+# (benchmarks/NOTES.md, eighteenth session). 4 (prepared, measurement): as 3, with the hand-off
+# moved behind the fence of the next tile's dS^T, where the two warpgroups meet anyway: no
+# barrier left at the top of the tile step; the slot is released later in the tile.
 LATE_DQ_HANDOFF = 2
 # dK's product issued after dQ's (``_bwd_compute_partition``), so that the dQ tile is stored for
 # the writer while dK runs: FlashAttention-3's and -4's order. dK/dV are the same products in
@@ -216,7 +218,7 @@ def _bwd_load_partition(
     ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
     ``delta_bufs[slot]``, loaded while the tile's copies run and released by a second arrival on
     its "ready" barrier). A slot is reused once its "empty" barrier completes (with
-    ``LATE_DQ == 3`` its "dq_full" one: the consumers' dQ hand-off releases it)."""
+    ``LATE_DQ`` 3 or 4 its "dq_full" one: the consumers' dQ hand-off releases it)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -234,7 +236,7 @@ def _bwd_load_partition(
             entry = gl.load(entries + j)
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             slot = it % num_buffers
-            if LATE_DQ == 3:
+            if LATE_DQ >= 3:
                 mbarrier.wait(dq_full.index(slot), ((it // num_buffers) & 1) ^ 1)
             else:
                 mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
@@ -497,7 +499,7 @@ def _bwd_compute_partition(
             dpt_token = warpgroup_mma(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
-            if LATE_DQ:
+            if LATE_DQ and LATE_DQ < 4:
                 # The previous tile's; nothing to hand over before the first (``it`` + the ring
                 # size keeps the buffer index in range there). With 3 the hand-off also
                 # releases the slot (the producer waits on "dq_full").
@@ -527,9 +529,20 @@ def _bwd_compute_partition(
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
             fence_async_shared()
-            # Both warpgroups' halves of dS^T are in place (and the buffer written here was last
-            # read two tiles ago, before the previous tile's barrier).
-            _partition_barrier()
+            if LATE_DQ == 4:
+                # The previous tile's hand-off (and slot release) behind the same fence, where
+                # the warpgroups meet anyway: the arrive is lowered as a barrier of the consumer
+                # warps and one elected arrive (as ``publish_dq`` relies on), and that barrier
+                # orders dS^T too.
+                mbarrier.arrive(
+                    dq_full.index((it + dq_full.type.shape[0] - 1) % dq_full.type.shape[0]),
+                    count=1,
+                    pred=it > 0,
+                )
+            else:
+                # Both warpgroups' halves of dS^T are in place (and the buffer written here was
+                # last read two tiles ago, before the previous tile's barrier).
+                _partition_barrier()
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
@@ -754,9 +767,11 @@ def backward(
     dQ is added into (``None``: zeroed here)."""
     if ROW_TERMS_SMEM not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
-    if LATE_DQ_HANDOFF not in (0, 1, 2, 3) or (LATE_DQ_HANDOFF == 3 and DQ_BUFFERS != NUM_BUFFERS):
+    if LATE_DQ_HANDOFF not in (0, 1, 2, 3, 4) or (
+        LATE_DQ_HANDOFF >= 3 and DQ_BUFFERS != NUM_BUFFERS
+    ):
         raise ValueError(
-            "gluon_bwd.LATE_DQ_HANDOFF must be 0, 1, 2 or 3 (3 with DQ_BUFFERS == NUM_BUFFERS), "
+            "gluon_bwd.LATE_DQ_HANDOFF must be 0 to 4 (3 and 4 with DQ_BUFFERS == NUM_BUFFERS), "
             f"got {LATE_DQ_HANDOFF} with DQ_BUFFERS={DQ_BUFFERS}, NUM_BUFFERS={NUM_BUFFERS}"
         )
     return launch(
