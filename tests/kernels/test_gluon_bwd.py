@@ -431,3 +431,27 @@ def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_repor
         assert report["HGMMA"] == storing["HGMMA"], (report, storing)
         assert report["LDG"] > storing["LDG"], (report, storing)
         assert report["spill_bytes"] <= storing["spill_bytes"] + 64, (report, storing)
+
+
+# Runs in a process of its own (gluon_bwd imports Gluon): the launcher's checks of its module
+# constants, before anything is launched.
+_CONSTANT_CHECKS = """
+import json
+from flashmask.kernels import gluon_bwd
+errors = {}
+for late, dq_buffers in ((3, 1), (4, 1), (5, 2)):
+    gluon_bwd.LATE_DQ_HANDOFF, gluon_bwd.DQ_BUFFERS = late, dq_buffers
+    try:
+        gluon_bwd.backward(*[None] * 11)
+    except ValueError as error:
+        errors[f"{late},{dq_buffers}"] = str(error)
+print(json.dumps(errors))
+"""
+
+
+def test_slot_release_forms_need_as_many_dq_buffers_as_q_do_slots():
+    """``LATE_DQ_HANDOFF`` 3 and 4 release a Q/dO slot through its dQ buffer's barrier, so the
+    launcher refuses them with fewer dQ buffers than slots (and any form but 0 to 4)."""
+    (errors,) = json_lines(["-c", _CONSTANT_CHECKS])
+    assert set(errors) == {"3,1", "4,1", "5,2"}
+    assert all("LATE_DQ_HANDOFF" in message for message in errors.values())
