@@ -212,6 +212,17 @@ def test_the_cache_starts_over_when_full(stand_in, monkeypatch):
     assert len(launch._PLANS) == 1
     launch.launch_kernel(stand_in.kernel, (1,), x, 19, 0.5, True, BLOCK=32)
     assert len(stand_in.paths) == 3 and len(stand_in.compiled.calls) == 1
+    launch.clear()
+    launch.launch_kernel(stand_in.kernel, (1,), x, 19, 0.5, True, BLOCK=32)
+    assert len(stand_in.paths) == 4 and len(launch._PLANS) == 1
+
+
+def test_a_launch_that_returns_no_compiled_kernel_is_not_cached(stand_in, monkeypatch):
+    monkeypatch.setattr(stand_in.kernel, "run", lambda *a, grid, warmup, **kw: None)
+    x = torch.zeros(256, dtype=torch.bfloat16)
+    for _ in range(2):
+        launch.launch_kernel(stand_in.kernel, (1,), x, 16, 0.5, True, BLOCK=32)
+    assert not launch._PLANS and not stand_in.compiled.calls
 
 
 @pytest.mark.gpu

@@ -200,6 +200,8 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
     plan = _PLANS.get(key)
     if plan is None or (kernel.used_global_vals and not _globals_unchanged(kernel)):
         compiled = kernel[grid](*args, **kwargs)
+        if compiled is None:  # not compiled in this call (Triton's asynchronous compile mode)
+            return
         try:
             plan = _plan(kernel, compiled, len(args), kwargs)
         except _Uncacheable:
