@@ -124,7 +124,9 @@
 # Triton and Inductor caches are unpacked from DIR/compile_cache.tgz first and packed into
 # $OUT/compile_cache.tgz at the end for the next call to carry: the Triton cache without its
 # intermediate forms (a kernel loads from its cubin and metadata; the LLVM IR alone made the
-# ninth session's unpruned pack 44 MiB), skipped if still over the device's 15 MiB per file.
+# ninth session's unpruned pack 44 MiB). A pack over the device's 15 MiB per file comes back in
+# up to three 14 MiB parts ($OUT/compile_cache.tgz.part0, ...: copy them all into DIR; the next
+# call unpacks DIR/compile_cache.tgz or, without it, the parts), and is dropped above 42 MiB.
 set -uo pipefail
 : "${OUT:?set OUT to the folder that receives the results}"
 export PYTHONPATH=src
@@ -136,15 +138,23 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
     if [ -f "$COMPILE_CACHE/compile_cache.tgz" ]; then
         tar -xzf "$COMPILE_CACHE/compile_cache.tgz" -C /tmp/fm_cache &&
             echo "== compile cache: unpacked $(du -sh /tmp/fm_cache | cut -f1)"
+    elif [ -f "$COMPILE_CACHE/compile_cache.tgz.part0" ]; then
+        cat "$COMPILE_CACHE"/compile_cache.tgz.part* | tar -xz -C /tmp/fm_cache &&
+            echo "== compile cache: unpacked $(du -sh /tmp/fm_cache | cut -f1) from parts"
     fi
     pack_cache() {
-        tar -czf "$OUT/compile_cache.tgz" -C /tmp/fm_cache --exclude='*.llir' --exclude='*.ptx' \
+        local pack=$OUT/compile_cache.tgz size
+        tar -czf "$pack" -C /tmp/fm_cache --exclude='*.llir' --exclude='*.ptx' \
             --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.source' --exclude='*.glir' . \
             2>/dev/null
-        local size
-        size=$(stat -c %s "$OUT/compile_cache.tgz")
+        size=$(stat -c %s "$pack")
         echo "== compile cache: packed $((size / 1048576)) MiB"
-        [ "$size" -lt 15728640 ] || rm -f "$OUT/compile_cache.tgz"
+        if [ "$size" -ge 44040192 ]; then
+            rm -f "$pack"
+        elif [ "$size" -ge 15728640 ]; then
+            split -b 14m -d -a 1 "$pack" "$pack.part" && rm -f "$pack" &&
+                echo "== compile cache: in $(ls "$pack".part* | wc -l) parts"
+        fi
     }
     trap pack_cache EXIT
 fi
