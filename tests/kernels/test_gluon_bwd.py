@@ -156,11 +156,27 @@ def _shipped(report: dict) -> bool:
     )
 
 
+def _compiled_for(report: dict) -> tuple:
+    """``(head dim, causal, masked, dtype, TMA dQ writer)``: what a compile report is of, apart
+    from the kernel's form."""
+    return (
+        report["head_dim"], report["causal"], report["has_mask"], report["dtype"],
+        report["dq_tma"],
+    )  # fmt: skip
+
+
+def _shipped_twin(reports: list[dict], compiled_for: tuple) -> dict:
+    """The shipped form's report compiled for ``compiled_for`` (see :func:`_compiled_for`)."""
+    return next(r for r in reports if _shipped(r) and _compiled_for(r) == compiled_for)
+
+
+# ``(head dim, causal, masked)`` of the forms compiled for measurement at D = 64/128.
+_MEASURED_FORMS = {(d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))}
+
+
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
     reports = [r for r in sm90_reports if _shipped(r)]
-    variants = {
-        (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]) for r in reports
-    }
+    variants = {_compiled_for(r) for r in reports}
     assert len(variants) == 16 and {v[0] for v in variants} == set(kernels.GLUON_BWD_HEAD_DIMS)
     assert {v[3] for v in variants} == {"bf16", "fp16"}
     assert {v[4] for v in variants} == {False, True}  # the red.global writer (measurement)
@@ -242,10 +258,7 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
     1 KB more shared memory and at most 16 bytes more spills. The same products: ``HGMMA``
     counts equal."""
 
-    def key(r):
-        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
-
-    unstaged = {key(r): r for r in sm90_reports if r["row_terms_smem"] == 0}
+    unstaged = {_compiled_for(r): r for r in sm90_reports if r["row_terms_smem"] == 0}
     assert not any(r["dkdv_fp32"] for r in unstaged.values())
     assert {(d, c, m) for d, c, m, _, _ in unstaged} == {
         (d, c, m)
@@ -253,7 +266,7 @@ def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm9
         for c, m in ((False, False), (True, True), (False, True))
     }
     for k, old in unstaged.items():
-        new = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        new = _shipped_twin(sm90_reports, k)
         assert new["HGMMA"] == old["HGMMA"], (new, old)
         # The producer's row loads stay: a few of its own per tile.
         assert old["LDG"] - new["LDG"] >= (12 if k[0] == 256 else 24), (new, old)
@@ -272,16 +285,13 @@ def test_dq_is_handed_over_under_the_next_tiles_products_without_serialising_the
     where it cannot keep an accumulator's registers from issue to wait: the form that carried
     the dQ tile itself into the next tile did that at D = 128)."""
 
-    def key(r):
-        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
-
-    before = {key(r): r for r in sm90_reports if r["late_dq"] == 0 and r["head_dim"] != 256}
-    assert {(d, c, m) for d, c, m, _, _ in before} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
+    before = {
+        _compiled_for(r): r for r in sm90_reports if r["late_dq"] == 0 and r["head_dim"] != 256
     }
+    assert {(d, c, m) for d, c, m, _, _ in before} == _MEASURED_FORMS
     for k, old in before.items():
         assert old["row_terms_smem"] == 1 and not old["dkdv_fp32"]
-        new = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        new = _shipped_twin(sm90_reports, k)
         assert new["HGMMA"] == old["HGMMA"], (new, old)
         assert new["WARPGROUP.DEPBAR"] <= old["WARPGROUP.DEPBAR"], (new, old)
         assert new["WARPGROUP.DEPBAR"] * 4 < new["HGMMA"], new
@@ -297,15 +307,10 @@ def test_slot_release_by_the_dq_handoff_takes_one_consumer_barrier_fewer(sm90_re
     own barrier then replaces). Against the shipped form 2: at least one ``BAR`` fewer, the
     same products and waits, no more shared memory and (under Triton 3.6) no more spills."""
 
-    def key(r):
-        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
-
-    merged = {key(r): r for r in sm90_reports if r["late_dq"] == form}
-    assert {(d, c, m) for d, c, m, _, _ in merged} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
-    }
+    merged = {_compiled_for(r): r for r in sm90_reports if r["late_dq"] == form}
+    assert {(d, c, m) for d, c, m, _, _ in merged} == _MEASURED_FORMS
     for k, new in merged.items():
-        old = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        old = _shipped_twin(sm90_reports, k)
         # One fewer under Triton 3.6 (the H200's); 3.9's shared-memory hazard pass drops a
         # second one in form 4 at D = 64.
         assert new["BAR"] <= old["BAR"] - 1, (new, old)
@@ -323,16 +328,13 @@ def test_dk_after_dq_stores_dq_while_dk_runs_without_serialising_them(sm90_repor
     (dQ's alone, before its store for the writer, then dK's), no serialised products, the same
     shared memory and at most 16 bytes more spills."""
 
-    def key(r):
-        return r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"]
-
-    dk_first = {key(r): r for r in sm90_reports if r["head_dim"] != 256 and not r["dq_before_dk"]}
-    assert {(d, c, m) for d, c, m, _, _ in dk_first} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
+    dk_first = {
+        _compiled_for(r): r for r in sm90_reports if r["head_dim"] != 256 and not r["dq_before_dk"]
     }
+    assert {(d, c, m) for d, c, m, _, _ in dk_first} == _MEASURED_FORMS
     for k, old in dk_first.items():
         assert old["late_dq"] == 2 and not old["dkdv_fp32"]
-        new = next(r for r in sm90_reports if _shipped(r) and key(r) == k)
+        new = _shipped_twin(sm90_reports, k)
         assert new["HGMMA"] == old["HGMMA"], (new, old)
         assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"] + 1, (new, old)
         assert new["WARPGROUP.DEPBAR"] * 4 < new["HGMMA"], new
@@ -347,11 +349,7 @@ def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports)
     chunked = {r["head_dim"]: r for r in sm90_reports if r["dkdv_fp32"] and not r["add_dkdv"]}
     assert set(chunked) == set(kernels.GLUON_BWD_HEAD_DIMS)
     for d, report in chunked.items():
-        plain = next(
-            r for r in sm90_reports
-            if _shipped(r) and (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["dq_tma"])
-            == (d, False, False, "bf16", True)
-        )  # fmt: skip
+        plain = _shipped_twin(sm90_reports, (d, False, False, "bf16", True))
         assert report["HGMMA"] == plain["HGMMA"], (report, plain)
         assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
         assert report["shared_kb"] == plain["shared_kb"], (report, plain)
