@@ -22,6 +22,7 @@ import sys
 import torch
 import triton
 from bench_cases import mask_case
+from eager_check import agree
 from host_overhead import host_ms
 from triton.runtime.jit import JITFunction
 
@@ -47,12 +48,6 @@ def results(q, k, v, do, mask, causal, deterministic):
     )
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-
-
-def agree(part: str, x: torch.Tensor, y: torch.Tensor, deterministic: bool) -> bool:
-    if deterministic or part != "dq":
-        return torch.equal(x, y)
-    return bool((x.float() - y.float()).abs().max() <= 1e-2 * y.float().abs().max())
 
 
 def main() -> None:
