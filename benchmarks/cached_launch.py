@@ -16,12 +16,11 @@ on a mismatch.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import triton
-from bench_cases import mask_case
+from bench_cases import _comma_list, case_parser, mask_case
 from eager_check import agree
 from host_overhead import host_ms
 from triton.runtime.jit import JITFunction
@@ -51,28 +50,27 @@ def results(q, k, v, do, mask, causal, deterministic):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", default="8192")
-    parser.add_argument(
-        "--masks", default="sliding_window,share_question,causal_document,full,causal"
+    parser = case_parser(
+        __doc__.splitlines()[0], "sliding_window,share_question,causal_document,full,causal"
     )
-    parser.add_argument("--head-dims", default="128,64,256")
-    parser.add_argument("--kv-heads", default="16,4")
-    parser.add_argument("--tokens", type=int, default=32768, help="batch x seqlen, as the bench")
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.set_defaults(seqlens="8192")
+    parser.add_argument("--head-dims", type=_comma_list(int), default="128,64,256")
+    parser.add_argument("--kv-heads", type=_comma_list(int), default="16,4")
     args = parser.parse_args()
+    if args.compile_only:
+        parser.error("--compile-only: this script compares launches on a GPU")
     failures = 0
     print(
         f"{'S':>6} {'D':>4} {'kv':>3} {'mask':<18} {'same':<5} {'triton-path/call':>16} "
         f"{'host triton':>11} {'host cached':>11} {'bench triton':>12} {'bench cached':>12} "
         f"{'gpu':>7}  (ms)"
     )
-    for s in (int(x) for x in args.seqlens.split(",")):
-        for d in (int(x) for x in args.head_dims.split(",")):
-            for kv in (int(x) for x in args.kv_heads.split(",")):
+    for s in args.seqlens:
+        for d in args.head_dims:
+            for kv in args.kv_heads:
                 batch, heads = max(1, args.tokens // s), max(1, args.hidden // d)
                 kv = min(kv, heads)
-                for name in args.masks.split(","):
+                for name in args.masks:
                     mask, _, causal = mask_case(name, s, batch)
                     mask = mask.to("cuda") if mask is not None else None
                     gen = torch.Generator(device="cuda").manual_seed(0)
