@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=_comma_list(int), default="16,4")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.compile_only:
+        parser.error("--compile-only: this script times the two forms on a GPU")
     d = 128
     heads = args.hidden // d
     forms = {"delta kernel zeros": _delta_with_zeros, "separate zeroing": _delta_then_zero_launch}

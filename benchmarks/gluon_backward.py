@@ -318,18 +318,14 @@ def main() -> None:
         for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL)
             report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
             print(json.dumps(report), flush=True)
-        for d in (64, 128):  # the dQ hand-off before the next tile's products (measurement)
-            for causal, has_mask in ((False, False), (True, True)):
-                print(json.dumps(compile_only(d, causal, has_mask, late_dq=0)), flush=True)
-        for d in (64, 128):  # the Q/dO slot released by the dQ hand-off (LATE_DQ_HANDOFF=3, 4)
-            for causal, has_mask in ((False, False), (True, True)):
-                for late_dq in (3, 4):
-                    report = compile_only(d, causal, has_mask, late_dq=late_dq)
+        # Forms kept for measurement at D = 64/128: the dQ hand-off before the next tile's
+        # products (LATE_DQ_HANDOFF=0), the Q/dO slot released by the dQ hand-off (3, 4), dK's
+        # product before dQ's (DQ_BEFORE_DK off).
+        for form in ({"late_dq": 0}, {"late_dq": 3}, {"late_dq": 4}, {"dq_before_dk": False}):
+            for d in (64, 128):
+                for causal, has_mask in ((False, False), (True, True)):
+                    report = compile_only(d, causal, has_mask, **form)
                     print(json.dumps(report), flush=True)
-        for d in (64, 128):  # dK's product before dQ's (DQ_BEFORE_DK off, measurement)
-            for causal, has_mask in ((False, False), (True, True)):
-                report = compile_only(d, causal, has_mask, dq_before_dk=False)
-                print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):
