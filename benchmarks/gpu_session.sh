@@ -15,10 +15,6 @@
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
-#   gluon-release-with-dq gluon_backward.py at hd128 and hd64, 8K and 32K: the Q/dO slot
-#                 released by the dQ hand-off (LATE_DQ_HANDOFF=3 at the top of the tile step,
-#                 4 at the dS^T barrier: one consumer barrier fewer per tile) against the
-#                 shipped form 2; its GPU check: GLUON_BWD=LATE_DQ_HANDOFF=3 ... check-dq-tma
 #   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
 #                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
@@ -212,13 +208,6 @@ for step in "$@"; do
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4
         run_step cached_launch_hd64_hd256 python benchmarks/cached_launch.py --head-dims 64,256 \
             --kv-heads 16 --masks sliding_window,causal
-        ;;
-    gluon-release-with-dq)
-        run_step gluon_backward_release_with_dq python benchmarks/gluon_backward.py \
-            --seqlens 8192,32768 --variant LATE_DQ_HANDOFF=3 --variant LATE_DQ_HANDOFF=4
-        run_step gluon_backward_release_with_dq_hd64 python benchmarks/gluon_backward.py \
-            --head-dim 64 --seqlens 8192,32768 --variant LATE_DQ_HANDOFF=3 \
-            --variant LATE_DQ_HANDOFF=4
         ;;
     gluon-dk-first-hd64)
         run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \

@@ -140,14 +140,11 @@ CHUNKS_ADD_IN_KERNEL = True
 # and 32K (causal 32K 20.92 -> 20.06 ms), except share_question 32K (0.99x); at hd64 1.05-1.11x
 # except full 32K (0.99x). Carrying the dQ tile itself in registers into the next tile (its
 # stores under the products too) made ptxas serialise every wgmma and spill at hd128 (offline,
-# Triton 3.6).
-# 3 (prepared, measurement): as 2, but the Q/dO slot is released by the dQ hand-off itself (the
-# producer waits on the slot's "dq_full" barrier instead of its "empty" one; needs as many dQ
-# buffers as Q/dO slots), so that the top of the tile step has one consumer barrier fewer:
-# the stall profile puts 11% of the consumers' samples at the first of those barriers
-# (benchmarks/NOTES.md, eighteenth session). 4 (prepared, measurement): as 3, with the hand-off
-# moved behind the fence of the next tile's dS^T, where the two warpgroups meet anyway: no
-# barrier left at the top of the tile step; the slot is released later in the tile.
+# Triton 3.6). Releasing the slot through the dQ hand-off itself (one consumer barrier fewer at
+# the top of the tile step) was neutral at hd128 (-0.9% to +1.2%) and mixed at hd64 (causal 32K
+# +2.8%, full 32K -4.1%); moving that hand-off to the dS^T barrier lost 5-12% (the producer
+# waits for slots released later in the tile). Measured and removed in the nineteenth session
+# (``results/gluon_backward_release_with_dq{,_hd64}_s19.log``).
 LATE_DQ_HANDOFF = 2
 # dK's product issued after dQ's (``_bwd_compute_partition``), so that the dQ tile is stored for
 # the writer while dK runs: FlashAttention-3's and -4's order. dK/dV are the same products in
@@ -205,20 +202,18 @@ def _red_add_v4(dq_head, row0, stride_dqs, values):
 @gluon.jit
 def _bwd_load_partition(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
-    dq_full, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
+    entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
     delta_ptr, num_heads_q,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
-    LATE_DQ: gl.constexpr,
 ):  # fmt: skip
     """Producer warp: K and V once, then Q and dO of every listed query tile of every head (with
     ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
     ``delta_bufs[slot]``, loaded while the tile's copies run and released by a second arrival on
-    its "ready" barrier). A slot is reused once its "empty" barrier completes (with
-    ``LATE_DQ`` 3 or 4 its "dq_full" one: the consumers' dQ hand-off releases it)."""
+    its "ready" barrier)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -236,10 +231,7 @@ def _bwd_load_partition(
             entry = gl.load(entries + j)
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             slot = it % num_buffers
-            if LATE_DQ >= 3:
-                mbarrier.wait(dq_full.index(slot), ((it // num_buffers) & 1) ^ 1)
-            else:
-                mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
+            mbarrier.wait(empty.index(slot), ((it // num_buffers) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
             row = b * seqlen_q + m_tile * BLOCK_M
@@ -499,10 +491,9 @@ def _bwd_compute_partition(
             dpt_token = warpgroup_mma(
                 v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True
             )
-            if LATE_DQ and LATE_DQ < 4:
+            if LATE_DQ:
                 # The previous tile's; nothing to hand over before the first (``it`` + the ring
-                # size keeps the buffer index in range there). With 3 the hand-off also
-                # releases the slot (the producer waits on "dq_full").
+                # size keeps the buffer index in range there).
                 if LATE_DQ == 2:
                     num_slots: gl.constexpr = q_bufs.type.shape[0]
                     mbarrier.arrive(empty.index((it + num_slots - 1) % num_slots), pred=it > 0)
@@ -529,20 +520,9 @@ def _bwd_compute_partition(
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
             fence_async_shared()
-            if LATE_DQ == 4:
-                # The previous tile's hand-off (and slot release) behind the same fence, where
-                # the warpgroups meet anyway: the arrive is lowered as a barrier of the consumer
-                # warps and one elected arrive (as ``publish_dq`` relies on), and that barrier
-                # orders dS^T too.
-                mbarrier.arrive(
-                    dq_full.index((it + dq_full.type.shape[0] - 1) % dq_full.type.shape[0]),
-                    count=1,
-                    pred=it > 0,
-                )
-            else:
-                # Both warpgroups' halves of dS^T are in place (and the buffer written here was
-                # last read two tiles ago, before the previous tile's barrier).
-                _partition_barrier()
+            # Both warpgroups' halves of dS^T are in place (and the buffer written here was last
+            # read two tiles ago, before the previous tile's barrier).
+            _partition_barrier()
             dq_token = warpgroup_mma(
                 ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True
             )
@@ -556,13 +536,13 @@ def _bwd_compute_partition(
                 else:
                     hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
                 dk, _ = warpgroup_mma_wait(0, deps=(dk_token, dst_op))
-                if LATE_DQ < 2:
+                if LATE_DQ != 2:
                     mbarrier.arrive(empty.index(slot), count=1)
             else:
                 dv, dk, dq, _, _ = warpgroup_mma_wait(
                     0, deps=(dv_token, dk_token, dq_token, pt_op, dst_op)
                 )
-                if LATE_DQ < 2:
+                if LATE_DQ != 2:
                     mbarrier.arrive(empty.index(slot), count=1)
                 if LATE_DQ:
                     stage_dq(dq, dq_bufs, dq_empty, it, softmax_scale)
@@ -711,10 +691,10 @@ def gluon_bwd_kernel(
                 _bwd_load_partition,
                 (
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, dq_full, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
                     seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
                     num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM, LATE_DQ,
+                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
                 ),
             ),
             (
@@ -767,13 +747,8 @@ def backward(
     dQ is added into (``None``: zeroed here)."""
     if ROW_TERMS_SMEM not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
-    if LATE_DQ_HANDOFF not in (0, 1, 2, 3, 4) or (
-        LATE_DQ_HANDOFF >= 3 and DQ_BUFFERS != NUM_BUFFERS
-    ):
-        raise ValueError(
-            "gluon_bwd.LATE_DQ_HANDOFF must be 0 to 4 (3 and 4 with DQ_BUFFERS == NUM_BUFFERS), "
-            f"got {LATE_DQ_HANDOFF} with DQ_BUFFERS={DQ_BUFFERS}, NUM_BUFFERS={NUM_BUFFERS}"
-        )
+    if LATE_DQ_HANDOFF not in (0, 1, 2):
+        raise ValueError(f"gluon_bwd.LATE_DQ_HANDOFF must be 0, 1 or 2, got {LATE_DQ_HANDOFF}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,

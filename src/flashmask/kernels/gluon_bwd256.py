@@ -255,10 +255,10 @@ def gluon_bwd256_kernel(
                 _bwd_load_partition,
                 (
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, dq_full, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
                     seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
                     num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM, 0,
+                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
                 ),
             ),
             (
