@@ -105,7 +105,8 @@
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
 #   host-overhead host_overhead.py at 8K, hd128: host enqueue time against GPU time per call
 #                 (FlashMask with its mask prepared per call and cached, flex), on five masks;
-#                 host-profile: the same on sliding_window with a cProfile of the cached call;
+#                 host-profile: the same on sliding_window with a cProfile of calls that prepare
+#                 their mask, as the bench times them;
 #                 kernel-times: the same with each kernel's GPU time per call (five 8K masks);
 #                 host-breakdown: the same with the host time inside named library functions;
 #   eager-check   eager_check.py: flashmask_attention's autograd.Function path against the

@@ -12,11 +12,12 @@ Columns, per implementation and pass (``fwd``, ``fwd+bwd``), all in ms per call:
 ``bench`` close to ``host`` and above ``gpu`` means the bench measured the host, not the kernels.
 
 Usage (H200): ``PYTHONPATH=src python benchmarks/host_overhead.py --seqlens 8192``;
-``--profile`` also prints where the host time of one cached forward + backward goes (cProfile,
-the first mask and length only); ``--breakdown`` the host time per call inside named library
-functions, timed by wrappers (cProfile misattributes time under the custom ops' Dynamo-disabled
-frames); ``--kernels`` the GPU time per call of each kernel of both
-implementations' forward + backward (``torch.profiler``), for every case.
+``--profile`` also prints where the host time of one forward + backward goes (cProfile, the
+mask prepared in every call as the bench does, the first mask and length only);
+``--breakdown`` the host time per call inside named library functions, timed by wrappers
+(cProfile misattributes time under the custom ops' Dynamo-disabled frames); ``--kernels`` the
+GPU time per call of each kernel of both implementations' forward + backward
+(``torch.profiler``), for every case.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def main() -> None:
                         print(f"{'':>8}{us:9.1f} us  x{count:<3} {label}")
             if args.profile:
                 args.profile = False
-                profile_host(fm_total(False))
+                profile_host(fm_total(True))
             clear_prepared()
 
 
@@ -161,7 +162,7 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
     from triton.runtime.jit import JITFunction
 
     from flashmask import kernels
-    from flashmask.kernels import gluon_bwd
+    from flashmask.kernels import gluon_bwd, gluon_fwd
 
     totals: dict[str, list[float]] = {}
     active: set[str] = set()
@@ -190,7 +191,13 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
         (kernels, "program_orders", "kernels.program_orders"),
         (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
         (gluon_bwd, "launch", "gluon_bwd.launch"),
-        (JITFunction, "run", "JITFunction.run (each launch)"),
+        # Each launch: kernels.launch's cached path, and Triton's own where it falls back. The
+        # modules call launch_kernel through their own global, so each is wrapped there.
+        *(
+            (m, "launch_kernel", "launch_kernel (each launch)")
+            for m in (kernels, gluon_fwd, gluon_bwd)
+        ),
+        (JITFunction, "run", "JITFunction.run (Triton's launch path)"),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, label in patches:
