@@ -37,7 +37,10 @@ from flashmask import kernels
 from flashmask.kernels import gluon_bwd, gluon_bwd256, query_chunks
 from flashmask.kernels.gluon_fwd import shared_layout
 
-OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "MUFU.EX2", "LDG", "REDG", "BAR")
+OPCODES = (
+    "HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "UTMASTG", "MUFU.EX2", "LDG", "REDG",
+    "STG", "BAR",
+)  # fmt: skip
 
 
 def _kernel(module):
@@ -50,13 +53,15 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
+    dkdv_tma: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
-    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128); registers, spills,
-    shared memory and key instructions."""
+    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: ``gluon_bwd.DKDV_TMA``
+    unless given, D = 64/128 with dK/dV in the inputs' dtype, as the launcher takes it);
+    registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -66,6 +71,9 @@ def compile_only(
         late_dq = gluon_bwd.LATE_DQ_HANDOFF
     if dq_before_dk is None:
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
+    if dkdv_tma is None:
+        dkdv_tma = bool(gluon_bwd.DKDV_TMA)
+    dkdv_tma = dkdv_tma and module is gluon_bwd and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -80,7 +88,9 @@ def compile_only(
         **({"dq_desc": f"tensordesc<fp32[{rows_q}, {head_dim}],"
                        f"{gluon_bwd.dq_shared_layout(head_dim)!r}>"} if dq_tma else {}),
         "dk_ptr": "*fp32" if dkdv_fp32 else f"*{short}",
-        "dv_ptr": "*fp32" if dkdv_fp32 else f"*{short}", "bounds_ptr": "*i32",
+        "dv_ptr": "*fp32" if dkdv_fp32 else f"*{short}",
+        **({"dk_desc": desc_type(rows_k), "dv_desc": desc_type(rows_k)} if dkdv_tma else {}),
+        "bounds_ptr": "*i32",
         "entries_ptr": "*i32", "counts_ptr": "*i32", "order_ptr": "*i32", "stride_dqb": "i32",
         "stride_dqs": "i32",
         "stride_dqh": "i32", "stride_kb": "i32", "stride_ks": "i32", "stride_kh": "i32",
@@ -94,9 +104,10 @@ def compile_only(
               "WRITER_REGISTERS": gluon_bwd.WRITER_REGISTERS, "DQ_TMA": dq_tma,
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
+              **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk}
-                 if module is gluon_bwd else {})}  # fmt: skip
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
+                  "DKDV_TMA": dkdv_tma} if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -112,6 +123,7 @@ def compile_only(
         "add_dkdv": add_dkdv,
         "late_dq": late_dq if module is gluon_bwd else 0,
         "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
+        "dkdv_tma": dkdv_tma,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -145,6 +157,7 @@ VARIANT_CONSTANTS = (
     "CHUNKS_ADD_IN_KERNEL",
     "LATE_DQ_HANDOFF",
     "DQ_BEFORE_DK",
+    "DKDV_TMA",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )
@@ -319,8 +332,10 @@ def main() -> None:
             report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
             print(json.dumps(report), flush=True)
         # Forms kept for measurement at D = 64/128: the dQ hand-off before the next tile's
-        # products (LATE_DQ_HANDOFF=0), dK's product before dQ's (DQ_BEFORE_DK off).
-        for form in ({"late_dq": 0}, {"dq_before_dk": False}):
+        # products (LATE_DQ_HANDOFF=0), dK's product before dQ's (DQ_BEFORE_DK off), dK/dV
+        # stored the other way than DKDV_TMA's (TMA stores against stores from registers).
+        forms = ({"late_dq": 0}, {"dq_before_dk": False}, {"dkdv_tma": not gluon_bwd.DKDV_TMA})
+        for form in forms:
             for d in (64, 128):
                 for causal, has_mask in ((False, False), (True, True)):
                     report = compile_only(d, causal, has_mask, **form)

@@ -15,6 +15,9 @@
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
+#   gluon-dkdv-tma gluon_backward.py at hd128 and hd64, 8K and 32K: dK/dV through shared memory
+#                 and TMA stores (DKDV_TMA=1) against the stores from registers; its GPU check:
+#                 GLUON_BWD=DKDV_TMA=1 ... check-dq-tma
 #   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
 #                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
@@ -84,6 +87,9 @@
 #                 stalls, occupancy (profile_backward.py; ncu needs the Firecracker runtime)
 #   ncu-backward-128k Nsight Compute's memory sections on the hd128 backward: full at 32K and
 #                 128K, causal at 128K (is the 128K full backward waiting on HBM?)
+#   ncu-backward-sparse Nsight Compute on the hd128 backward: sliding_window at 8K and 32K and
+#                 causal at 32K (SM active cycles, warp states, occupancy, memory), then the
+#                 per-instruction stall samples of 8K sliding_window (gzipped CSV)
 #   ncu-backward-source Nsight Compute's warp-state sampling per SASS instruction on one 32K full
 #                 hd128 backward call (ours): ncu_backward_source.ncu-rep and its source page as CSV
 #                 (ncu_backward_source.log)
@@ -209,6 +215,12 @@ for step in "$@"; do
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4
         run_step cached_launch_hd64_hd256 python benchmarks/cached_launch.py --head-dims 64,256 \
             --kv-heads 16 --masks sliding_window,causal
+        ;;
+    gluon-dkdv-tma)
+        run_step gluon_backward_dkdv_tma python benchmarks/gluon_backward.py \
+            --seqlens 8192,32768 --variant DKDV_TMA=1
+        run_step gluon_backward_dkdv_tma_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
+            --seqlens 8192,32768 --variant DKDV_TMA=1
         ;;
     gluon-dk-first-hd64)
         run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
@@ -416,6 +428,29 @@ for step in "$@"; do
                 --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Chart \
                 python benchmarks/profile_backward.py --impl flashmask --mask "$mask" --seqlen "$len"
         done
+        ;;
+    ncu-backward-sparse)
+        # Why the sparse 8K backward runs at ~60% of the causal 32K rate per listed tile: the
+        # hd128 kernel's SM active against elapsed cycles, warp states, occupancy and memory on
+        # sliding_window at 8K (lists of ~10 tiles) and 32K (~34) and causal at 32K; then the
+        # per-instruction stall samples of the 8K call (source page as CSV).
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        for case in "sliding_window 8192" "sliding_window 32768" "causal 32768"; do
+            read -r mask len <<<"$case"
+            run_step "ncu_backward_${mask}_$len" "$ncu" --clock-control none \
+                -k regex:gluon_bwd_kernel -s 1 -c 1 --section SpeedOfLight \
+                --section WarpStateStats --section Occupancy --section LaunchStats \
+                --section MemoryWorkloadAnalysis --section SchedulerStats \
+                python benchmarks/profile_backward.py --impl flashmask --mask "$mask" --seqlen "$len"
+        done
+        run_step ncu_backward_source_sw8k_run "$ncu" --clock-control none \
+            -k regex:gluon_bwd_kernel -s 1 -c 1 --section WarpStateStats --section SourceCounters \
+            --import-source yes -f -o "$OUT/ncu_backward_source_sw8k" \
+            python benchmarks/profile_backward.py --impl flashmask --mask sliding_window --seqlen 8192
+        run_step ncu_backward_source_sw8k "$ncu" -i "$OUT/ncu_backward_source_sw8k.ncu-rep" \
+            --page source --csv --print-source sass
+        rm -f "$OUT/ncu_backward_source_sw8k.ncu-rep"
+        gzip -f "$OUT/ncu_backward_source_sw8k.log"
         ;;
     ncu-backward-source)
         # Where the library hd128 backward's stall cycles sit, per SASS instruction (warp-state

@@ -17,6 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from bench_cases import mask_case
 
 from flashmask import flashmask_attention
 
@@ -24,7 +25,11 @@ from flashmask import flashmask_attention
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", choices=("flashmask", "sdpa"), default="flashmask")
-    parser.add_argument("--mask", choices=("full", "causal"), default="full")
+    parser.add_argument(
+        "--mask",
+        default="full",
+        help="full, causal or any flashmask bench mask (FlashMask only: SDPA takes full/causal)",
+    )
     parser.add_argument("--seqlen", type=int, default=32768)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32768)
@@ -43,7 +48,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profile_backward.py needs a CUDA GPU")
     batch, heads = max(1, args.tokens // args.seqlen), args.hidden // args.head_dim
-    causal = args.mask == "causal"
+    if args.impl == "sdpa" and args.mask not in ("full", "causal"):
+        parser.error(f"--mask: SDPA's flash backward takes full or causal, got {args.mask!r}")
+    mask, _, causal = mask_case(args.mask, args.seqlen, batch)
     shape = (batch, args.seqlen, heads, args.head_dim)
     q, k, v = (
         torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -51,7 +58,9 @@ def main() -> None:
     )
     dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     if args.impl == "flashmask":
-        out = flashmask_attention(q, k, v, causal=causal)
+        out = flashmask_attention(
+            q, k, v, mask.to("cuda") if mask is not None else None, causal=causal
+        )
     else:  # SDPA takes [B, H, S, D]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal

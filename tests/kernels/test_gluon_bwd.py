@@ -153,7 +153,12 @@ def _shipped(report: dict) -> bool:
         and report["late_dq"] == default_late
         and not report["dkdv_fp32"]
         and report["dq_before_dk"] == (module == "gluon_bwd")
+        and report["dkdv_tma"] == (module == "gluon_bwd" and _DKDV_TMA_DEFAULT)
     )
+
+
+# ``gluon_bwd.DKDV_TMA`` as shipped (read here without importing Gluon into the test process).
+_DKDV_TMA_DEFAULT = False
 
 
 def _compiled_for(report: dict) -> tuple:
@@ -317,6 +322,41 @@ def test_dk_after_dq_stores_dq_while_dk_runs_without_serialising_them(sm90_repor
         assert new["WARPGROUP.DEPBAR"] * 4 < new["HGMMA"], new
         assert new["spill_bytes"] <= old["spill_bytes"] + 16, (new, old)
         assert new["shared_kb"] == old["shared_kb"], (new, old)
+
+
+def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
+    """``gluon_bwd.DKDV_TMA``: dK and dV staged in the K/V tiles' buffers and stored with one
+    TMA store each, against the stores from registers (one 4-byte ``STG`` per two columns):
+    no ``STG`` left, two ``UTMASTG``, the same products and waits, the same shared memory (the
+    buffers are reused) and no more spills."""
+
+    def form(report: dict) -> tuple:
+        return (
+            *_compiled_for(report), report["late_dq"], report["dq_before_dk"],
+            report["row_terms_smem"], report["dkdv_fp32"],
+        )  # fmt: skip
+
+    by_form = {(form(r), r["dkdv_tma"]): r for r in sm90_reports if r["head_dim"] != 256}
+    pairs = [
+        (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
+    ]
+    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r, _ in pairs} == _MEASURED_FORMS
+    for new, old in pairs:
+        assert old["STG"] > 0 and new["STG"] == 0, (new, old)
+        assert new["UTMASTG"] == 2 and old["UTMASTG"] == 0, (new, old)
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
+        assert new["shared_kb"] == old["shared_kb"], (new, old)
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+
+
+def test_no_tma_dk_dv_stores_for_fp32_partial_sums(sm90_reports):
+    """A query chunk's fp32 dK/dV (stored or added to) keep the stores from registers, whatever
+    ``DKDV_TMA`` says (the K/V buffers hold 16-bit tiles)."""
+    chunked = [r for r in sm90_reports if r["dkdv_fp32"]]
+    assert chunked
+    for report in chunked:
+        assert not report["dkdv_tma"] and report["UTMASTG"] == 0 and report["STG"] > 0, report
 
 
 def test_compiles_with_fp32_dk_dv_for_full_attentions_query_chunks(sm90_reports):

@@ -154,6 +154,14 @@ LATE_DQ_HANDOFF = 2
 # masks. In the eighth session, before dQ went through TMA reduce-adds and before the late
 # hand-off, the same order had lost 6% on 32K full (change 18). False: dK first (measurement).
 DQ_BEFORE_DK = True
+# dK and dV leave through shared memory and two TMA stores (``store_dk_dv_tma``, into the K/V
+# tiles' buffers, free once both warpgroups' last products are in) instead of a 4-byte store
+# per two columns from the MMA layout: on 8K sliding_window (lists of ~10 tiles) those stores
+# held 10% of the backward's warp samples, most throttled on the store queue
+# (``results/ncu_backward_source_sw8k_s19.csv.gz``). Where dK/dV are in the inputs' dtype and
+# not added to (a query chunk's fp32 partial sums keep the stores). The same values: bitwise
+# equal.
+DKDV_TMA = False
 
 
 @gluon.jit
@@ -419,11 +427,29 @@ def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, s
 
 
 @gluon.jit
+def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_scale):
+    """:func:`store_dk_dv` without ``ADD`` through shared memory: the consumers' ``dk``
+    (scaled) and ``dv`` into the K/V tiles' buffers, then one TMA store each to ``[row, col]`` of
+    ``dk_desc``/``dv_desc`` (2-D ``[B * Sk, Hk * D]`` views, K's tile and layout)."""
+    # The other warpgroup's last dQ product reads all of K (and its dV/dK products V's and
+    # K's rows of its own keys only, but dQ's spans both halves): overwrite only once both
+    # warpgroups' products are in.
+    _partition_barrier()
+    k_smem.store((dk * softmax_scale).to(k_smem.dtype))
+    v_smem.store(dv.to(v_smem.dtype))
+    fence_async_shared()
+    _partition_barrier()  # every thread's rows are in place before the copies read them
+    tma.async_copy_shared_to_global(dk_desc, [row, col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [row, col], v_smem)
+    tma.store_wait(0)  # the copies have read the buffers before the program exits
+
+
+@gluon.jit
 def _bwd_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
-    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
-    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
+    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
+    b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
     qk_scale, softmax_scale, lse_bufs, delta_bufs,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
@@ -436,10 +462,12 @@ def _bwd_compute_partition(
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
     DQ_BEFORE_DK: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
-    ``dk_ptr``/``dv_ptr`` hold); each tile's dQ goes to the writer warps through ``dq_bufs``
-    (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All five
+    ``dk_ptr``/``dv_ptr`` hold; with ``DKDV_TMA`` stored through ``dk_desc``/``dv_desc``);
+    each tile's dQ goes to the writer warps through ``dq_bufs`` (``lse_bufs``/``delta_bufs``:
+    the producer's rows with ``ROW_TERMS_SMEM``). All five
     products of a tile are awaited within the tile: with ``DQ_BEFORE_DK`` (the default) dK's
     product is issued after dQ's and runs while dQ is stored for the writer; leaving dK running
     into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
@@ -553,8 +581,14 @@ def _bwd_compute_partition(
         # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
         publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
 
-    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale, ADD_DKDV)  # fmt: skip
+    if DKDV_TMA:
+        store_dk_dv_tma(
+            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * BLOCK_N,
+            h_kv * HEAD_DIM, softmax_scale,
+        )  # fmt: skip
+    else:
+        store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                    softmax_scale, ADD_DKDV)  # fmt: skip
 
 
 @gluon.jit
@@ -631,7 +665,7 @@ def allocate_row_terms(lse_ptr, delta_ptr, BLOCK_M: gl.constexpr, NUM_BUFFERS: g
 @gluon.jit
 def gluon_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
-    bounds_ptr,
+    dk_desc, dv_desc, bounds_ptr,
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
@@ -652,12 +686,14 @@ def gluon_bwd_kernel(
     ADD_DKDV: gl.constexpr,
     LATE_DQ: gl.constexpr,
     DQ_BEFORE_DK: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
-    strides; with ``ADD_DKDV`` added to their fp32 contents) and dQ added to the fp32
-    ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer; ``None``
-    without)."""
+    strides; with ``ADD_DKDV`` added to their fp32 contents; with ``DKDV_TMA`` stored through
+    ``dk_desc``/``dv_desc``, descriptors of the same buffers, ``None`` without) and dQ added to
+    the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer;
+    ``None`` without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
@@ -680,11 +716,12 @@ def gluon_bwd_kernel(
                 (
                     k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
                     dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
-                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-                    delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                    ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
+                    delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q,
+                    seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
+                    softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M,
+                    BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
+                    DKDV_TMA,
                 ),
             ),
             (
@@ -754,7 +791,7 @@ def backward(
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
-        DQ_BEFORE_DK=DQ_BEFORE_DK,
+        DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=bool(DKDV_TMA),
     )  # fmt: skip
 
 
@@ -894,9 +931,19 @@ def _launch_once(
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
+    dk_desc = dv_desc = None
+    if constants.get("DKDV_TMA"):
+        # Stored in K's tiles (the kernel stages them in the K/V buffers); a chunk's fp32
+        # partial sums, added to or not, keep the plain stores.
+        constants["DKDV_TMA"] = dkdv_dtype is None
+    if constants.get("DKDV_TMA"):
+        dk_desc, dv_desc = (
+            TensorDescriptor.from_tensor(x.view(b * sk, hk * d), [block_n, d], kv_layout)
+            for x in (dk, dv)
+        )
     launch_kernel(
         kernel, (tn, hk, b),
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv, dk_desc, dv_desc,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         lists.counts if order is None else order,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),

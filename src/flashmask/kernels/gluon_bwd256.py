@@ -200,7 +200,7 @@ def _bwd256_compute_partition(
 @gluon.jit
 def gluon_bwd256_kernel(
     q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
-    bounds_ptr,
+    dk_desc, dv_desc, bounds_ptr,
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
@@ -220,8 +220,9 @@ def gluon_bwd256_kernel(
     ORDERED: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
-    and dV (sharing K's strides) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through
-    ``dq_desc`` and TMA reduce-adds)."""
+    and dV (sharing K's strides; stored from registers, ``dk_desc``/``dv_desc`` are ``None``)
+    and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc`` and TMA
+    reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
