@@ -18,6 +18,8 @@
 #   gluon-dkdv-tma gluon_backward.py at hd128 and hd64, 8K and 32K: dK/dV through shared memory
 #                 and TMA stores (DKDV_TMA=1) against the stores from registers; its GPU check:
 #                 GLUON_BWD=DKDV_TMA=1 ... check-dq-tma
+#   gluon-dkdv-tma-precise full and causal at 32K, hd128 and hd64, 1 s per measurement: the
+#                 shipped DKDV_TMA against DKDV_TMA=0
 #   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
 #                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
@@ -221,6 +223,15 @@ for step in "$@"; do
             --seqlens 8192,32768 --variant DKDV_TMA=1
         run_step gluon_backward_dkdv_tma_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
             --seqlens 8192,32768 --variant DKDV_TMA=1
+        ;;
+    gluon-dkdv-tma-precise)
+        # Full and causal at 32K (lists of 256-512 tiles: the epilogue amortised), 1 s per
+        # measurement: the shipped TMA stores against the stores from registers.
+        for d in 128 64; do
+            run_step "gluon_backward_dkdv_tma_precise_hd$d" python benchmarks/gluon_backward.py \
+                --head-dim "$d" --seqlens 32768 --masks full,causal --rep-ms 1000 \
+                --variant DKDV_TMA=0
+        done
         ;;
     gluon-dk-first-hd64)
         run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \

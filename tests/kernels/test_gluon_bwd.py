@@ -158,7 +158,7 @@ def _shipped(report: dict) -> bool:
 
 
 # ``gluon_bwd.DKDV_TMA`` as shipped (read here without importing Gluon into the test process).
-_DKDV_TMA_DEFAULT = False
+_DKDV_TMA_DEFAULT = True
 
 
 def _compiled_for(report: dict) -> tuple:
