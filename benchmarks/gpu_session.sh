@@ -20,6 +20,8 @@
 #                 GLUON_BWD=DKDV_TMA=1 ... check-dq-tma
 #   gluon-dkdv-tma-precise full and causal at 32K, hd128 and hd64, 1 s per measurement: the
 #                 shipped DKDV_TMA against DKDV_TMA=0
+#   gluon-dkdv-tma-long causal, qk_sparse, prefix_lm_causal at 32K hd128, 1 s per measurement:
+#                 DKDV_TMA against DKDV_TMA=0
 #   gluon-dk-first-hd64 gluon_backward.py at head dim 64, 8K and 32K: the shipped order (dQ's
 #                 product before dK's) against dK first (DQ_BEFORE_DK=0)
 #   dq-zeroing    dq_zeroing.py: change 31 (the delta kernel zeroing dQ's accumulator) against a
@@ -232,6 +234,13 @@ for step in "$@"; do
                 --head-dim "$d" --seqlens 32768 --masks full,causal --rep-ms 1000 \
                 --variant DKDV_TMA=0
         done
+        ;;
+    gluon-dkdv-tma-long)
+        # The long-list masks whose bench entries moved -0.5..-2.5% with DKDV_TMA (s19), 1 s
+        # per measurement, hd128 32K.
+        run_step gluon_backward_dkdv_tma_long python benchmarks/gluon_backward.py \
+            --seqlens 32768 --masks causal,qk_sparse,prefix_lm_causal --rep-ms 1000 \
+            --variant DKDV_TMA=0
         ;;
     gluon-dk-first-hd64)
         run_step gluon_backward_dk_first_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
