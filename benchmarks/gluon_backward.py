@@ -59,7 +59,7 @@ def compile_only(
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
-    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: ``gluon_bwd.DKDV_TMA``
+    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as ``gluon_bwd.dkdv_by_tma``
     unless given, D = 64/128 with dK/dV in the inputs' dtype, as the launcher takes it);
     registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
@@ -72,7 +72,7 @@ def compile_only(
     if dq_before_dk is None:
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     if dkdv_tma is None:
-        dkdv_tma = bool(gluon_bwd.DKDV_TMA)
+        dkdv_tma = gluon_bwd.dkdv_by_tma(causal, has_mask)
     dkdv_tma = dkdv_tma and module is gluon_bwd and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -333,8 +333,8 @@ def main() -> None:
             print(json.dumps(report), flush=True)
         # Forms kept for measurement at D = 64/128: the dQ hand-off before the next tile's
         # products (LATE_DQ_HANDOFF=0), dK's product before dQ's (DQ_BEFORE_DK off), dK/dV
-        # stored the other way than DKDV_TMA's (TMA stores against stores from registers).
-        forms = ({"late_dq": 0}, {"dq_before_dk": False}, {"dkdv_tma": not gluon_bwd.DKDV_TMA})
+        # stored from registers (DKDV_TMA off; these forms ship with TMA stores).
+        forms = ({"late_dq": 0}, {"dq_before_dk": False}, {"dkdv_tma": False})
         for form in forms:
             for d in (64, 128):
                 for causal, has_mask in ((False, False), (True, True)):

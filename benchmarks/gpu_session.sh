@@ -9,6 +9,7 @@
 #   check-full    the same without --quick (all head dims)
 #   bench-hd128   flashmask bench, 8K and 32K, hd128, 12 masks (~290 s cold: STEP_TIMEOUT=330)
 #   bench-hd128-8k the same at 8K only (~150 s)
+#   bench-hd128-fc the same, full and causal only (~60 s)
 #   gluon-dq-before-dk gluon_backward.py timing dK's product after dQ's (DQ_BEFORE_DK=1,
 #                 FlashAttention-3/4's order) against the shipped order at 8K and 32K on six
 #                 masks; its GPU check: GLUON_BWD=DQ_BEFORE_DK=1 ... check-dq-tma
@@ -206,6 +207,10 @@ for step in "$@"; do
     bench-hd128)
         run_step bench_hd128 python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd128"
+        ;;
+    bench-hd128-fc)
+        run_step bench_hd128_fc python -m flashmask bench --seqlens 8192,32768 --head-dims 128 \
+            --masks full,causal --rep-ms 100 --out "$OUT/bench_hd128_fc"
         ;;
     bench-hd128-8k)
         run_step bench_hd128_8k python -m flashmask bench --seqlens 8192 --head-dims 128 \

@@ -153,12 +153,14 @@ def _shipped(report: dict) -> bool:
         and report["late_dq"] == default_late
         and not report["dkdv_fp32"]
         and report["dq_before_dk"] == (module == "gluon_bwd")
-        and report["dkdv_tma"] == (module == "gluon_bwd" and _DKDV_TMA_DEFAULT)
+        and report["dkdv_tma"] == (module == "gluon_bwd" and _ships_tma_dkdv(report))
     )
 
 
-# ``gluon_bwd.DKDV_TMA`` as shipped (read here without importing Gluon into the test process).
-_DKDV_TMA_DEFAULT = True
+def _ships_tma_dkdv(report: dict) -> bool:
+    """``gluon_bwd.dkdv_by_tma`` as shipped (``DKDV_TMA = 2``: every form but plain causal),
+    restated so that the test process does not import Gluon."""
+    return report["has_mask"] or not report["causal"]
 
 
 def _compiled_for(report: dict) -> tuple:
@@ -454,20 +456,22 @@ _CONSTANT_CHECKS = """
 import json
 from flashmask.kernels import gluon_bwd
 errors = {}
-for late in (3, -1):
-    gluon_bwd.LATE_DQ_HANDOFF = late
+for name, value in (("LATE_DQ_HANDOFF", 3), ("LATE_DQ_HANDOFF", -1), ("DKDV_TMA", 3)):
+    saved = getattr(gluon_bwd, name)
+    setattr(gluon_bwd, name, value)
     try:
         gluon_bwd.backward(*[None] * 11)
     except ValueError as error:
-        errors[str(late)] = str(error)
+        errors[f"{name}={value}"] = str(error)
+    setattr(gluon_bwd, name, saved)
 print(json.dumps(errors))
 """
 
 
-def test_launcher_refuses_a_dq_handoff_form_it_does_not_have():
-    """``gluon_bwd.LATE_DQ_HANDOFF`` is 0, 1 or 2; anything else (such as the nineteenth
-    session's measured and removed slot-release forms 3 and 4) is refused by name before a
-    launch."""
+def test_launcher_refuses_kernel_forms_it_does_not_have():
+    """``gluon_bwd.LATE_DQ_HANDOFF`` and ``DKDV_TMA`` are 0, 1 or 2; anything else (such as the
+    nineteenth session's measured and removed slot-release forms 3 and 4) is refused, naming
+    the constant, before a launch."""
     (errors,) = json_lines(["-c", _CONSTANT_CHECKS])
-    assert set(errors) == {"3", "-1"}
-    assert all("LATE_DQ_HANDOFF" in message for message in errors.values())
+    assert set(errors) == {"LATE_DQ_HANDOFF=3", "LATE_DQ_HANDOFF=-1", "DKDV_TMA=3"}
+    assert all(key.split("=")[0] in message for key, message in errors.items())

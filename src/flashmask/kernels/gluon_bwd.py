@@ -166,9 +166,12 @@ DQ_BEFORE_DK = True
 # equal. Measured on the H200 against the stores from registers
 # (``results/gluon_backward_dkdv_tma{,_hd64}_s19.log``): hd128 8K sliding_window 1.213 ->
 # 1.116 ms, 32K share_question 2.254 -> 2.116, causal_document 3.211 -> 3.096, sliding_window
-# 3.068 -> 2.958; hd64 2-7% on the sparse masks; full/causal within the run's noise. False: the
-# stores from registers (measurement).
-DKDV_TMA = True
+# 3.068 -> 2.958; hd64 2-7% on the sparse masks; full +0.4% / +0.9% (hd128 / hd64, 1 s per
+# measurement). Plain causal (no mask) lost 1.2-1.6% at hd128 in three runs
+# (``results/gluon_backward_dkdv_tma{,_precise_hd128,_long}_s19.log``), so it keeps the stores
+# from registers: 2 (the default) is TMA stores except for plain causal, 1 everywhere, 0 nowhere
+# (both for measurement).
+DKDV_TMA = 2
 
 
 @gluon.jit
@@ -763,6 +766,12 @@ def dq_shared_layout(head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
 
 
+def dkdv_by_tma(causal: bool, masked: bool) -> bool:
+    """Whether a backward launch with these flags stores dK/dV through TMA (``DKDV_TMA``;
+    a query chunk's fp32 partial sums never do)."""
+    return DKDV_TMA == 1 or (DKDV_TMA == 2 and (masked or not causal))
+
+
 def backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -793,12 +802,14 @@ def backward(
         raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
     if LATE_DQ_HANDOFF not in (0, 1, 2):
         raise ValueError(f"gluon_bwd.LATE_DQ_HANDOFF must be 0, 1 or 2, got {LATE_DQ_HANDOFF}")
+    if DKDV_TMA not in (0, 1, 2):
+        raise ValueError(f"gluon_bwd.DKDV_TMA must be 0, 1 or 2, got {DKDV_TMA}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
-        DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=bool(DKDV_TMA),
+        DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
     )  # fmt: skip
 
 
