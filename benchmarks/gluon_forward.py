@@ -31,14 +31,18 @@ from cubin import compile_gluon_sm90, warp_specialized_report
 from flashmask import kernels
 from flashmask.kernels import gluon_fwd
 
-OPCODES = ("HGMMA", "UTMALDG", "MUFU.EX2", "LDG")
+OPCODES = ("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2", "LDG", "STG")
 
 
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dense: bool, block_n: int = gluon_fwd.BLOCK_N,
     dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
+    o_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU; registers, spills, shared memory and key instructions."""
+    """Compile for sm_90 without a GPU (``o_tma``: ``gluon_fwd.O_TMA`` unless given); registers,
+    spills, shared memory and key instructions."""
+    if o_tma is None:
+        o_tma = bool(gluon_fwd.O_TMA)
     block = gluon_fwd.BLOCK_M
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -48,7 +52,8 @@ def compile_only(
 
     signature = {
         "q_desc": desc_type(), "k_desc": desc_type(block_n), "v_desc": desc_type(block_n),
-        "out_ptr": f"*{short}", "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
+        "out_ptr": f"*{short}", **({"o_desc": desc_type(block // 2)} if o_tma else {}),
+        "lse_ptr": "*fp32", "bounds_ptr": "*i32", "entries_ptr": "*i32",
         "counts_ptr": "*i32", "order_ptr": "*i32", "stride_ob": "i32", "stride_os": "i32",
         "stride_oh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
@@ -58,7 +63,8 @@ def compile_only(
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "MASK_FULL_TILES": dense, "ORDERED": True, "BLOCK_M": block, "BLOCK_N": block_n,
               "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers,
-              "COMPUTE_REGISTERS": gluon_fwd.COMPUTE_REGISTERS}  # fmt: skip
+              "COMPUTE_REGISTERS": gluon_fwd.COMPUTE_REGISTERS,
+              **({} if o_tma else {"o_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
         gluon_fwd.gluon_fwd_kernel, signature, values,
         {"num_warps": gluon_fwd.NUM_WARPS, "maxnreg": gluon_fwd.MAX_REGISTERS},
@@ -71,6 +77,7 @@ def compile_only(
         "block_n": block_n,
         "dtype": short,
         "num_buffers": num_buffers,
+        "o_tma": o_tma,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -88,10 +95,12 @@ def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
 
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
-    block_ns: list[int], buffer_counts: list[int],
+    block_ns: list[int], buffer_counts: list[int], o_tma_ab: bool = False,
 ) -> None:  # fmt: skip
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
-    Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``."""
+    Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``;
+    with ``o_tma_ab`` also with ``gluon_fwd.O_TMA`` flipped, its out/lse compared bitwise with
+    the shipped setting's (the same values, stored another way)."""
 
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
@@ -118,6 +127,23 @@ def check_and_time(
                     f" | gluon 128x{bn}/{nb} buffers {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) "
                     f"max|out diff| {err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
                 )
+                if o_tma_ab:
+                    shipped = gluon_fwd.O_TMA
+                    gluon_fwd.O_TMA = not shipped
+                    try:
+                        alt_out, alt_lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
+                        same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
+                        alt_ms = triton.testing.do_bench(
+                            lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(
+                                q, k, v, sri, c, scale, bn, nb
+                            )
+                        )
+                    finally:
+                        gluon_fwd.O_TMA = shipped
+                    line += (
+                        f" | O_TMA={int(not shipped)} {alt_ms:.3f} ms "
+                        f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
+                    )
             print(line, flush=True)
 
 
@@ -136,6 +162,11 @@ def main() -> None:
     parser.add_argument(
         "--buffers", default="", help="K/V ring depths to time, e.g. 2,3 (default: the launcher's)"
     )
+    parser.add_argument(
+        "--o-tma-ab",
+        action="store_true",
+        help="also time the Gluon forward with gluon_fwd.O_TMA flipped (bitwise out/lse check)",
+    )
     args = parser.parse_args()
     if args.compile_only:
         for d in (64, 128):
@@ -152,13 +183,18 @@ def main() -> None:
         # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
         block_n, slots = kernels.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
+        # O stored the other way than O_TMA's (TMA stores against stores from registers)
+        for d in (64, 128):
+            for causal, has_mask in ((False, False), (True, True)):
+                report = compile_only(d, causal, has_mask, False, o_tma=not gluon_fwd.O_TMA)
+                print(json.dumps(report), flush=True)
         return
     default_block_n, default_slots = kernels.gluon_forward_tiles(args.head_dim)
     block_ns = [int(x) for x in (args.block_n or str(default_block_n)).split(",")]
     buffer_counts = [int(x) for x in (args.buffers or str(default_slots)).split(",")]
     check_and_time(
         args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, block_ns,
-        buffer_counts,
+        buffer_counts, args.o_tma_ab,
     )  # fmt: skip
 
 

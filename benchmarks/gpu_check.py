@@ -233,6 +233,13 @@ def main() -> int:
         help="gluon_bwd launch constants for the run, e.g. DQ_TMA=0 or NUM_BUFFERS=3,DQ_BUFFERS=1 "
         "(candidate settings measured by gluon_backward.py --variant, checked here)",
     )
+    parser.add_argument(
+        "--gluon-fwd-o-tma",
+        choices=("0", "1"),
+        default=None,
+        help="gluon_fwd.O_TMA for the run (the forward's O through TMA stores, 1, or from "
+        "registers, 0; unset: as shipped)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -255,6 +262,10 @@ def main() -> int:
         from gluon_backward import apply_gluon_bwd_option
 
         apply_gluon_bwd_option(parser, args.gluon_bwd)
+    if args.gluon_fwd_o_tma is not None:
+        from flashmask.kernels import gluon_fwd
+
+        gluon_fwd.O_TMA = args.gluon_fwd_o_tma == "1"
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -357,7 +368,11 @@ def main() -> int:
         q, k, v = inputs(4100, 16, 16, 16, 16, 64, torch.bfloat16)
         sri = random_indices(4100, 1, 16, 16, True, 1, gen).to(dev)
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
-    flags = [args.gluon_everywhere and "gluon-everywhere", args.gluon_bwd]
+    flags = [
+        args.gluon_everywhere and "gluon-everywhere",
+        args.gluon_bwd,
+        args.gluon_fwd_o_tma is not None and f"O_TMA={args.gluon_fwd_o_tma}",
+    ]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
 

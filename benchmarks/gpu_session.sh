@@ -85,6 +85,10 @@
 #                 128K, hd256 at 32K and 128K; then flashmask bench on full at 128K, hd128
 #   gluon-chunks-add gluon_backward.py on full attention at 64K and 128K with the chunks' dK/dV
 #                 added in the kernel (gluon_bwd.CHUNKS_ADD_IN_KERNEL=1), also split at 64K
+#   gluon-o-tma   gluon_forward.py --o-tma-ab at hd128 and hd64, 8K and 32K, five masks: the
+#                 forward's O through TMA stores (gluon_fwd.O_TMA) against the stores from
+#                 registers; check-o-tma: the quick check with every eligible case on the Gluon
+#                 kernels and O_TMA on
 #   check-dq-tma  check-gluon's cases with gluon_bwd.DQ_TMA as given (GLUON_BWD=..., default
 #                 DQ_TMA=0: the red.global writer, e.g. GLUON_BWD=NUM_BUFFERS=3,DQ_BUFFERS=1)
 #   ncu-backward  Nsight Compute on one 32K full backward call, ours (the Gluon kernel) and SDPA's
@@ -428,6 +432,16 @@ for step in "$@"; do
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma
+        ;;
+    gluon-o-tma)
+        run_step gluon_forward_o_tma python benchmarks/gluon_forward.py --seqlens 8192,32768 \
+            --masks full,causal,sliding_window,share_question,document --o-tma-ab
+        run_step gluon_forward_o_tma_hd64 python benchmarks/gluon_forward.py --head-dim 64 \
+            --seqlens 8192,32768 --masks full,causal,sliding_window,share_question,document \
+            --o-tma-ab
+        ;;
+    check-o-tma)
+        check "--quick --gluon-everywhere --gluon-fwd-o-tma 1" gpu_check_o_tma
         ;;
     ncu-backward)
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

@@ -145,8 +145,13 @@ def test_default_tiles_use_it_at_head_dim_128_and_without_a_mask_at_64(monkeypat
     assert not kernels.tile_config(head_dim, has_mask=False).fwd_gluon
 
 
-def test_compiles_warp_specialised_for_sm90():
-    reports = compile_reports("gluon_forward.py")
+@pytest.fixture(scope="module")
+def sm90_reports() -> list[dict]:
+    return compile_reports("gluon_forward.py")
+
+
+def test_compiles_warp_specialised_for_sm90(sm90_reports):
+    reports = [r for r in sm90_reports if r["o_tma"] == _O_TMA_DEFAULT]
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
          r["num_buffers"])
@@ -167,6 +172,34 @@ def test_compiles_warp_specialised_for_sm90():
         assert report["shared_kb"] <= 227, report  # the H200's shared memory per block
         if report["has_mask"]:  # partial tiles read the column bounds
             assert report["LDG"] > 16, report
+
+
+# ``gluon_fwd.O_TMA`` as shipped (restated: the test process does not import Gluon).
+_O_TMA_DEFAULT = False
+
+
+def test_o_tma_form_stores_each_warpgroups_rows_with_one_tma_store(sm90_reports):
+    """``gluon_fwd.O_TMA`` (prepared, for measurement): each warpgroup stages its 64 rows of O
+    in its half of the Q tile's buffer and stores them with one TMA store. Against the stores
+    from registers: only the lse rows' stores left as ``STG``, two ``UTMASTG``, the same
+    products, no more shared memory and no more spills."""
+    reports = sm90_reports
+
+    def key(r):
+        return (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
+                r["num_buffers"])  # fmt: skip
+
+    by_form = {(key(r), r["o_tma"]): r for r in reports}
+    pairs = [(by_form[k, True], by_form[k, False]) for k, tma in by_form if tma]
+    assert {(new["head_dim"], new["causal"], new["has_mask"]) for new, _ in pairs} == {
+        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
+    }
+    for new, old in pairs:
+        assert new["UTMASTG"] == 2 and old["UTMASTG"] == 0, (new, old)
+        assert new["STG"] * 8 < old["STG"], (new, old)
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        assert new["shared_kb"] <= old["shared_kb"], (new, old)
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
 
 
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted

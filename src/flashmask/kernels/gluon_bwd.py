@@ -65,14 +65,12 @@ from flashmask.kernels.gluon_fwd import (
     load_column_bounds,
     shared_layout,
     tma_load,
+    tma_store,
     wgmma_layout,
 )
+from flashmask.kernels.gluon_fwd import partition_barrier as _partition_barrier
 from flashmask.kernels.launch import launch_kernel
 from flashmask.kernels.tiles import TileLists
-
-# A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
-# in later versions (what CI installs).
-_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @builtin
@@ -89,9 +87,6 @@ def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
-# Triton 3.6 (the H200's) names the TMA store async_copy_shared_to_global; later versions
-# async_store (and keep the old name only to raise).
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BLOCK_M = GLUON_BWD_QUERIES
 BLOCK_N = GLUON_BWD_KEYS

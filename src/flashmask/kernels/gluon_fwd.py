@@ -47,6 +47,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -60,6 +61,12 @@ from flashmask.kernels.launch import launch_kernel
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
 # async_load.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# The TMA store likewise: async_copy_shared_to_global in 3.6, async_store later (which keeps the
+# old name only to raise).
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A barrier of the partition's warps: ``thread_barrier`` in Triton 3.6 (the H200's), ``barrier``
+# in later versions (what CI installs).
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_FWD_TILE
@@ -71,6 +78,11 @@ NUM_BUFFERS = 3
 NUM_WARPS = 4
 MAX_REGISTERS = 168
 COMPUTE_REGISTERS = 240
+# Each warpgroup's 64 rows of O leave through shared memory and one TMA store (its half of the Q
+# tile's buffer, free once its last ``Q K^T`` is in) instead of one 2-byte store per element
+# from the MMA layout: the backward's dK/dV epilogue made that change 2-8% faster on short lists
+# (``gluon_bwd.DKDV_TMA``, nineteenth session). Prepared, not measured: False.
+O_TMA = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -200,11 +212,13 @@ def pingpong_tile(
 @gluon.jit
 def finish_rows(
     v_bufs, kv_empty, count, last, m_i, l_i, acc, p_prev, out_ptr, out_row0, stride_os,
-    lse_ptr, lse_row0, WG: gl.constexpr,
+    lse_ptr, lse_row0, q_half, o_desc, o_row, o_col, WG: gl.constexpr,
 ):  # fmt: skip
     """A consumer warpgroup's end of a query tile: the last tile's ``P V`` (from slot ``last``,
     which it then releases; none for an empty list) and its 64 rows of O (``out_ptr``: the
-    head's output, rows ``out_row0 + WG * 64 ...``) and lse (from ``lse_row0 + WG * 64``)."""
+    head's output, rows ``out_row0 + WG * 64 ...``; with an ``o_desc``, ``O_TMA``, through its
+    Q rows' buffer ``q_half`` and one TMA store to ``[o_row, o_col]`` of ``o_desc``) and lse
+    (from ``lse_row0 + WG * 64``)."""
     o_layout: gl.constexpr = acc.type.layout
     row_layout: gl.constexpr = m_i.type.layout
     half: gl.constexpr = acc.type.shape[0]
@@ -215,18 +229,29 @@ def finish_rows(
     visible = l_i > 0
     l_safe = gl.where(visible, l_i, 1.0)
     acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, head_dim, gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
-    gl.store(o_ptrs, acc.to(p_prev.dtype))
+    if o_desc is None:
+        o_rows = WG * half + gl.arange(0, half, gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, head_dim, gl.SliceLayout(0, o_layout))
+        o_ptrs = out_ptr + (out_row0 + o_rows)[:, None] * stride_os + o_cols[None, :]
+        gl.store(o_ptrs, acc.to(p_prev.dtype))
+    else:
+        # This warpgroup's products that read its Q rows are all in (the last P V above is
+        # awaited), and the other warpgroup reads only its own half.
+        q_half.store(acc.to(p_prev.dtype))
+        fence_async_shared()
+        partition_barrier()  # the warpgroup's rows are in place before the copy reads them
+        tma_store(o_desc, [o_row, o_col], q_half)
     lse = gl.where(visible, (m_i + gl.log2(l_safe)) / LOG2E, float("-inf"))
     gl.store(lse_ptr + lse_row0 + WG * half + gl.arange(0, half, row_layout), lse)
+    if o_desc is not None:
+        tma.store_wait(0)  # the copy has read the buffer before the program exits
 
 
 @gluon.jit
 def _compute_partition(
     q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count, bounds_ptr,
     out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
+    o_desc, q_row0, q_col,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -238,7 +263,8 @@ def _compute_partition(
 ):  # fmt: skip
     """Consumer warpgroup ``WG``: query rows ``WG * 64 ...`` of the tile; online softmax over
     the listed key tiles, taking turns at the tensor cores with the other warpgroup; then O and
-    lse of its rows."""
+    lse of its rows (O through ``o_desc`` where given: the tile's rows start at ``q_row0`` of
+    Q's and O's 2-D views, the head's columns at ``q_col``)."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     half: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
@@ -270,7 +296,7 @@ def _compute_partition(
         )  # fmt: skip
     finish_rows(
         v_bufs, kv_empty, count, (count - 1) % num_buffers, m_i, l_i, acc, p_prev, out_ptr,
-        out_row0, stride_os, lse_ptr, lse_row0, WG,
+        out_row0, stride_os, lse_ptr, lse_row0, q_half, o_desc, q_row0 + WG * half, q_col, WG,
     )  # fmt: skip
 
 
@@ -339,7 +365,8 @@ def query_tile_rows(
 
 @gluon.jit
 def gluon_fwd_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
+    q_desc, k_desc, v_desc, out_ptr, o_desc, lse_ptr, bounds_ptr, entries_ptr, counts_ptr,
+    order_ptr,
     stride_ob, stride_os, stride_oh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale,
@@ -355,7 +382,9 @@ def gluon_fwd_kernel(
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first (with
-    ``ORDERED``, in the order of ``order_ptr``: ``kernels.tiles.program_order``)."""
+    ``ORDERED``, in the order of ``order_ptr``: ``kernels.tiles.program_order``). O is stored
+    through ``o_desc`` (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view)
+    unless it is ``None``."""
     m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
         bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, ORDERED,
@@ -388,8 +417,8 @@ def gluon_fwd_kernel(
                 (
                     q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
                     bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
-                    seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, 0,
+                    seqlen_k, qk_scale, o_desc, q_row0, h * HEAD_DIM, CAUSAL, HAS_MASK,
+                    HAS_UPPER, MASK_FULL_TILES, BLOCK_M, BLOCK_N, HEAD_DIM, 0,
                 ),
             ),
             (
@@ -397,8 +426,8 @@ def gluon_fwd_kernel(
                 (
                     q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
                     bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
-                    seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, 1,
+                    seqlen_k, qk_scale, o_desc, q_row0, h * HEAD_DIM, CAUSAL, HAS_MASK,
+                    HAS_UPPER, MASK_FULL_TILES, BLOCK_M, BLOCK_N, HEAD_DIM, 1,
                 ),
             ),
             (
@@ -459,9 +488,14 @@ def forward(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    o_desc = None
+    if O_TMA:  # each warpgroup's 64 rows: half of Q's tile, in its layout
+        o_desc = TensorDescriptor.from_tensor(
+            out.view(b * sq, hq * d), [BLOCK_M // 2, d], shared_layout(BLOCK_M // 2, d, q.dtype)
+        )
     launch_kernel(
         gluon_fwd_kernel, (tm, hq, b),
-        q_desc, k_desc, v_desc, out, lse, lists.counts if bounds is None else bounds,
+        q_desc, k_desc, v_desc, out, o_desc, lse, lists.counts if bounds is None else bounds,
         lists.entries, lists.counts, lists.counts if order is None else order,
         out.stride(0), out.stride(1), out.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
