@@ -60,7 +60,8 @@ def compile_only(
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as ``gluon_bwd.dkdv_by_tma``
-    unless given, D = 64/128 with dK/dV in the inputs' dtype, as the launcher takes it);
+    (``gluon_bwd256.DKDV_TMA`` at D = 256) unless given, never with fp32 dK/dV, as the
+    launcher takes it);
     registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
@@ -72,8 +73,9 @@ def compile_only(
     if dq_before_dk is None:
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     if dkdv_tma is None:
-        dkdv_tma = gluon_bwd.dkdv_by_tma(causal, has_mask)
-    dkdv_tma = dkdv_tma and module is gluon_bwd and not dkdv_fp32
+        shipped = gluon_bwd.dkdv_by_tma(causal, has_mask)
+        dkdv_tma = shipped if module is gluon_bwd else bool(module.DKDV_TMA)
+    dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -106,8 +108,9 @@ def compile_only(
               **({} if dq_tma else {"dq_desc": None}),
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
-                  "DKDV_TMA": dkdv_tma} if module is gluon_bwd else {})}  # fmt: skip
+              "DKDV_TMA": dkdv_tma,
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk}
+                 if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -179,14 +182,20 @@ def set_constants(module, settings: dict[str, int]) -> dict[str, int]:
     return previous
 
 
-def apply_gluon_bwd_option(parser: argparse.ArgumentParser, text: str) -> None:
-    """A script's ``--gluon-bwd`` option: ``text`` parsed and set on ``kernels.gluon_bwd``; bad
-    text is the parser's error."""
+def apply_gluon_bwd_option(
+    parser: argparse.ArgumentParser, text: str, module=gluon_bwd, option: str = "--gluon-bwd"
+) -> None:
+    """A script's ``option`` (``--gluon-bwd``; ``--gluon-bwd256`` with ``module`` the hd256
+    backward): ``text`` parsed and set on ``module``; bad text, or a constant the module does
+    not have, is the parser's error."""
     try:
         settings = parse_variant(text)
     except argparse.ArgumentTypeError as exc:
-        parser.error(f"--gluon-bwd: {exc}")
-    set_constants(gluon_bwd, settings)
+        parser.error(f"{option}: {exc}")
+    missing = [name for name in settings if not hasattr(_owner(module, name), name)]
+    if missing:
+        parser.error(f"{option}: {module.__name__} has no {missing}")
+    set_constants(module, settings)
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -340,6 +349,9 @@ def main() -> None:
                 for causal, has_mask in ((False, False), (True, True)):
                     report = compile_only(d, causal, has_mask, **form)
                     print(json.dumps(report), flush=True)
+        for causal, has_mask in ((False, False), (True, True)):  # D = 256's TMA dK/dV (prepared)
+            report = compile_only(256, causal, has_mask, dkdv_tma=True)
+            print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

@@ -234,6 +234,11 @@ def main() -> int:
         "(candidate settings measured by gluon_backward.py --variant, checked here)",
     )
     parser.add_argument(
+        "--gluon-bwd256",
+        default="",
+        help="gluon_bwd256 launch constants for the run, e.g. DKDV_TMA=1 (as --gluon-bwd)",
+    )
+    parser.add_argument(
         "--gluon-fwd-o-tma",
         choices=("0", "1"),
         default=None,
@@ -262,6 +267,12 @@ def main() -> int:
         from gluon_backward import apply_gluon_bwd_option
 
         apply_gluon_bwd_option(parser, args.gluon_bwd)
+    if args.gluon_bwd256:
+        from gluon_backward import apply_gluon_bwd_option
+
+        from flashmask.kernels import gluon_bwd256
+
+        apply_gluon_bwd_option(parser, args.gluon_bwd256, gluon_bwd256, "--gluon-bwd256")
     if args.gluon_fwd_o_tma is not None:
         from flashmask.kernels import gluon_fwd
 
@@ -371,6 +382,7 @@ def main() -> int:
     flags = [
         args.gluon_everywhere and "gluon-everywhere",
         args.gluon_bwd,
+        args.gluon_bwd256 and f"gluon_bwd256 {args.gluon_bwd256}",
         args.gluon_fwd_o_tma is not None and f"O_TMA={args.gluon_fwd_o_tma}",
     ]
     variant = " ".join(filter(None, [args.variant, *flags]))

@@ -19,6 +19,9 @@
 #   gluon-dkdv-tma gluon_backward.py at hd128 and hd64, 8K and 32K: dK/dV through shared memory
 #                 and TMA stores (DKDV_TMA=1) against the stores from registers; its GPU check:
 #                 GLUON_BWD=DKDV_TMA=1 ... check-dq-tma
+#   gluon-dkdv-tma-hd256 gluon_backward.py at hd256, 8K and 32K: gluon_bwd256.DKDV_TMA=1 (the
+#                 prepared TMA dK/dV stores) against the shipped stores from registers;
+#                 check-dkdv-tma-hd256: the quick check with it on (gpu_check --gluon-bwd256)
 #   gluon-dkdv-tma-precise full and causal at 32K, hd128 and hd64, 1 s per measurement: the
 #                 shipped DKDV_TMA against DKDV_TMA=0
 #   gluon-dkdv-tma-long causal, qk_sparse, prefix_lm_causal at 32K hd128, 1 s per measurement:
@@ -235,6 +238,10 @@ for step in "$@"; do
         run_step gluon_backward_dkdv_tma_hd64 python benchmarks/gluon_backward.py --head-dim 64 \
             --seqlens 8192,32768 --variant DKDV_TMA=1
         ;;
+    gluon-dkdv-tma-hd256)
+        run_step gluon_backward_dkdv_tma_hd256 python benchmarks/gluon_backward.py \
+            --head-dim 256 --seqlens 8192,32768 --variant DKDV_TMA=1
+        ;;
     gluon-dkdv-tma-precise)
         # Full and causal at 32K (lists of 256-512 tiles: the epilogue amortised), 1 s per
         # measurement: the shipped TMA stores against the stores from registers.
@@ -432,6 +439,9 @@ for step in "$@"; do
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma
+        ;;
+    check-dkdv-tma-hd256)
+        check "--quick --gluon-everywhere --gluon-bwd256 DKDV_TMA=1" gpu_check_dkdv_tma_hd256
         ;;
     gluon-o-tma)
         run_step gluon_forward_o_tma python benchmarks/gluon_forward.py --seqlens 8192,32768 \

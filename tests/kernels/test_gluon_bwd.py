@@ -23,7 +23,7 @@ import pytest
 
 from flashmask import kernels, masks
 from flashmask.kernels import tiles
-from tests.kernels.sm90_compile import compile_reports, json_lines
+from tests.kernels.sm90_compile import ROOT, compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
@@ -352,6 +352,23 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
         assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
 
 
+def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):
+    """``gluon_bwd256.DKDV_TMA`` (prepared, for measurement): the same epilogue at D = 256, each
+    warpgroup's head-dim half staged in the K/V buffers. Against the shipped stores from
+    registers: no ``STG``, TMA stores, the same products and waits, the same shared memory and
+    no more spills."""
+    tma = [r for r in sm90_reports if r["head_dim"] == 256 and r["dkdv_tma"]]
+    assert {(r["causal"], r["has_mask"]) for r in tma} == {(False, False), (True, True)}
+    for new in tma:
+        old = _shipped_twin(sm90_reports, _compiled_for(new))
+        assert not old["dkdv_tma"] and old["STG"] > 0, old
+        assert new["STG"] == 0 and new["UTMASTG"] >= 2, new
+        assert new["HGMMA"] == old["HGMMA"], (new, old)
+        assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
+        assert new["shared_kb"] == old["shared_kb"], (new, old)
+        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+
+
 def test_no_tma_dk_dv_stores_for_fp32_partial_sums(sm90_reports):
     """A query chunk's fp32 dK/dV (stored or added to) keep the stores from registers, whatever
     ``DKDV_TMA`` says (the K/V buffers hold 16-bit tiles)."""
@@ -466,6 +483,41 @@ for name, value in (("LATE_DQ_HANDOFF", 3), ("LATE_DQ_HANDOFF", -1), ("DKDV_TMA"
     setattr(gluon_bwd, name, saved)
 print(json.dumps(errors))
 """
+
+
+# Runs in a process of its own (gluon_backward imports Gluon): the benchmark scripts' constant
+# options, as gpu_check.py's --gluon-bwd / --gluon-bwd256 apply them.
+_OPTION_CHECKS = """
+import argparse, json, sys
+sys.path.insert(0, BENCHMARKS)
+import gluon_backward
+from flashmask.kernels import gluon_bwd, gluon_bwd256
+seen = {}
+for module, option, text in ((gluon_bwd256, "--gluon-bwd256", "DKDV_TMA=1"),
+                             (gluon_bwd, "--gluon-bwd", "DKDV_TMA=0,LATE_DQ_HANDOFF=1"),
+                             (gluon_bwd256, "--gluon-bwd256", "LATE_DQ_HANDOFF=1"),
+                             (gluon_bwd, "--gluon-bwd", "NOT_A_CONSTANT=1")):
+    parser = argparse.ArgumentParser()
+    parser.error = lambda message: (_ for _ in ()).throw(ValueError(message))
+    try:
+        gluon_backward.apply_gluon_bwd_option(parser, text, module, option)
+        seen[text] = [module.DKDV_TMA, getattr(module, "LATE_DQ_HANDOFF", None)]
+    except ValueError as error:
+        seen[text] = str(error)
+print(json.dumps(seen))
+""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+
+
+def test_constant_options_set_the_named_module_or_refuse_by_name():
+    """``--gluon-bwd256 DKDV_TMA=1`` sets the hd256 module's constant (as its own type), and
+    ``--gluon-bwd`` the hd64/128 one's; a constant the module lacks, or no constant at all, is
+    the parser's error naming the option."""
+    (seen,) = json_lines(["-c", _OPTION_CHECKS])
+    assert seen["DKDV_TMA=1"] == [True, None]
+    assert seen["DKDV_TMA=0,LATE_DQ_HANDOFF=1"] == [0, 1]
+    assert "--gluon-bwd256" in seen["LATE_DQ_HANDOFF=1"]
+    assert "gluon_bwd256 has no ['LATE_DQ_HANDOFF']" in seen["LATE_DQ_HANDOFF=1"]
+    assert seen["NOT_A_CONSTANT=1"].startswith("--gluon-bwd: expected NAME=INT")
 
 
 def test_launcher_refuses_kernel_forms_it_does_not_have():

@@ -24,7 +24,9 @@ measured and why each part is there:
   or, with ``DQ_TMA`` off (kept for measurement), with one 16-byte ``red.global.v4.f32.add``
   per four columns (inline PTX: Triton emits scalar atomics, scattered over the MMA layout). The
   producer and writer warps make one warpgroup, so the consumers keep 240 registers through
-  ``setmaxnreg``.
+  ``setmaxnreg``;
+* at the end the consumers stage dK and dV in the K/V tiles' buffers and store each with one
+  TMA store (``DKDV_TMA``; plain causal and a query chunk's fp32 sums store from registers).
 
 At head dim 256 ``kernels.gluon_bwd256`` splits the work differently and reuses this module's
 partitions, helpers and launcher. Long full attention runs in chunks of query rows

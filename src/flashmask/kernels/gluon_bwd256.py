@@ -52,6 +52,7 @@ from flashmask.kernels.gluon_bwd import (
     hand_dq_to_writer,
     row_terms,
     store_dk_dv,
+    store_dk_dv_tma,
     transposed_probabilities,
 )
 from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds
@@ -70,6 +71,9 @@ DQ_TMA = True
 # 1.00-1.04x the unstaged kernel (0 is kept for measurement) on six masks at 8K and 32K
 # (causal 32K 27.5 -> 26.4 ms); delta read once the scores are in lost 2.5% on causal 32K.
 ROW_TERMS_SMEM = 2
+# dK and dV through the K/V tiles' buffers and TMA stores, as ``gluon_bwd.DKDV_TMA`` (2-8% on
+# the sparse masks at D = 64/128, nineteenth session). Prepared, not measured at D = 256: False.
+DKDV_TMA = False
 
 
 @gluon.jit
@@ -125,7 +129,7 @@ def _bwd256_compute_partition(
     dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
     n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-    delta_bufs,
+    delta_bufs, dk_desc, dv_desc,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -134,10 +138,12 @@ def _bwd256_compute_partition(
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
     accumulating products split by head dim (module docstring); ``lse_bufs``/``delta_bufs``:
-    the producer's rows with ``ROW_TERMS_SMEM``."""
+    the producer's rows with ``ROW_TERMS_SMEM``; dK/dV stored through ``dk_desc``/``dv_desc``
+    with ``DKDV_TMA``."""
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -193,8 +199,17 @@ def _bwd256_compute_partition(
             hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
 
-    store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                softmax_scale, False)  # fmt: skip
+    if DKDV_TMA:
+        # Each warpgroup overwrites only its own head-dim half of K and V, which only its own
+        # (awaited) dQ product still read after the last tile's barrier; the helper's meeting
+        # before the stores is one barrier more than this needs.
+        store_dk_dv_tma(
+            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * BLOCK_N,
+            h_kv * HEAD_DIM, softmax_scale,
+        )  # fmt: skip
+    else:
+        store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                    softmax_scale, False)  # fmt: skip
 
 
 @gluon.jit
@@ -218,11 +233,12 @@ def gluon_bwd256_kernel(
     DQ_BUFFERS: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
     ORDERED: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
-    and dV (sharing K's strides; stored from registers, ``dk_desc``/``dv_desc`` are ``None``)
-    and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc`` and TMA
-    reduce-adds)."""
+    and dV (sharing K's strides; with ``DKDV_TMA`` through ``dk_desc``/``dv_desc``, else
+    stored from registers and ``None``) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA``
+    through ``dq_desc`` and TMA reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
@@ -248,8 +264,8 @@ def gluon_bwd256_kernel(
                     delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-                    delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-                    ROW_TERMS_SMEM,
+                    delta_bufs, dk_desc, dv_desc, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, DKDV_TMA,
                 ),
             ),
             (
@@ -301,6 +317,7 @@ def backward(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, dq_accumulator=dq_accumulator, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
+        DKDV_TMA=bool(DKDV_TMA),
     )  # fmt: skip
 
 
