@@ -328,7 +328,7 @@ def test_dk_after_dq_stores_dq_while_dk_runs_without_serialising_them(sm90_repor
 
 def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
     """``gluon_bwd.DKDV_TMA``: dK and dV staged in the K/V tiles' buffers and stored with one
-    TMA store each, against the stores from registers (one 4-byte ``STG`` per two columns):
+    TMA store each, against the stores from registers (2- or 4-byte ``STG`` of one or two elements):
     no ``STG`` left, two ``UTMASTG``, the same products and waits, the same shared memory (the
     buffers are reused) and no more spills."""
 

@@ -155,9 +155,9 @@ LATE_DQ_HANDOFF = 2
 # hand-off, the same order had lost 6% on 32K full (change 18). False: dK first (measurement).
 DQ_BEFORE_DK = True
 # dK and dV leave through shared memory and two TMA stores (``store_dk_dv_tma``, into the K/V
-# tiles' buffers, free once both warpgroups' last products are in) instead of a 4-byte store
-# per two columns from the MMA layout: on 8K sliding_window (lists of ~10 tiles) those stores
-# held 10% of the backward's warp samples, most throttled on the store queue
+# tiles' buffers, free once both warpgroups' last products are in) instead of 2- or 4-byte
+# stores of one or two elements from the MMA layout: on 8K sliding_window (lists of ~10 tiles)
+# those stores held 10% of the backward's warp samples, most throttled on the store queue
 # (``results/ncu_backward_source_sw8k_s19.csv.gz``). Where dK/dV are in the inputs' dtype and
 # not added to (a query chunk's fp32 partial sums keep the stores). The same values: bitwise
 # equal. Measured on the H200 against the stores from registers
