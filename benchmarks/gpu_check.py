@@ -263,16 +263,17 @@ def main() -> int:
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
-    if args.gluon_bwd:
+    if args.gluon_bwd or args.gluon_bwd256:
         from gluon_backward import apply_gluon_bwd_option
 
-        apply_gluon_bwd_option(parser, args.gluon_bwd)
-    if args.gluon_bwd256:
-        from gluon_backward import apply_gluon_bwd_option
+        from flashmask.kernels import gluon_bwd, gluon_bwd256
 
-        from flashmask.kernels import gluon_bwd256
-
-        apply_gluon_bwd_option(parser, args.gluon_bwd256, gluon_bwd256, "--gluon-bwd256")
+        for text, module, option in (
+            (args.gluon_bwd, gluon_bwd, "--gluon-bwd"),
+            (args.gluon_bwd256, gluon_bwd256, "--gluon-bwd256"),
+        ):
+            if text:
+                apply_gluon_bwd_option(parser, text, module, option)
     if args.gluon_fwd_o_tma is not None:
         from flashmask.kernels import gluon_fwd
 

@@ -452,6 +452,28 @@ def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_
 
 
 @gluon.jit
+def write_dk_dv(
+    dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
+    stride_kb, stride_ks, stride_kh, softmax_scale,
+    ADD: gl.constexpr,
+    TMA: gl.constexpr,
+):  # fmt: skip
+    """The program's dK/dV leave: with ``TMA`` through :func:`store_dk_dv_tma` (its tile at
+    row ``b * seqlen_k + n_tile * keys``, columns ``h_kv * D`` of the descriptors' 2-D views),
+    else :func:`store_dk_dv` (``ADD`` as there)."""
+    if TMA:
+        block_n: gl.constexpr = dk.type.shape[0]
+        head_dim: gl.constexpr = dk.type.shape[1]
+        store_dk_dv_tma(
+            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * block_n,
+            h_kv * head_dim, softmax_scale,
+        )  # fmt: skip
+    else:
+        store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                    softmax_scale, ADD)  # fmt: skip
+
+
+@gluon.jit
 def _bwd_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
@@ -588,14 +610,10 @@ def _bwd_compute_partition(
         # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
         publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
 
-    if DKDV_TMA:
-        store_dk_dv_tma(
-            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * BLOCK_N,
-            h_kv * HEAD_DIM, softmax_scale,
-        )  # fmt: skip
-    else:
-        store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                    softmax_scale, ADD_DKDV)  # fmt: skip
+    write_dk_dv(
+        dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
+        stride_kb, stride_ks, stride_kh, softmax_scale, ADD_DKDV, DKDV_TMA,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -946,12 +964,13 @@ def _launch_once(
         dq_desc = TensorDescriptor.from_tensor(
             dq_accum.view(b * sq, hq * d), [BLOCK_M, d], dq_shared_layout(d)
         )
+    # Stored in K's tiles (the kernel stages them in the K/V buffers); a chunk's fp32 partial
+    # sums, added to or not, keep the plain stores.
+    dkdv_tma = bool(constants.get("DKDV_TMA")) and dkdv_dtype is None
+    if "DKDV_TMA" in constants:
+        constants["DKDV_TMA"] = dkdv_tma
     dk_desc = dv_desc = None
-    if constants.get("DKDV_TMA"):
-        # Stored in K's tiles (the kernel stages them in the K/V buffers); a chunk's fp32
-        # partial sums, added to or not, keep the plain stores.
-        constants["DKDV_TMA"] = dkdv_dtype is None
-    if constants.get("DKDV_TMA"):
+    if dkdv_tma:
         dk_desc, dv_desc = (
             TensorDescriptor.from_tensor(x.view(b * sk, hk * d), [block_n, d], kv_layout)
             for x in (dk, dv)

@@ -51,9 +51,8 @@ from flashmask.kernels.gluon_bwd import (
     await_tile,
     hand_dq_to_writer,
     row_terms,
-    store_dk_dv,
-    store_dk_dv_tma,
     transposed_probabilities,
+    write_dk_dv,
 )
 from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds
 
@@ -199,17 +198,13 @@ def _bwd256_compute_partition(
             hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
 
-    if DKDV_TMA:
-        # Each warpgroup overwrites only its own head-dim half of K and V, which only its own
-        # (awaited) dQ product still read after the last tile's barrier; the helper's meeting
-        # before the stores is one barrier more than this needs.
-        store_dk_dv_tma(
-            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * BLOCK_N,
-            h_kv * HEAD_DIM, softmax_scale,
-        )  # fmt: skip
-    else:
-        store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
-                    softmax_scale, False)  # fmt: skip
+    # With DKDV_TMA each warpgroup overwrites only its own head-dim half of K and V, which only
+    # its own (awaited) dQ product still read after the last tile's barrier; the TMA form's
+    # meeting before the stores is one barrier more than this needs.
+    write_dk_dv(
+        dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
+        stride_kb, stride_ks, stride_kh, softmax_scale, False, DKDV_TMA,
+    )  # fmt: skip
 
 
 @gluon.jit
