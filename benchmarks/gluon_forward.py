@@ -39,10 +39,10 @@ def compile_only(
     dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
     o_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``o_tma``: ``gluon_fwd.O_TMA`` unless given); registers,
-    spills, shared memory and key instructions."""
+    """Compile for sm_90 without a GPU (``o_tma``: as ``gluon_fwd.o_by_tma`` unless given);
+    registers, spills, shared memory and key instructions."""
     if o_tma is None:
-        o_tma = bool(gluon_fwd.O_TMA)
+        o_tma = gluon_fwd.o_by_tma(causal, has_mask)
     block = gluon_fwd.BLOCK_M
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -99,8 +99,9 @@ def check_and_time(
 ) -> None:  # fmt: skip
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
     Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``;
-    with ``o_tma_ab`` also with ``gluon_fwd.O_TMA`` flipped, its out/lse compared bitwise with
-    the shipped setting's (the same values, stored another way)."""
+    with ``o_tma_ab`` also with O stored the other way than ``gluon_fwd.o_by_tma`` ships for
+    the case (``O_TMA`` 0 or 1), its out/lse compared bitwise with the shipped setting's (the
+    same values, stored another way)."""
 
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
@@ -129,7 +130,8 @@ def check_and_time(
                 )
                 if o_tma_ab:
                     shipped = gluon_fwd.O_TMA
-                    gluon_fwd.O_TMA = not shipped
+                    flipped = 0 if gluon_fwd.o_by_tma(causal, sri is not None) else 1
+                    gluon_fwd.O_TMA = flipped
                     try:
                         alt_out, alt_lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
                         same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
@@ -141,7 +143,7 @@ def check_and_time(
                     finally:
                         gluon_fwd.O_TMA = shipped
                     line += (
-                        f" | O_TMA={int(not shipped)} {alt_ms:.3f} ms "
+                        f" | O_TMA={flipped} {alt_ms:.3f} ms "
                         f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
                     )
             print(line, flush=True)
@@ -165,7 +167,8 @@ def main() -> None:
     parser.add_argument(
         "--o-tma-ab",
         action="store_true",
-        help="also time the Gluon forward with gluon_fwd.O_TMA flipped (bitwise out/lse check)",
+        help="also time the Gluon forward with O stored the other way than shipped for each case "
+        "(gluon_fwd.O_TMA 0 or 1; bitwise out/lse check)",
     )
     args = parser.parse_args()
     if args.compile_only:
@@ -183,10 +186,11 @@ def main() -> None:
         # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
         block_n, slots = kernels.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
-        # O stored the other way than O_TMA's (TMA stores against stores from registers)
+        # O stored the other way than shipped (TMA stores against stores from registers)
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, True)):
-                report = compile_only(d, causal, has_mask, False, o_tma=not gluon_fwd.O_TMA)
+                flipped = not gluon_fwd.o_by_tma(causal, has_mask)
+                report = compile_only(d, causal, has_mask, False, o_tma=flipped)
                 print(json.dumps(report), flush=True)
         return
     default_block_n, default_slots = kernels.gluon_forward_tiles(args.head_dim)

@@ -240,10 +240,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--gluon-fwd-o-tma",
-        choices=("0", "1"),
+        choices=("0", "1", "2"),
         default=None,
-        help="gluon_fwd.O_TMA for the run (the forward's O through TMA stores, 1, or from "
-        "registers, 0; unset: as shipped)",
+        help="gluon_fwd.O_TMA for the run (the forward's O through TMA stores everywhere, 1, "
+        "except for full attention, 2, or from registers, 0; unset: as shipped)",
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -277,7 +277,7 @@ def main() -> int:
     if args.gluon_fwd_o_tma is not None:
         from flashmask.kernels import gluon_fwd
 
-        gluon_fwd.O_TMA = args.gluon_fwd_o_tma == "1"
+        gluon_fwd.O_TMA = int(args.gluon_fwd_o_tma)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)

@@ -118,6 +118,8 @@
 #                 at 128K full with its error against the Triton backward
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
+#   gluon-forward-routing gluon_forward.py on all 12 masks at 8K and 16K, hd128 (routing data
+#                 for GLUON_FWD_MIN_MASKED_SEQLEN with the shipped O_TMA)
 #   gluon-16k     both Gluon comparison scripts at 16K (the routing limit for masks, chosen
 #                 between the 8K and 32K measurements but never measured itself) on sparse masks
 #   gluon-hd64-short gluon_forward.py at head dim 64 on full and causal at 2K and 8K
@@ -571,6 +573,13 @@ for step in "$@"; do
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
+        ;;
+    gluon-forward-routing)
+        all=full,causal,sliding_window,causal_document,document,share_question
+        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
+        all=$all,qk_sparse,random_eviction
+        run_step gluon_forward_routing python benchmarks/gluon_forward.py --seqlens 8192,16384 \
+            --masks "$all"
         ;;
     gluon-forward-masks)
         run_step gluon_forward_masks python benchmarks/gluon_forward.py --seqlens 8192,32768 \

@@ -80,9 +80,11 @@ MAX_REGISTERS = 168
 COMPUTE_REGISTERS = 240
 # Each warpgroup's 64 rows of O leave through shared memory and one TMA store (its half of the Q
 # tile's buffer, free once its last ``Q K^T`` is in) instead of one 2-byte store per element
-# from the MMA layout: the backward's dK/dV epilogue made that change 2-8% faster on short lists
-# (``gluon_bwd.DKDV_TMA``, nineteenth session). Prepared, not measured: False.
-O_TMA = False
+# from the MMA layout. Measured on the H200 (twentieth session,
+# ``results/gluon_forward_o_tma*_s20.log``): 4-14% faster on sparse masks at 8K and 32K and 1-7%
+# on causal, 1-3% slower on full attention (hd64 and hd128). 2: TMA stores except for full
+# attention (no mask, not causal); 1: everywhere; 0: nowhere (the last two for measurement).
+O_TMA = 2
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -450,6 +452,11 @@ def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
+def o_by_tma(causal: bool, masked: bool) -> bool:
+    """Whether a forward launch with these flags stores O through TMA (``O_TMA``)."""
+    return O_TMA == 1 or (O_TMA == 2 and (masked or causal))
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -488,8 +495,10 @@ def forward(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    if O_TMA not in (0, 1, 2):
+        raise ValueError(f"gluon_fwd.O_TMA must be 0, 1 or 2, got {O_TMA}")
     o_desc = None
-    if O_TMA:  # each warpgroup's 64 rows: half of Q's tile, in its layout
+    if o_by_tma(causal, bounds is not None):  # each warpgroup's 64 rows: half of Q's tile
         o_desc = TensorDescriptor.from_tensor(
             out.view(b * sq, hq * d), [BLOCK_M // 2, d], shared_layout(BLOCK_M // 2, d, q.dtype)
         )
