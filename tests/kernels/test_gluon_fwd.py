@@ -24,7 +24,7 @@ import pytest
 
 from flashmask import kernels, masks
 from flashmask.kernels import tiles
-from tests.kernels.sm90_compile import compile_reports
+from tests.kernels.sm90_compile import compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
@@ -180,6 +180,30 @@ def _ships_tma_o(report: dict) -> bool:
     """``gluon_fwd.o_by_tma`` as shipped (``O_TMA = 2``: every form but full attention),
     restated so that the test process does not import Gluon."""
     return report["has_mask"] or report["causal"]
+
+
+# Runs in a process of its own (gluon_fwd imports Gluon): the launcher's check of ``O_TMA``,
+# before anything is launched.
+_O_TMA_CHECK = """
+import json
+from flashmask.kernels import gluon_fwd
+errors = {}
+for value in (3, -1):
+    gluon_fwd.O_TMA = value
+    try:
+        gluon_fwd.forward(*[None] * 9)
+    except ValueError as error:
+        errors[value] = str(error)
+print(json.dumps(errors))
+"""
+
+
+def test_launcher_refuses_an_o_store_form_it_does_not_have():
+    """``gluon_fwd.O_TMA`` is 0 (stores from registers), 1 (TMA stores) or 2 (TMA stores but
+    for full attention); anything else is refused, naming the constant, before a launch."""
+    (errors,) = json_lines(["-c", _O_TMA_CHECK])
+    assert set(errors) == {"3", "-1"}
+    assert all("gluon_fwd.O_TMA must be 0, 1 or 2" in message for message in errors.values())
 
 
 def test_o_tma_form_stores_each_warpgroups_rows_with_one_tma_store(sm90_reports):

@@ -483,6 +483,8 @@ def forward(
     other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
     ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
     which the programs run."""
+    if O_TMA not in (0, 1, 2):
+        raise ValueError(f"gluon_fwd.O_TMA must be 0, 1 or 2, got {O_TMA}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -495,8 +497,6 @@ def forward(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    if O_TMA not in (0, 1, 2):
-        raise ValueError(f"gluon_fwd.O_TMA must be 0, 1 or 2, got {O_TMA}")
     o_desc = None
     if o_by_tma(causal, bounds is not None):  # each warpgroup's 64 rows: half of Q's tile
         o_desc = TensorDescriptor.from_tensor(
