@@ -102,6 +102,9 @@
 #   ncu-backward-sparse Nsight Compute on the hd128 backward: sliding_window at 8K and 32K and
 #                 causal at 32K (SM active cycles, warp states, occupancy, memory), then the
 #                 per-instruction stall samples of 8K sliding_window (gzipped CSV)
+#   ncu-forward-o-tma Nsight Compute on the hd128 Gluon forward, full attention at 8K, O stored
+#                 from registers (O_TMA=0) and through TMA (O_TMA=1): why full lost 1.6-3.3%
+#                 with the TMA stores (twentieth session)
 #   ncu-backward-source Nsight Compute's warp-state sampling per SASS instruction on one 32K full
 #                 hd128 backward call (ours): ncu_backward_source.ncu-rep and its source page as CSV
 #                 (ncu_backward_source.log)
@@ -502,6 +505,17 @@ for step in "$@"; do
             --page source --csv --print-source sass
         rm -f "$OUT/ncu_backward_source_sw8k.ncu-rep"
         gzip -f "$OUT/ncu_backward_source_sw8k.log"
+        ;;
+    ncu-forward-o-tma)
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+        for form in 0 1; do
+            run_step "ncu_forward_full_8k_o_tma$form" "$ncu" --clock-control none \
+                -k regex:gluon_fwd_kernel -s 0 -c 1 --section SpeedOfLight \
+                --section WarpStateStats --section Occupancy --section LaunchStats \
+                --section MemoryWorkloadAnalysis --section SchedulerStats \
+                python benchmarks/profile_backward.py --impl flashmask --mask full --seqlen 8192 \
+                --gluon-fwd-o-tma "$form"
+        done
         ;;
     ncu-backward-source)
         # Where the library hd128 backward's stall cycles sit, per SASS instruction (warp-state

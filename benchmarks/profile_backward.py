@@ -7,7 +7,9 @@ Usage (H200; ``gpu_session.sh ncu-backward`` runs both under ``ncu``)::
         python benchmarks/profile_backward.py --impl flashmask
 
 The first backward compiles and warms up; the second is the one to profile (``-s 1 -c 1`` on
-the kernel filter). Inputs as ``flashmask bench``: bf16, 16 heads of ``--head-dim``, batch x
+the kernel filter). The forward call before them can be profiled the same way (``-k
+regex:gluon_fwd -s 0 -c 1``; ``--gluon-fwd-o-tma`` picks its O store form, ``gpu_session.sh
+ncu-forward-o-tma``). Inputs as ``flashmask bench``: bf16, 16 heads of ``--head-dim``, batch x
 seqlen = 32K tokens.
 """
 
@@ -40,7 +42,18 @@ def main() -> None:
         help="gluon_bwd launch constants for the profiled call, e.g. ROW_TERMS_SMEM=1 "
         "(as gluon_backward.py --variant)",
     )
+    parser.add_argument(
+        "--gluon-fwd-o-tma",
+        choices=("0", "1", "2"),
+        default=None,
+        help="gluon_fwd.O_TMA for the forward call (0: O stored from registers, 1: TMA stores, "
+        "2: TMA stores except for full attention; unset: as shipped)",
+    )
     args = parser.parse_args()
+    if args.gluon_fwd_o_tma is not None:
+        from flashmask.kernels import gluon_fwd
+
+        gluon_fwd.O_TMA = int(args.gluon_fwd_o_tma)
     if args.gluon_bwd:
         from gluon_backward import apply_gluon_bwd_option
 
@@ -68,7 +81,10 @@ def main() -> None:
     for _ in range(2):  # warm-up, then the profiled call
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
-    variant = f" ({args.gluon_bwd})" if args.gluon_bwd else ""
+    options = [args.gluon_bwd] if args.gluon_bwd else []
+    if args.gluon_fwd_o_tma is not None:
+        options.append(f"O_TMA={args.gluon_fwd_o_tma}")
+    variant = f" ({', '.join(options)})" if options else ""
     shape_text = f"{args.mask} S={args.seqlen} D={args.head_dim}"
     print(f"{args.impl}{variant} {shape_text}: two backward calls done")
 
