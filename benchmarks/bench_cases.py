@@ -105,3 +105,23 @@ def forward_differences(out, lse, ref_out, ref_lse) -> tuple[float, float, bool]
     out_err = float((out.float() - ref_out.float()).abs().max())
     lse_err = float((lse - ref_lse)[live].abs().max()) if live.any() else 0.0
     return out_err, lse_err, bool((lse[~live] == float("-inf")).all())
+
+
+def add_o_tma_option(parser: argparse.ArgumentParser, applies_to: str) -> None:
+    """``--gluon-fwd-o-tma {0,1,2}``: ``gluon_fwd.O_TMA`` for ``applies_to`` (e.g. "the run"),
+    set by :func:`apply_o_tma_option`; unset keeps the shipped form."""
+    parser.add_argument(
+        "--gluon-fwd-o-tma",
+        choices=("0", "1", "2"),
+        default=None,
+        help=f"gluon_fwd.O_TMA for {applies_to} (the forward's O from registers, 0, through TMA "
+        "stores, 1, or TMA stores except for full attention, 2; unset: as shipped)",
+    )
+
+
+def apply_o_tma_option(value: str | None) -> None:
+    """Set ``gluon_fwd.O_TMA`` from ``--gluon-fwd-o-tma``'s ``value`` (``None``: leave it)."""
+    if value is not None:
+        from flashmask.kernels import gluon_fwd
+
+        gluon_fwd.O_TMA = int(value)

@@ -34,6 +34,7 @@ import time
 from dataclasses import replace
 
 import torch
+from bench_cases import add_o_tma_option, apply_o_tma_option
 
 from flashmask import kernels, masks
 from flashmask.mask import FlashMask
@@ -238,13 +239,7 @@ def main() -> int:
         default="",
         help="gluon_bwd256 launch constants for the run, e.g. DKDV_TMA=1 (as --gluon-bwd)",
     )
-    parser.add_argument(
-        "--gluon-fwd-o-tma",
-        choices=("0", "1", "2"),
-        default=None,
-        help="gluon_fwd.O_TMA for the run (the forward's O through TMA stores everywhere, 1, "
-        "except for full attention, 2, or from registers, 0; unset: as shipped)",
-    )
+    add_o_tma_option(parser, "the run")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
     if args.merge:
@@ -274,10 +269,7 @@ def main() -> int:
         ):
             if text:
                 apply_gluon_bwd_option(parser, text, module, option)
-    if args.gluon_fwd_o_tma is not None:
-        from flashmask.kernels import gluon_fwd
-
-        gluon_fwd.O_TMA = int(args.gluon_fwd_o_tma)
+    apply_o_tma_option(args.gluon_fwd_o_tma)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from bench_cases import mask_case
+from bench_cases import add_o_tma_option, apply_o_tma_option, mask_case
 
 from flashmask import flashmask_attention
 
@@ -42,18 +42,9 @@ def main() -> None:
         help="gluon_bwd launch constants for the profiled call, e.g. ROW_TERMS_SMEM=1 "
         "(as gluon_backward.py --variant)",
     )
-    parser.add_argument(
-        "--gluon-fwd-o-tma",
-        choices=("0", "1", "2"),
-        default=None,
-        help="gluon_fwd.O_TMA for the forward call (0: O stored from registers, 1: TMA stores, "
-        "2: TMA stores except for full attention; unset: as shipped)",
-    )
+    add_o_tma_option(parser, "the forward call")
     args = parser.parse_args()
-    if args.gluon_fwd_o_tma is not None:
-        from flashmask.kernels import gluon_fwd
-
-        gluon_fwd.O_TMA = int(args.gluon_fwd_o_tma)
+    apply_o_tma_option(args.gluon_fwd_o_tma)
     if args.gluon_bwd:
         from gluon_backward import apply_gluon_bwd_option
 

@@ -24,7 +24,7 @@ import pytest
 
 from flashmask import kernels, masks
 from flashmask.kernels import tiles
-from tests.kernels.sm90_compile import compile_reports, json_lines
+from tests.kernels.sm90_compile import ROOT, compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
@@ -204,6 +204,36 @@ def test_launcher_refuses_an_o_store_form_it_does_not_have():
     (errors,) = json_lines(["-c", _O_TMA_CHECK])
     assert set(errors) == {"3", "-1"}
     assert all("gluon_fwd.O_TMA must be 0, 1 or 2" in message for message in errors.values())
+
+
+# Runs in a process of its own (gluon_fwd imports Gluon): ``--gluon-fwd-o-tma`` as
+# gpu_check.py and profile_backward.py parse and apply it.
+_O_TMA_OPTION = """
+import argparse, json, sys
+sys.path.insert(0, BENCHMARKS)
+from bench_cases import add_o_tma_option, apply_o_tma_option
+from flashmask.kernels import gluon_fwd
+seen = {"shipped": gluon_fwd.O_TMA}
+for argv in ([], ["--gluon-fwd-o-tma", "0"], ["--gluon-fwd-o-tma", "3"]):
+    parser = argparse.ArgumentParser()
+    add_o_tma_option(parser, "the run")
+    parser.error = lambda message: (_ for _ in ()).throw(ValueError(message))
+    try:
+        apply_o_tma_option(parser.parse_args(argv).gluon_fwd_o_tma)
+        seen[" ".join(argv)] = gluon_fwd.O_TMA
+    except ValueError as error:
+        seen[" ".join(argv)] = str(error)
+print(json.dumps(seen))
+""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
+
+
+def test_o_tma_option_sets_the_form_or_keeps_the_shipped_one():
+    """``--gluon-fwd-o-tma 0`` sets ``gluon_fwd.O_TMA`` to 0; left out, the shipped form stays;
+    a form the kernel lacks is the parser's error naming the option."""
+    (seen,) = json_lines(["-c", _O_TMA_OPTION])
+    assert seen[""] == seen["shipped"] == 2
+    assert seen["--gluon-fwd-o-tma 0"] == 0
+    assert "--gluon-fwd-o-tma" in seen["--gluon-fwd-o-tma 3"]
 
 
 def test_o_tma_form_stores_each_warpgroups_rows_with_one_tma_store(sm90_reports):
