@@ -119,9 +119,12 @@ def add_o_tma_option(parser: argparse.ArgumentParser, applies_to: str) -> None:
     )
 
 
-def apply_o_tma_option(value: str | None) -> None:
-    """Set ``gluon_fwd.O_TMA`` from ``--gluon-fwd-o-tma``'s ``value`` (``None``: leave it)."""
-    if value is not None:
-        from flashmask.kernels import gluon_fwd
+def apply_o_tma_option(value: str | None) -> str:
+    """Set ``gluon_fwd.O_TMA`` from ``--gluon-fwd-o-tma``'s ``value`` (``None``: leave it);
+    the setting's label for a run's variant text (``"O_TMA=1"``, ``""`` when left)."""
+    if value is None:
+        return ""
+    from flashmask.kernels import gluon_fwd
 
-        gluon_fwd.O_TMA = int(value)
+    gluon_fwd.O_TMA = int(value)
+    return f"O_TMA={value}"

@@ -269,7 +269,7 @@ def main() -> int:
         ):
             if text:
                 apply_gluon_bwd_option(parser, text, module, option)
-    apply_o_tma_option(args.gluon_fwd_o_tma)
+    o_tma_label = apply_o_tma_option(args.gluon_fwd_o_tma)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0 if args.part != "shapes" else 1)
     torch.manual_seed(0)
@@ -376,7 +376,7 @@ def main() -> int:
         args.gluon_everywhere and "gluon-everywhere",
         args.gluon_bwd,
         args.gluon_bwd256 and f"gluon_bwd256 {args.gluon_bwd256}",
-        args.gluon_fwd_o_tma is not None and f"O_TMA={args.gluon_fwd_o_tma}",
+        o_tma_label,
     ]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)

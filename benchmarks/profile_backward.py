@@ -44,7 +44,7 @@ def main() -> None:
     )
     add_o_tma_option(parser, "the forward call")
     args = parser.parse_args()
-    apply_o_tma_option(args.gluon_fwd_o_tma)
+    o_tma_label = apply_o_tma_option(args.gluon_fwd_o_tma)
     if args.gluon_bwd:
         from gluon_backward import apply_gluon_bwd_option
 
@@ -72,10 +72,8 @@ def main() -> None:
     for _ in range(2):  # warm-up, then the profiled call
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
-    options = [args.gluon_bwd] if args.gluon_bwd else []
-    if args.gluon_fwd_o_tma is not None:
-        options.append(f"O_TMA={args.gluon_fwd_o_tma}")
-    variant = f" ({', '.join(options)})" if options else ""
+    options = ", ".join(filter(None, [args.gluon_bwd, o_tma_label]))
+    variant = f" ({options})" if options else ""
     shape_text = f"{args.mask} S={args.seqlen} D={args.head_dim}"
     print(f"{args.impl}{variant} {shape_text}: two backward calls done")
 

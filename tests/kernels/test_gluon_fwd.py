@@ -219,8 +219,8 @@ for argv in ([], ["--gluon-fwd-o-tma", "0"], ["--gluon-fwd-o-tma", "3"]):
     add_o_tma_option(parser, "the run")
     parser.error = lambda message: (_ for _ in ()).throw(ValueError(message))
     try:
-        apply_o_tma_option(parser.parse_args(argv).gluon_fwd_o_tma)
-        seen[" ".join(argv)] = gluon_fwd.O_TMA
+        label = apply_o_tma_option(parser.parse_args(argv).gluon_fwd_o_tma)
+        seen[" ".join(argv)] = [gluon_fwd.O_TMA, label]
     except ValueError as error:
         seen[" ".join(argv)] = str(error)
 print(json.dumps(seen))
@@ -228,11 +228,12 @@ print(json.dumps(seen))
 
 
 def test_o_tma_option_sets_the_form_or_keeps_the_shipped_one():
-    """``--gluon-fwd-o-tma 0`` sets ``gluon_fwd.O_TMA`` to 0; left out, the shipped form stays;
-    a form the kernel lacks is the parser's error naming the option."""
+    """``--gluon-fwd-o-tma 0`` sets ``gluon_fwd.O_TMA`` to 0 and labels the run's variant
+    ``O_TMA=0``; left out, the shipped form stays and there is no label; a form the kernel
+    lacks is the parser's error naming the option."""
     (seen,) = json_lines(["-c", _O_TMA_OPTION])
-    assert seen[""] == seen["shipped"] == 2
-    assert seen["--gluon-fwd-o-tma 0"] == 0
+    assert seen["shipped"] == 2 and seen[""] == [2, ""]
+    assert seen["--gluon-fwd-o-tma 0"] == [0, "O_TMA=0"]
     assert "--gluon-fwd-o-tma" in seen["--gluon-fwd-o-tma 3"]
 
 

@@ -65,6 +65,7 @@ from flashmask.kernels.gluon_fwd import (
     hide_pairs,
     launched_program,
     load_column_bounds,
+    require_form,
     shared_layout,
     tma_load,
     tma_store,
@@ -813,12 +814,9 @@ def backward(
     tiles, kv heads, batch)``, ``None``: the natural order) is the order the programs run in.
     ``dq_accumulator``: where :func:`one_launch` holds, a zeroed float32 tensor like ``q`` that
     dQ is added into (``None``: zeroed here)."""
-    if ROW_TERMS_SMEM not in (0, 1, 2):
-        raise ValueError(f"gluon_bwd.ROW_TERMS_SMEM must be 0, 1 or 2, got {ROW_TERMS_SMEM}")
-    if LATE_DQ_HANDOFF not in (0, 1, 2):
-        raise ValueError(f"gluon_bwd.LATE_DQ_HANDOFF must be 0, 1 or 2, got {LATE_DQ_HANDOFF}")
-    if DKDV_TMA not in (0, 1, 2):
-        raise ValueError(f"gluon_bwd.DKDV_TMA must be 0, 1 or 2, got {DKDV_TMA}")
+    require_form("gluon_bwd.ROW_TERMS_SMEM", ROW_TERMS_SMEM)
+    require_form("gluon_bwd.LATE_DQ_HANDOFF", LATE_DQ_HANDOFF)
+    require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,

@@ -81,9 +81,10 @@ COMPUTE_REGISTERS = 240
 # Each warpgroup's 64 rows of O leave through shared memory and one TMA store (its half of the Q
 # tile's buffer, free once its last ``Q K^T`` is in) instead of one 2-byte store per element
 # from the MMA layout. Measured on the H200 (twentieth session,
-# ``results/gluon_forward_o_tma*_s20.log``): 4-14% faster on sparse masks at 8K and 32K and 1-7%
-# on causal, 1-3% slower on full attention (hd64 and hd128). 2: TMA stores except for full
-# attention (no mask, not causal); 1: everywhere; 0: nowhere (the last two for measurement).
+# ``results/gluon_forward_o_tma*_s20.log``, hd128): sliding_window and share_question 4.5-14%
+# faster at 8K and 32K, document 3.5% at 8K and level at 32K, causal 7.3% / 1.1%; full attention
+# 3.3% / 1.6% slower (hd64: -0.7% / -1.0%). 2: TMA stores except for full attention (no mask,
+# not causal); 1: everywhere; 0: nowhere (the last two for measurement).
 O_TMA = 2
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -452,6 +453,13 @@ def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
+def require_form(name: str, value: int) -> None:
+    """Refuse a kernel-form constant (``name``, e.g. ``"gluon_fwd.O_TMA"``) whose ``value`` is not
+    one of the forms 0, 1 or 2 the kernels have, before anything is launched."""
+    if value not in (0, 1, 2):
+        raise ValueError(f"{name} must be 0, 1 or 2, got {value}")
+
+
 def o_by_tma(causal: bool, masked: bool) -> bool:
     """Whether a forward launch with these flags stores O through TMA (``O_TMA``)."""
     return O_TMA == 1 or (O_TMA == 2 and (masked or causal))
@@ -483,8 +491,7 @@ def forward(
     other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
     ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
     which the programs run."""
-    if O_TMA not in (0, 1, 2):
-        raise ValueError(f"gluon_fwd.O_TMA must be 0, 1 or 2, got {O_TMA}")
+    require_form("gluon_fwd.O_TMA", O_TMA)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
