@@ -60,7 +60,7 @@ def compile_only(
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as ``gluon_bwd.dkdv_by_tma``
-    (``gluon_bwd256.DKDV_TMA`` at D = 256) unless given, never with fp32 dK/dV, as the
+    (``gluon_bwd256.dkdv_by_tma`` at D = 256) unless given, never with fp32 dK/dV, as the
     launcher takes it);
     registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
@@ -74,7 +74,7 @@ def compile_only(
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     if dkdv_tma is None:
         shipped = gluon_bwd.dkdv_by_tma(causal, has_mask)
-        dkdv_tma = shipped if module is gluon_bwd else bool(module.DKDV_TMA)
+        dkdv_tma = shipped if module is gluon_bwd else module.dkdv_by_tma(has_mask)
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -349,8 +349,10 @@ def main() -> None:
                 for causal, has_mask in ((False, False), (True, True)):
                     report = compile_only(d, causal, has_mask, **form)
                     print(json.dumps(report), flush=True)
-        for causal, has_mask in ((False, False), (True, True)):  # D = 256's TMA dK/dV (prepared)
-            report = compile_only(256, causal, has_mask, dkdv_tma=True)
+        # D = 256's dK/dV in the form not shipped: through TMA without a mask, from registers
+        # with one (gluon_bwd256.DKDV_TMA = 2)
+        for causal, has_mask in ((False, False), (True, True)):
+            report = compile_only(256, causal, has_mask, dkdv_tma=not has_mask)
             print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:

@@ -153,13 +153,16 @@ def _shipped(report: dict) -> bool:
         and report["late_dq"] == default_late
         and not report["dkdv_fp32"]
         and report["dq_before_dk"] == (module == "gluon_bwd")
-        and report["dkdv_tma"] == (module == "gluon_bwd" and _ships_tma_dkdv(report))
+        and report["dkdv_tma"] == _ships_tma_dkdv(report)
     )
 
 
 def _ships_tma_dkdv(report: dict) -> bool:
-    """``gluon_bwd.dkdv_by_tma`` as shipped (``DKDV_TMA = 2``: every form but plain causal),
-    restated so that the test process does not import Gluon."""
+    """``gluon_bwd.dkdv_by_tma`` as shipped (``DKDV_TMA = 2``: every form but plain causal) and
+    ``gluon_bwd256.dkdv_by_tma`` at D = 256 (``DKDV_TMA = 2``: with a mask only), restated so
+    that the test process does not import Gluon."""
+    if report["head_dim"] == 256:
+        return report["has_mask"]
     return report["has_mask"] or not report["causal"]
 
 
@@ -353,15 +356,19 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):
-    """``gluon_bwd256.DKDV_TMA`` (prepared, for measurement): the same epilogue at D = 256, each
-    warpgroup's head-dim half staged in the K/V buffers. Against the shipped stores from
-    registers: no ``STG``, TMA stores, the same products and waits, the same shared memory and
-    no more spills."""
-    tma = [r for r in sm90_reports if r["head_dim"] == 256 and r["dkdv_tma"]]
-    assert {(r["causal"], r["has_mask"]) for r in tma} == {(False, False), (True, True)}
-    for new in tma:
-        old = _shipped_twin(sm90_reports, _compiled_for(new))
-        assert not old["dkdv_tma"] and old["STG"] > 0, old
+    """``gluon_bwd256.DKDV_TMA``: the same epilogue at D = 256, each warpgroup's head-dim half
+    staged in the K/V buffers, shipped with a mask (full attention keeps the stores from
+    registers). Against the stores from registers compiled for the same inputs: no ``STG``, TMA
+    stores, the same products and waits, the same shared memory and no more spills."""
+    hd256 = [r for r in sm90_reports if r["head_dim"] == 256 and not r["dkdv_fp32"]]
+    by_form = {(_compiled_for(r), r["dkdv_tma"]): r for r in hd256 if r["row_terms_smem"] == 2}
+    pairs = [
+        (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
+    ]
+    assert {(new["causal"], new["has_mask"]) for new, _ in pairs} == {(False, False), (True, True)}
+    for new, old in pairs:
+        assert _shipped(new) == new["has_mask"] and _shipped(old) != new["has_mask"], (new, old)
+        assert old["STG"] > 0, old
         assert new["STG"] == 0 and new["UTMASTG"] >= 2, new
         assert new["HGMMA"] == old["HGMMA"], (new, old)
         assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
@@ -513,7 +520,7 @@ def test_constant_options_set_the_named_module_or_refuse_by_name():
     ``--gluon-bwd`` the hd64/128 one's; a constant the module lacks, or no constant at all, is
     the parser's error naming the option."""
     (seen,) = json_lines(["-c", _OPTION_CHECKS])
-    assert seen["DKDV_TMA=1"] == [True, None]
+    assert seen["DKDV_TMA=1"] == [1, None]
     assert seen["DKDV_TMA=0,LATE_DQ_HANDOFF=1"] == [0, 1]
     assert "--gluon-bwd256" in seen["LATE_DQ_HANDOFF=1"]
     assert "gluon_bwd256 has no ['LATE_DQ_HANDOFF']" in seen["LATE_DQ_HANDOFF=1"]

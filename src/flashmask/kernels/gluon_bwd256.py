@@ -54,7 +54,7 @@ from flashmask.kernels.gluon_bwd import (
     transposed_probabilities,
     write_dk_dv,
 )
-from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds
+from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds, require_form
 
 BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
 BLOCK_N = GLUON_BWD256_KEYS  # keys per program
@@ -70,9 +70,13 @@ DQ_TMA = True
 # 1.00-1.04x the unstaged kernel (0 is kept for measurement) on six masks at 8K and 32K
 # (causal 32K 27.5 -> 26.4 ms); delta read once the scores are in lost 2.5% on causal 32K.
 ROW_TERMS_SMEM = 2
-# dK and dV through the K/V tiles' buffers and TMA stores, as ``gluon_bwd.DKDV_TMA`` (2-8% on
-# the sparse masks at D = 64/128, nineteenth session). Prepared, not measured at D = 256: False.
-DKDV_TMA = False
+# dK and dV through the K/V tiles' buffers and TMA stores, as ``gluon_bwd.DKDV_TMA``. Measured
+# on the H200 against the stores from registers (``results/gluon_backward_dkdv_tma_hd256_s21.log``,
+# dK/dV bitwise equal): with a mask 1.00-1.10x (8K sliding_window 1.440 -> 1.310 ms,
+# causal_document 2.537 -> 2.445, document 4.567 -> 4.451; 32K +0.3-1.6%), without one mixed
+# (full 8K +0.6%, 32K -2.0%; causal 8K +1.6%, 32K -0.6%). So 2 (the default) is TMA stores with
+# a mask only; 1 everywhere and 0 nowhere are kept for measurement.
+DKDV_TMA = 2
 
 
 @gluon.jit
@@ -308,12 +312,19 @@ def backward(
     ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``order``, ``dq_accumulator`` as there)."""
     if ROW_TERMS_SMEM not in (0, 2):
         raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0 or 2, got {ROW_TERMS_SMEM}")
+    require_form("gluon_bwd256.DKDV_TMA", DKDV_TMA)
     return gluon_bwd.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, dq_accumulator=dq_accumulator, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
-        DKDV_TMA=bool(DKDV_TMA),
+        DKDV_TMA=dkdv_by_tma(bounds is not None),
     )  # fmt: skip
+
+
+def dkdv_by_tma(masked: bool) -> bool:
+    """Whether a launch (with an interval mask if ``masked``) stores dK/dV through TMA
+    (``DKDV_TMA``)."""
+    return DKDV_TMA == 1 or (DKDV_TMA == 2 and masked)
 
 
 def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
