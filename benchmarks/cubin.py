@@ -27,19 +27,11 @@ def inspect_cubin(compiled, opcodes: tuple[str, ...]) -> dict[str, int]:
     }
 
 
-def compile_gluon_sm90(
-    kernel,
-    signature: dict[str, str],
-    constexprs: dict,
-    options: dict,
-    divisible_by_16: tuple[str, ...] = (),
-):
+def compile_gluon_sm90(kernel, signature: dict[str, str], constexprs: dict, options: dict):
     """Compile a Gluon kernel for sm_90 without a GPU. ``signature`` maps the runtime parameters
     to their types (``"*bf16"``, ``"i32"``, ``"tensordesc<...>"``), ``constexprs`` the
     constexpr parameters to their values, ``options`` are the launch options (``num_warps``,
-    ``maxnreg``); the pointers and integers named in ``divisible_by_16`` are specialised as a
-    launch on the GPU specialises 16-byte aligned pointers and multiples of 16 (so that their
-    loads and stores vectorise as they will there)."""
+    ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -49,8 +41,7 @@ def compile_gluon_sm90(
     indexed = {(names.index(name),): value for name, value in constexprs.items()}
     target = GPUTarget("cuda", 90, 32)
     parsed = make_backend(target).parse_options(options)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
-    source = GluonASTSource(kernel, signature, indexed, attrs)
+    source = GluonASTSource(kernel, signature, indexed, {})
     return triton.compile(source, target=target, options=parsed.__dict__)
 
 

@@ -39,7 +39,7 @@ from flashmask.kernels.gluon_fwd import shared_layout
 
 OPCODES = (
     "HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "UTMASTG", "MUFU.EX2", "LDG", "REDG",
-    "STG", "BAR", "ATOMG",
+    "STG", "BAR",
 )  # fmt: skip
 
 
@@ -53,7 +53,7 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
-    dkdv_tma: bool | None = None, dq_convert: bool | None = None,
+    dkdv_tma: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -61,8 +61,7 @@ def compile_only(
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as ``gluon_bwd.dkdv_by_tma``
     (``gluon_bwd256.dkdv_by_tma`` at D = 256) unless given, never with fp32 dK/dV, as the
-    launcher takes it; ``dq_convert``: ``gluon_bwd.DQ_CONVERT`` unless given, D = 64/128, never
-    with fp32 dK/dV or without ``dq_tma``);
+    launcher takes it);
     registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
@@ -77,9 +76,6 @@ def compile_only(
         shipped = gluon_bwd.dkdv_by_tma(causal, has_mask)
         dkdv_tma = shipped if module is gluon_bwd else module.dkdv_by_tma(has_mask)
     dkdv_tma = dkdv_tma and not dkdv_fp32
-    if dq_convert is None:
-        dq_convert = gluon_bwd.DQ_CONVERT
-    dq_convert = bool(dq_convert) and module is gluon_bwd and dq_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
     def desc_type(rows):
@@ -103,8 +99,6 @@ def compile_only(
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
-        "dq_out_ptr": f"*{short}" if dq_convert else "*fp32", "arrivals_ptr": "*i32",
-        "expected_ptr": "*i32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -115,15 +109,11 @@ def compile_only(
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
-                  "DQ_CONVERT": dq_convert}
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
-        # As on the GPU (torch's allocations are 16-byte aligned, D a multiple of 16): what the
-        # red.global writer and the in-kernel dQ conversion address
-        ("dq_ptr", "dq_out_ptr", "stride_dqb", "stride_dqs", "stride_dqh"),
     )  # fmt: skip
     return {
         "head_dim": head_dim,
@@ -137,7 +127,6 @@ def compile_only(
         "late_dq": late_dq if module is gluon_bwd else 0,
         "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
         "dkdv_tma": dkdv_tma,
-        "dq_convert": dq_convert,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -172,7 +161,6 @@ VARIANT_CONSTANTS = (
     "LATE_DQ_HANDOFF",
     "DQ_BEFORE_DK",
     "DKDV_TMA",
-    "DQ_CONVERT",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
 )
@@ -354,10 +342,8 @@ def main() -> None:
             print(json.dumps(report), flush=True)
         # Forms kept for measurement at D = 64/128: the dQ hand-off before the next tile's
         # products (LATE_DQ_HANDOFF=0), dK's product before dQ's (DQ_BEFORE_DK off), dK/dV
-        # stored from registers (DKDV_TMA off; these forms ship with TMA stores), dQ converted
-        # by the launcher or in the kernel (the form DQ_CONVERT does not ship).
-        forms = ({"late_dq": 0}, {"dq_before_dk": False}, {"dkdv_tma": False},
-                 {"dq_convert": not gluon_bwd.DQ_CONVERT})  # fmt: skip
+        # stored from registers (DKDV_TMA off; these forms ship with TMA stores).
+        forms = ({"late_dq": 0}, {"dq_before_dk": False}, {"dkdv_tma": False})
         for form in forms:
             for d in (64, 128):
                 for causal, has_mask in ((False, False), (True, True)):

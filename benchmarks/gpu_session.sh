@@ -22,9 +22,6 @@
 #   gluon-dkdv-tma-hd256 gluon_backward.py at hd256, 8K and 32K: gluon_bwd256.DKDV_TMA=1 (the
 #                 prepared TMA dK/dV stores) against the shipped stores from registers;
 #                 check-dkdv-tma-hd256: the quick check with it on (gpu_check --gluon-bwd256)
-#   gluon-dq-convert gluon_backward.py at hd128 and hd64, 8K and 32K: dQ converted to bf16 by
-#                 the last key tile to add into it (gluon_bwd.DQ_CONVERT=1) against the
-#                 launcher's conversion; check-dq-convert: the quick check with it on
 #   gluon-dkdv-tma-precise full and causal at 32K, hd128 and hd64, 1 s per measurement: the
 #                 shipped DKDV_TMA against DKDV_TMA=0
 #   gluon-dkdv-tma-long causal, qk_sparse, prefix_lm_causal at 32K hd128, 1 s per measurement:
@@ -447,15 +444,6 @@ for step in "$@"; do
         ;;
     check-dq-tma)
         check "--quick --gluon-everywhere --gluon-bwd ${GLUON_BWD:-DQ_TMA=0}" gpu_check_dq_tma
-        ;;
-    gluon-dq-convert)
-        run_step gluon_backward_dq_convert python benchmarks/gluon_backward.py \
-            --seqlens 8192,32768 --variant DQ_CONVERT=1
-        run_step gluon_backward_dq_convert_hd64 python benchmarks/gluon_backward.py \
-            --head-dim 64 --seqlens 8192,32768 --variant DQ_CONVERT=1
-        ;;
-    check-dq-convert)
-        check "--quick --gluon-everywhere --gluon-bwd DQ_CONVERT=1" gpu_check_dq_convert
         ;;
     check-dkdv-tma-hd256)
         check "--quick --gluon-everywhere --gluon-bwd256 DKDV_TMA=1" gpu_check_dkdv_tma_hd256

@@ -154,7 +154,6 @@ def _shipped(report: dict) -> bool:
         and not report["dkdv_fp32"]
         and report["dq_before_dk"] == (module == "gluon_bwd")
         and report["dkdv_tma"] == _ships_tma_dkdv(report)
-        and not report["dq_convert"]  # gluon_bwd.DQ_CONVERT: prepared, off
     )
 
 
@@ -339,7 +338,7 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
     def form(report: dict) -> tuple:
         return (
             *_compiled_for(report), report["late_dq"], report["dq_before_dk"],
-            report["row_terms_smem"], report["dkdv_fp32"], report["dq_convert"],
+            report["row_terms_smem"], report["dkdv_fp32"],
         )  # fmt: skip
 
     by_form = {(form(r), r["dkdv_tma"]): r for r in sm90_reports if r["head_dim"] != 256}
@@ -354,29 +353,6 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
         assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
         assert new["shared_kb"] == old["shared_kb"], (new, old)
         assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
-
-
-def test_dq_converted_in_kernel_counts_each_add_and_converts_vectorised(sm90_reports):
-    """``gluon_bwd.DQ_CONVERT`` (prepared, off): against the shipped kernel compiled for the
-    same inputs, the writer counts each dQ tile's add with an ``ATOMG`` (two in the code: in
-    the loop for the previous add, after it for the last one) and converts (or zeroes) a tile
-    with vectorised loads and stores: 64 rows x D fp32 read by 64 threads in 16-byte loads is
-    D / 4 ``LDG`` per thread, each copy of the conversion and the zeroing D / 4 8-byte bf16
-    ``STG`` (four columns per thread). The same products and TMA reduce-adds, one 4-byte shared
-    broadcast of the count more, and spills from the writer's 24 registers (the pending add's
-    values): at most 32 bytes more under Triton 3.6 (the H200's), 168 under 3.9 (D = 128
-    without a mask)."""
-    converting = [r for r in sm90_reports if r["dq_convert"]]
-    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in converting} == _MEASURED_FORMS
-    for new in converting:
-        old = _shipped_twin(sm90_reports, _compiled_for(new))
-        d = new["head_dim"]
-        assert (old["ATOMG"], new["ATOMG"]) == (0, 2), (new, old)
-        assert new["LDG"] - old["LDG"] >= d // 2, (new, old)
-        assert new["STG"] - old["STG"] == 3 * d // 4, (new, old)
-        assert new["HGMMA"] == old["HGMMA"] and new["UTMAREDG"] == old["UTMAREDG"], (new, old)
-        assert new["spill_bytes"] <= old["spill_bytes"] + 192, (new, old)
-        assert 0 < new["shared_kb"] - old["shared_kb"] <= 0.1, (new, old)
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):

@@ -453,31 +453,6 @@ def test_triton_prepare_equals_the_torch_oracle(form, skip_tiles):
         _assert_lists_equal(cols, tiles.backward_lists(classes), f"column-major lists, shape {i}")
 
 
-@pytest.mark.parametrize("form", [*FORMS, None], ids=[*FORM_IDS, "nomask"])
-def test_dq_contributions_are_the_row_lists_lengths(form):
-    """``kernels.dq_contributions`` (what ``gluon_bwd.DQ_CONVERT``'s last-add test counts
-    against): from the column-major lists, the number of key tiles whose list holds each query
-    tile, which is the length of that query tile's row-major list (0 for a query tile no key
-    tile visits); with more query tiles than one chunk of its loop."""
-    for i, (sq, sk, bm, bn) in enumerate([*PREPARE_SHAPES, (16 * 300 + 5, 40, 16, 16)]):
-        gen = torch.Generator().manual_seed(_seed("contributions", str(form), i))
-        causal = form.causal if isinstance(form, Form) else False
-        sri = _random_indices(form, 2, 2, sq, sk, gen) if isinstance(form, Form) else None
-        if sri is not None:
-            sri[1, 0] = _full_column(form, sq)  # a mask head whose every query tile is unvisited
-        shapes = [(bm, bn, False)]
-        _, (cols,) = kernels.prepare(
-            None if sri is None else sri.to(DEVICE), causal, sq, sk, 2, DEVICE, shapes
-        )
-        expected = tiles.column_bounds(sri, causal, sq, sk, 2, torch.device("cpu"))
-        rows = tiles.forward_lists(tiles.tile_classes(expected, causal, sq, bm, bn))
-        contributions = kernels.dq_contributions(cols).cpu()
-        assert contributions.dtype == torch.int32
-        assert torch.equal(contributions, rows.counts.flatten(0, 1)), f"shape {i}"
-        if sri is not None:
-            assert not contributions[2 * 1 + 0].any(), "hidden columns: no query tile visited"
-
-
 def test_triton_prepare_handles_more_tiles_than_one_chunk():
     """More than 256 tiles along a list (the list kernel walks them in chunks), with int32
     extremes among the indices."""

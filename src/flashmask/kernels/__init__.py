@@ -429,22 +429,6 @@ def _build_lists(
     return built
 
 
-def dq_contributions(lists: tiles.TileLists) -> torch.Tensor:
-    """int32 ``[B * Hm, Tm]``: for each query tile of each (batch, mask head), how many key
-    tiles' column-major ``lists`` (``[B, Hm, Tn, Tm]``) hold it: the dQ tile's adds that the
-    Gluon backward with ``gluon_bwd.DQ_CONVERT`` waits for before converting it."""
-    from flashmask.kernels.mask_prep import dq_contributions_kernel
-
-    batch, hm, tn, tm = lists.entries.shape
-    contributions = torch.zeros(batch * hm, tm, dtype=torch.int32, device=lists.entries.device)
-    launch_kernel(
-        dq_contributions_kernel, (tn, batch * hm),
-        lists.entries, lists.counts, contributions, tm, tn,
-        CHUNK=min(256, max(16, 1 << (tm - 1).bit_length())),
-    )  # fmt: skip
-    return contributions
-
-
 @dataclass
 class _Prepared:
     """What one mask tensor has been prepared into so far (see :func:`prepare_cached`)."""

@@ -170,77 +170,6 @@ DQ_BEFORE_DK = True
 # from registers: 2 (the default) is TMA stores except for plain causal, 1 everywhere, 0 nowhere
 # (both for measurement).
 DKDV_TMA = 2
-# dQ converted to the inputs' dtype in the kernel: each (query head, query tile) counts the key
-# tiles that have added into its fp32 accumulator tile (an acquire-release atomic once the
-# writer's reduce-add has completed, not only read its buffer), and the writer whose add is the
-# last one expected (``dq_contributions``, from the column lists) reads the summed tile back and
-# stores it in the inputs' dtype; query tiles no key tile visits are zeroed by the program whose
-# key tile index they share modulo the key tiles. This replaces the separate conversion kernel
-# (~94 µs per 32K tokens at hd128, 3-6% of an 8K or 32K sliding_window or share_question
-# call: ``results/kernel_times_s19.log``). Prepared, not yet measured on the H200: False.
-DQ_CONVERT = False
-
-
-@gluon.jit
-def _bulk_writes_done(token, ALL_BUT_NEWEST: gl.constexpr):
-    """Wait until this thread's bulk asynchronous copies (the writer's TMA reduce-adds, one
-    group per tile), all of them or with ``ALL_BUT_NEWEST`` all but the newest group, have
-    completed their global writes, not only read their shared memory (``tma.store_wait`` waits
-    for the reads), then order those async-proxy writes before this thread's later
-    generic-proxy accesses; ``token`` (any int32 scalar) gives the asm an operand and comes
-    back unchanged."""
-    if ALL_BUT_NEWEST:
-        asm: gl.constexpr = (
-            "cp.async.bulk.wait_group 1;\nfence.proxy.async.global;\nmov.b32 $0, $1;"
-        )
-    else:
-        asm: gl.constexpr = (
-            "cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\nmov.b32 $0, $1;"
-        )
-    return gl.inline_asm_elementwise(asm, "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _count_dq_add(
-    done, arrivals_ptr, tile, expected, dq_out_ptr, dq_ptr, offset, row0, stride_dqs,
-    layout: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-):  # fmt: skip
-    """Count one completed add into dQ tile ``tile`` (``arrivals_ptr``'s index; ``done``: the
-    completion wait's token, which orders the count after it) and, if it was the last of its
-    ``expected`` adds, convert the tile: rows ``row0 ...`` of the head at ``offset`` of
-    ``dq_ptr`` (fp32 sums) into ``dq_out_ptr``. The count is one thread's acquire-release
-    atomic after a barrier of the writer warps, its result broadcast to them."""
-    arrived = gl.atomic_add(arrivals_ptr + tile, 1 + 0 * done, sem="acq_rel", scope="gpu")
-    if arrived == expected - 1:
-        for r in gl.static_range(0, BLOCK_M, CONVERT_ROWS):
-            _store_dq_rows(
-                dq_out_ptr + offset, dq_ptr + offset, row0 + r, stride_dqs, layout,
-                CONVERT_ROWS, HEAD_DIM, False,
-            )  # fmt: skip
-
-
-@gluon.jit
-def _store_dq_rows(
-    dq_out_head, dq_head, row0, stride_dqs,
-    layout: gl.constexpr,
-    NUM_ROWS: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    ZERO: gl.constexpr,
-):  # fmt: skip
-    """Rows ``row0 ... row0 + NUM_ROWS`` of the head's dQ output (``dq_out_head``, the inputs'
-    dtype): the fp32 accumulator's sums (``dq_head``) read from L2 and converted, or zeros
-    (``ZERO``)."""
-    rows = row0 + gl.arange(0, NUM_ROWS, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-    offs = rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]
-    if ZERO:
-        values = gl.zeros([NUM_ROWS, HEAD_DIM], gl.float32, layout)
-    else:
-        values = gl.load(dq_head + offs, cache_modifier=".cg")
-    gl.store(dq_out_head + offs, values.to(dq_out_head.dtype.element_ty))
 
 
 @gluon.jit
@@ -345,53 +274,25 @@ def _bwd_load_partition(
 def _bwd_dq_writer_partition(
     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
     seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh, dq_out_ptr, arrivals_ptr, expected_ptr, num_heads_q,
+    stride_dqb, stride_dqs, stride_dqh,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    DQ_CONVERT: gl.constexpr = False,
 ):  # fmt: skip
     """dQ writer warps: walk the producer's tile sequence and add each tile's
     scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer (with
-    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``). With ``DQ_CONVERT``
-    (and ``DQ_TMA``) also dQ in the inputs' dtype into ``dq_out_ptr`` (``dq_ptr``'s strides):
-    each add counted in ``arrivals_ptr`` (int32 ``[B, H, Tm]``, zeroed), the last of the
-    ``expected_ptr`` adds (int32 ``[B * Hm, Tm]``) of a tile converting it."""
+    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``)."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
     step: gl.constexpr = 8
-    # The conversion's rows at a time: 16 values per thread's registers at most (24 in all).
-    convert_rows: gl.constexpr = 8 * 64 // HEAD_DIM
-    if DQ_CONVERT:
-        # Query tiles no key tile visits (fully masked rows): zeros, each written by one program.
-        for g in range(heads_per_kv):
-            h, mask_head, _, _ = _head_list(
-                g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
-                num_mask_heads, num_m_tiles, num_n_tiles,
-            )  # fmt: skip
-            offset = b.to(gl.int64) * stride_dqb + h * stride_dqh
-            for m in range(n_tile, num_m_tiles, num_n_tiles):
-                if gl.load(expected_ptr + mask_head * num_m_tiles + m) == 0:
-                    for r in gl.static_range(0, BLOCK_M, convert_rows):
-                        _store_dq_rows(
-                            dq_out_ptr + offset, dq_ptr + offset, m * BLOCK_M + r, stride_dqs,
-                            layout, convert_rows, HEAD_DIM, True,
-                        )  # fmt: skip
     it = 0
-    # The add awaiting its count (DQ_CONVERT): its arrivals index (-1: none), expected count,
-    # head offset and first row.
-    pending_tile = -1
-    pending_expected = 0
-    pending_offset = b.to(gl.int64) * 0
-    pending_row = 0
     for g in range(heads_per_kv):
-        h, mask_head, count, entries = _head_list(
+        h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
             num_mask_heads, num_m_tiles, num_n_tiles,
         )  # fmt: skip
-        head_offset = b.to(gl.int64) * stride_dqb + h * stride_dqh
-        dq_head = dq_ptr + head_offset
+        dq_head = dq_ptr + b.to(gl.int64) * stride_dqb + h * stride_dqh
         for j in range(count):
             entry = gl.load(entries + j)
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
@@ -409,30 +310,7 @@ def _bwd_dq_writer_partition(
                     _red_add_v4(dq_head, m_tile * BLOCK_M + r, stride_dqs, values)
             # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
             mbarrier.arrive(dq_empty.index(buf), count=1)
-            if DQ_CONVERT:
-                # The previous add is counted once it has completed, which this one's issue
-                # overlaps (waiting for each add's own completion would pace the writer by an
-                # L2 round trip per tile); this one waits for the next tile or the end.
-                expected = gl.load(expected_ptr + mask_head * num_m_tiles + m_tile)
-                if pending_tile >= 0:
-                    _count_dq_add(
-                        _bulk_writes_done(it, True), arrivals_ptr, pending_tile,
-                        pending_expected, dq_out_ptr, dq_ptr, pending_offset, pending_row,
-                        stride_dqs, layout, convert_rows, BLOCK_M, HEAD_DIM,
-                    )  # fmt: skip
-                pending_tile = (b * num_heads_q + h) * num_m_tiles + m_tile
-                pending_expected = expected
-                pending_offset = head_offset
-                pending_row = m_tile * BLOCK_M
             it += 1
-    # A compile-time branch around a runtime one (``and`` would mix them in one expression).
-    if DQ_CONVERT:  # noqa: SIM102
-        if pending_tile >= 0:
-            _count_dq_add(
-                _bulk_writes_done(it, False), arrivals_ptr, pending_tile, pending_expected,
-                dq_out_ptr, dq_ptr, pending_offset, pending_row, stride_dqs, layout,
-                convert_rows, BLOCK_M, HEAD_DIM,
-            )  # fmt: skip
 
 
 @gluon.jit
@@ -817,7 +695,7 @@ def gluon_bwd_kernel(
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, dq_out_ptr, arrivals_ptr, expected_ptr,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -835,15 +713,13 @@ def gluon_bwd_kernel(
     LATE_DQ: gl.constexpr,
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
-    DQ_CONVERT: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents; with ``DKDV_TMA`` stored through
     ``dk_desc``/``dv_desc``, descriptors of the same buffers, ``None`` without) and dQ added to
     the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer;
-    ``None`` without); with ``DQ_CONVERT`` also converted into ``dq_out_ptr`` in the kernel
-    (``arrivals_ptr``, ``expected_ptr``: :func:`_bwd_dq_writer_partition`'s)."""
+    ``None`` without)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
@@ -889,9 +765,8 @@ def gluon_bwd_kernel(
                 (
                     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                     h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_out_ptr,
-                    arrivals_ptr, expected_ptr, num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA,
-                    DQ_CONVERT,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],
@@ -948,7 +823,6 @@ def backward(
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
-        DQ_CONVERT=DQ_CONVERT,
     )  # fmt: skip
 
 
@@ -1093,18 +967,6 @@ def _launch_once(
     dkdv_tma = bool(constants.get("DKDV_TMA")) and dkdv_dtype is None
     if "DKDV_TMA" in constants:
         constants["DKDV_TMA"] = dkdv_tma
-    # dQ converted in the kernel (DQ_CONVERT) where it is added through TMA and the launch covers
-    # every query row (a query chunk's dQ goes through the launcher's conversion).
-    dq_convert = bool(constants.get("DQ_CONVERT")) and dq_tma and dkdv_dtype is None
-    if "DQ_CONVERT" in constants:
-        constants["DQ_CONVERT"] = dq_convert
-    dq_out, arrivals, expected = dq_accum, lists.counts, lists.counts  # unread without it
-    if dq_convert:
-        from flashmask.kernels import dq_contributions
-
-        dq_out = torch.empty_like(q)
-        arrivals = torch.zeros(b, hq, tm, dtype=torch.int32, device=q.device)
-        expected = dq_contributions(lists)
     dk_desc = dv_desc = None
     if dkdv_tma:
         dk_desc, dv_desc = (
@@ -1119,11 +981,11 @@ def _launch_once(
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
-        softmax_scale * LOG2E_VALUE, softmax_scale, dq_out, arrivals, expected,
+        softmax_scale * LOG2E_VALUE, softmax_scale,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS, DQ_TMA=dq_tma,
         DQ_BUFFERS=dq_buffers, ORDERED=order is not None, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    return (dq_out if dq_convert else dq_accum.to(q.dtype)), dk, dv
+    return dq_accum.to(q.dtype), dk, dv

@@ -218,7 +218,7 @@ def gluon_bwd256_kernel(
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, dq_out_ptr, arrivals_ptr, expected_ptr,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -237,8 +237,7 @@ def gluon_bwd256_kernel(
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
     and dV (sharing K's strides; with ``DKDV_TMA`` through ``dk_desc``/``dv_desc``, else
     stored from registers and ``None``) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA``
-    through ``dq_desc`` and TMA reduce-adds; ``dq_out_ptr``, ``arrivals_ptr`` and
-    ``expected_ptr`` are unread: this kernel leaves dQ's conversion to the launcher)."""
+    through ``dq_desc`` and TMA reduce-adds)."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
@@ -283,8 +282,8 @@ def gluon_bwd256_kernel(
                 (
                     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                     h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_out_ptr,
-                    arrivals_ptr, expected_ptr, num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                    HEAD_DIM, DQ_TMA,
                 ),
             ),
         ],

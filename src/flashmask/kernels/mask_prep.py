@@ -331,25 +331,3 @@ def program_order_kernel(
             CountsB, OrderB, pid - rows_a, batch, num_tiles_b, grid_heads_b,
             heads_per_mask_head_b, num_mask_heads, REVERSE_TILES_B, COUNT_CHUNK, PLACE_CHUNK,
         )  # fmt: skip
-
-
-@triton.jit
-def dq_contributions_kernel(
-    Entries, Counts, Contributions, num_m_tiles, num_n_tiles,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    """How many key tiles add into each query tile's dQ: one program per (key tile, batch x
-    mask head) of column-major lists (``Entries`` ``[B * Hm, Tn, Tm]``, ``Counts``
-    ``[B * Hm, Tn]``) adds one to ``Contributions[bh, m]`` (int32 ``[B * Hm, Tm]``, zeroed) for
-    every query tile ``m`` its list holds, partial or not. Integer adds: the result does not
-    depend on their order."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    row = Entries + (bh * num_n_tiles + n) * num_m_tiles
-    count = tl.load(Counts + bh * num_n_tiles + n)
-    for start in range(0, count, CHUNK):
-        j = start + tl.arange(0, CHUNK)
-        valid = j < count
-        entry = tl.load(row + j, mask=valid, other=0)
-        m = tl.where(entry >= 0, entry, -entry - 1)
-        tl.atomic_add(Contributions + bh * num_m_tiles + m, 1, mask=valid, sem="relaxed")
