@@ -39,7 +39,7 @@
 #   bench-hd256   flashmask bench, 32K, hd256 (~140 s); bench-hd256-8k the same at 8K (~85 s)
 #   bench-hd256-128k flashmask bench, 128K, hd256, six masks; bench-hd256-128k-b the other six
 #   bench-hd64    flashmask bench, 8K and 32K, hd64, 12 masks (~290 s cold: STEP_TIMEOUT=330);
-#                 bench-hd64-32k the same at 32K only
+#                 bench-hd64-32k the same at 32K only, bench-hd64-8k at 8K only (~150 s)
 #   program-order program_order.py: the kernels' programs longest lists first
 #                 (kernels.program_order) against the grid's order, 12 masks at 8K and 32K,
 #                 16 heads and 16:4 grouped-query heads (bitwise checks and times)
@@ -290,6 +290,10 @@ for step in "$@"; do
     bench-hd64-32k)
         run_step bench_hd64_32k python -m flashmask bench --seqlens 32768 --head-dims 64 \
             --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64_32k"
+        ;;
+    bench-hd64-8k)
+        run_step bench_hd64_8k python -m flashmask bench --seqlens 8192 --head-dims 64 \
+            --rep-ms 100 --dense-limit-gb 0.5 --out "$OUT/bench_hd64_8k"
         ;;
     program-order)
         run_step program_order python benchmarks/program_order.py --seqlens 8192,32768 \
