@@ -478,16 +478,17 @@ def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_repor
 # constants, before anything is launched.
 _CONSTANT_CHECKS = """
 import json
-from flashmask.kernels import gluon_bwd
+from flashmask.kernels import gluon_bwd, gluon_bwd256
 errors = {}
-for name, value in (("LATE_DQ_HANDOFF", 3), ("LATE_DQ_HANDOFF", -1), ("DKDV_TMA", 3)):
-    saved = getattr(gluon_bwd, name)
-    setattr(gluon_bwd, name, value)
+for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE_DQ_HANDOFF", -1),
+                            (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3)):
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
-        gluon_bwd.backward(*[None] * 11)
+        module.backward(*[None] * 11)
     except ValueError as error:
-        errors[f"{name}={value}"] = str(error)
-    setattr(gluon_bwd, name, saved)
+        errors[f"{module.__name__.split('.')[-1]}.{name}={value}"] = str(error)
+    setattr(module, name, saved)
 print(json.dumps(errors))
 """
 
@@ -528,9 +529,14 @@ def test_constant_options_set_the_named_module_or_refuse_by_name():
 
 
 def test_launcher_refuses_kernel_forms_it_does_not_have():
-    """``gluon_bwd.LATE_DQ_HANDOFF`` and ``DKDV_TMA`` are 0, 1 or 2; anything else (such as the
-    nineteenth session's measured and removed slot-release forms 3 and 4) is refused, naming
-    the constant, before a launch."""
+    """``gluon_bwd.LATE_DQ_HANDOFF`` and ``DKDV_TMA`` (and ``gluon_bwd256.DKDV_TMA``) are 0, 1
+    or 2; anything else (such as the nineteenth session's measured and removed slot-release
+    forms 3 and 4) is refused, naming the constant, before a launch."""
     (errors,) = json_lines(["-c", _CONSTANT_CHECKS])
-    assert set(errors) == {"LATE_DQ_HANDOFF=3", "LATE_DQ_HANDOFF=-1", "DKDV_TMA=3"}
+    assert set(errors) == {
+        "gluon_bwd.LATE_DQ_HANDOFF=3",
+        "gluon_bwd.LATE_DQ_HANDOFF=-1",
+        "gluon_bwd.DKDV_TMA=3",
+        "gluon_bwd256.DKDV_TMA=3",
+    }
     assert all(key.split("=")[0] in message for key, message in errors.items())

@@ -74,7 +74,7 @@ ROW_TERMS_SMEM = 2
 # on the H200 against the stores from registers (``results/gluon_backward_dkdv_tma_hd256_s21.log``,
 # dK/dV bitwise equal): with a mask 1.00-1.10x (8K sliding_window 1.440 -> 1.310 ms,
 # causal_document 2.537 -> 2.445, document 4.567 -> 4.451; 32K +0.3-1.6%), without one mixed
-# (full 8K +0.6%, 32K -2.0%; causal 8K +1.6%, 32K -0.6%). So 2 (the default) is TMA stores with
+# (full 8K +0.6%, 32K -1.9%; causal 8K +1.6%, 32K -0.6%). So 2 (the default) is TMA stores with
 # a mask only; 1 everywhere and 0 nowhere are kept for measurement.
 DKDV_TMA = 2
 
