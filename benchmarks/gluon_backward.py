@@ -59,10 +59,9 @@ def compile_only(
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
-    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as ``gluon_bwd.dkdv_by_tma``
-    (``gluon_bwd256.dkdv_by_tma`` at D = 256) unless given, never with fp32 dK/dV, as the
-    launcher takes it);
-    registers, spills, shared memory and key instructions."""
+    ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as the module's
+    ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it); registers,
+    spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -73,8 +72,7 @@ def compile_only(
     if dq_before_dk is None:
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     if dkdv_tma is None:
-        shipped = gluon_bwd.dkdv_by_tma(causal, has_mask)
-        dkdv_tma = shipped if module is gluon_bwd else module.dkdv_by_tma(has_mask)
+        dkdv_tma = module.dkdv_by_tma(causal, has_mask)
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 

@@ -317,13 +317,14 @@ def backward(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, dq_accumulator=dq_accumulator, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
-        DKDV_TMA=dkdv_by_tma(bounds is not None),
+        DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
     )  # fmt: skip
 
 
-def dkdv_by_tma(masked: bool) -> bool:
-    """Whether a launch (with an interval mask if ``masked``) stores dK/dV through TMA
-    (``DKDV_TMA``)."""
+def dkdv_by_tma(causal: bool, masked: bool) -> bool:
+    """Whether a backward launch with these flags stores dK/dV through TMA (``DKDV_TMA``; as
+    ``gluon_bwd.dkdv_by_tma``, whose arguments it takes: here the form does not depend on
+    ``causal``)."""
     return DKDV_TMA == 1 or (DKDV_TMA == 2 and masked)
 
 
