@@ -37,11 +37,10 @@ OPCODES = ("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2", "LDG", "STG")
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dense: bool, block_n: int = gluon_fwd.BLOCK_N,
     dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
-    o_tma: bool | None = None, routed: bool = False,
+    o_tma: bool | None = None,
 ) -> dict:  # fmt: skip
-    """Compile for sm_90 without a GPU (``o_tma``: as ``gluon_fwd.o_by_tma`` unless given;
-    ``routed``: the split forward's form, ``ROUTED``); registers, spills, shared memory and
-    key instructions."""
+    """Compile for sm_90 without a GPU (``o_tma``: as ``gluon_fwd.o_by_tma`` unless given);
+    registers, spills, shared memory and key instructions."""
     if o_tma is None:
         o_tma = gluon_fwd.o_by_tma(causal, has_mask)
     block = gluon_fwd.BLOCK_M
@@ -59,12 +58,10 @@ def compile_only(
         "stride_oh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
-        "num_n_tiles": "i32", "qk_scale": "fp32", "route_counts_ptr": "*i32",
-        "route_min_tiles": "i32",
+        "num_n_tiles": "i32", "qk_scale": "fp32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
-              "MASK_FULL_TILES": dense, "ORDERED": True, "ROUTED": routed, "BLOCK_M": block,
-              "BLOCK_N": block_n,
+              "MASK_FULL_TILES": dense, "ORDERED": True, "BLOCK_M": block, "BLOCK_N": block_n,
               "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers,
               "COMPUTE_REGISTERS": gluon_fwd.COMPUTE_REGISTERS,
               **({} if o_tma else {"o_desc": None})}  # fmt: skip
@@ -81,7 +78,6 @@ def compile_only(
         "dtype": short,
         "num_buffers": num_buffers,
         "o_tma": o_tma,
-        "routed": routed,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -153,78 +149,6 @@ def check_and_time(
             print(line, flush=True)
 
 
-def _routed_rows(sri, causal, s, b, h) -> torch.Tensor:
-    """``[B, H, S]``: the query rows the split forward gives the Gluon forward (its 128-row
-    tiles whose lists hold at least ``kernels.GLUON_FWD_SPLIT_MIN_TILES`` key tiles)."""
-    shape = (kernels.GLUON_FWD_TILE, kernels.gluon_forward_tiles(128)[0], True)
-    _, (lists,) = kernels.prepare_cached(sri, causal, s, s, b, sri.device, [shape])
-    mine = lists.counts >= kernels.GLUON_FWD_SPLIT_MIN_TILES
-    rows = mine.repeat_interleave(h // sri.shape[1], dim=1)
-    return rows.repeat_interleave(kernels.GLUON_FWD_TILE, dim=2)
-
-
-def split_check_and_time(
-    seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, thresholds: list[int]
-) -> None:
-    """The split forward (``kernels.GLUON_FWD_SPLIT_MIN_TILES``) at each of ``thresholds``
-    against the Triton and the Gluon forward alone, hd128, masked cases, through
-    ``kernels.forward`` (lists prepared once, as every layer after a model's first finds
-    them). Each split result is checked bitwise, row by row, against the kernel alone that its
-    route names. At 32K and above the Gluon forward's length limit is lifted for the split."""
-    d = 128
-    limit = kernels.GLUON_FWD_MIN_MASKED_SEQLEN
-    for s in seqlens:
-        b, h = max(1, tokens // s), hidden // d
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
-        scale = d**-0.5
-        for name in mask_names:
-            mask, sri, causal = mask_case(name, s, b)
-            if mask is None:
-                continue
-            cfg = kernels.tile_config(d, has_mask=True)
-            flop = visible_flop(mask, causal, s, d, h, b, 4.0)
-            kernels.GLUON_FWD_SPLIT_MIN_TILES = None
-            alone = {}
-            line = f"S={s} {name:22s}"
-            for label, threshold in (("triton", 1 << 30), ("gluon", 0)):
-                kernels.GLUON_FWD_MIN_MASKED_SEQLEN = threshold
-
-                def run(sri=sri, causal=causal, cfg=cfg):
-                    return kernels.forward(q, k, v, sri, causal, scale, config=cfg)
-
-                alone[label] = run()
-                ms = triton.testing.do_bench(run, rep=100)
-                alone[label + "_ms"] = ms
-                line += f" | {label} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s)"
-            kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 1 << 30  # the split at every length here
-            best = min(alone["triton_ms"], alone["gluon_ms"])
-            for t in thresholds:
-                kernels.GLUON_FWD_SPLIT_MIN_TILES = t
-
-                def run(sri=sri, causal=causal, cfg=cfg):
-                    return kernels.forward(q, k, v, sri, causal, scale, config=cfg)
-
-                out, lse = run()
-                rows = _routed_rows(sri, causal, s, b, h)
-                exact = all(
-                    torch.equal(got[sel], want[sel])
-                    for sel, src in ((rows, "gluon"), (~rows, "triton"))
-                    for got, want in (
-                        (out.transpose(1, 2), alone[src][0].transpose(1, 2)),
-                        (lse, alone[src][1]),
-                    )
-                )
-                ms = triton.testing.do_bench(run, rep=100)
-                share = rows.float().mean().item()
-                line += (
-                    f" | split>={t} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s, {best / ms:.3f}x best "
-                    f"alone, gluon rows {share:.2f}, bitwise {exact})"
-                )
-            kernels.GLUON_FWD_SPLIT_MIN_TILES = None
-            kernels.GLUON_FWD_MIN_MASKED_SEQLEN = limit
-            print(line, flush=True)
-
-
 def main() -> None:
     parser = case_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -246,19 +170,7 @@ def main() -> None:
         help="also time the Gluon forward with O stored the other way than shipped for each case "
         "(gluon_fwd.O_TMA 0 or 1; bitwise out/lse check)",
     )
-    parser.add_argument(
-        "--split",
-        default="",
-        help="key-tile thresholds of the split forward to time against each forward alone, e.g. "
-        "4,8,16 (kernels.GLUON_FWD_SPLIT_MIN_TILES; masked cases at hd128 only)",
-    )
     args = parser.parse_args()
-    if args.split:
-        split_check_and_time(
-            args.seqlens, args.masks, args.tokens, args.hidden,
-            [int(x) for x in args.split.split(",")],
-        )  # fmt: skip
-        return
     if args.compile_only:
         for d in (64, 128):
             for causal in (False, True):
@@ -274,9 +186,6 @@ def main() -> None:
         # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
         block_n, slots = kernels.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
-        # The split forward's form (kernels.GLUON_FWD_SPLIT_MIN_TILES), masked hd128
-        for causal in (False, True):
-            print(json.dumps(compile_only(128, causal, True, False, routed=True)), flush=True)
         # O stored the other way than shipped (TMA stores against stores from registers)
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, True)):

@@ -159,11 +159,9 @@ def _kernel_paths(q, k, v, do, sri, scale, deterministic, bwd_config) -> str:
     launchers' own routing rules, so a check of the Gluon paths shows that it reached them."""
     fwd_config = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
     masked = sri is not None
-    fwd = "gluon" if kernels._use_gluon_forward(q, k, v, scale, masked, fwd_config) else "triton"
-    if fwd == "triton" and kernels._split_forward(q, k, v, scale, masked, fwd_config):
-        fwd = "split"
+    fwd = kernels._use_gluon_forward(q, k, v, scale, masked, fwd_config)
     bwd = kernels._use_gluon_backward(q, k, v, do, deterministic, True, masked, bwd_config)
-    return f"fwd={fwd} bwd={'gluon' if bwd else 'triton'}"
+    return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
 
 
 def _bitwise_equal(a, b) -> bool:
@@ -241,14 +239,6 @@ def main() -> int:
         default="",
         help="gluon_bwd256 launch constants for the run, e.g. DKDV_TMA=1 (as --gluon-bwd)",
     )
-    parser.add_argument(
-        "--fwd-split",
-        type=int,
-        default=None,
-        metavar="MIN_TILES",
-        help="kernels.GLUON_FWD_SPLIT_MIN_TILES for the run: masked hd128 forwards split between "
-        "the Gluon forward (query tiles of lists at least this long) and the Triton forward",
-    )
     add_o_tma_option(parser, "the run")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -265,8 +255,6 @@ def main() -> int:
         return report(args.out, results, exact, seconds, env, variant)
     if args.variant:
         _override_defaults(args.variant, args.variant_max_head_dim)
-    if args.fwd_split is not None:
-        kernels.GLUON_FWD_SPLIT_MIN_TILES = args.fwd_split
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
@@ -386,7 +374,6 @@ def main() -> int:
         results.append(check_case("large-grid/B4100xH16", q, k, v, sri, True))
     flags = [
         args.gluon_everywhere and "gluon-everywhere",
-        args.fwd_split is not None and f"fwd-split {args.fwd_split}",
         args.gluon_bwd,
         args.gluon_bwd256 and f"gluon_bwd256 {args.gluon_bwd256}",
         o_tma_label,

@@ -120,10 +120,6 @@
 #                 at 8K and 32K, with do_bench over 1 s; gluon-chunks-add-128k CHUNKS_ADD_IN_KERNEL
 #                 at 128K full with its error against the Triton backward
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
-#   gluon-forward-split gluon_forward.py --split: the split forward (GLUON_FWD_SPLIT_MIN_TILES
-#                 at each of SPLIT, default 4,8,16,32) against each forward alone, 10 masks at
-#                 8K, 16K and 32K, bitwise per row against the kernel its route names;
-#                 check-split: the quick check with the split on (--fwd-split SPLIT_CHECK, 4)
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
 #   gluon-forward-routing gluon_forward.py on all 12 masks at 8K and 16K, hd128 (routing data
 #                 for GLUON_FWD_MIN_MASKED_SEQLEN with the shipped O_TMA)
@@ -596,13 +592,6 @@ for step in "$@"; do
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
         ;;
-    gluon-forward-split)
-        all=sliding_window,causal_document,document,share_question,global_sliding_window
-        all=$all,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction
-        run_step gluon_forward_split python benchmarks/gluon_forward.py --seqlens 8192,16384,32768 \
-            --masks "$all" --split "${SPLIT:-4,8,16,32}"
-        ;;
-    check-split) check "--quick --fwd-split ${SPLIT_CHECK:-4}" gpu_check_split ;;
     gluon-forward-routing)
         all=full,causal,sliding_window,causal_document,document,share_question
         all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal

@@ -151,7 +151,7 @@ def sm90_reports() -> list[dict]:
 
 
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
-    reports = [r for r in sm90_reports if r["o_tma"] == _ships_tma_o(r) and not r["routed"]]
+    reports = [r for r in sm90_reports if r["o_tma"] == _ships_tma_o(r)]
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
          r["num_buffers"])
@@ -206,51 +206,6 @@ def test_launcher_refuses_an_o_store_form_it_does_not_have():
     assert all("gluon_fwd.O_TMA must be 0, 1 or 2" in message for message in errors.values())
 
 
-def test_split_form_only_returns_early(sm90_reports):
-    """The split forward's Gluon kernel (``ROUTED``): against the same variant unsplit, the
-    same products, loads and stores, no more spills (the test of its list length before
-    anything is allocated is the only addition)."""
-
-    def key(r):
-        return (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
-                r["num_buffers"], r["o_tma"])  # fmt: skip
-
-    unsplit = {key(r): r for r in sm90_reports if not r["routed"]}
-    routed = [r for r in sm90_reports if r["routed"]]
-    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in routed} == {
-        (128, False, True), (128, True, True)
-    }  # fmt: skip
-    for report in routed:
-        plain = unsplit[key(report)]
-        for opcode in ("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2"):
-            assert report[opcode] == plain[opcode], (opcode, report, plain)
-        assert report["spill_bytes"] <= plain["spill_bytes"], (report, plain)
-        assert report["shared_kb"] == plain["shared_kb"], (report, plain)
-
-
-# Runs in a process of its own (gluon_fwd imports Gluon): the launcher's check of the split
-# forward's route, before anything is launched.
-_ROUTE_CHECK = """
-import json, types, torch
-from flashmask.kernels import gluon_fwd
-lists = types.SimpleNamespace(counts=torch.zeros(1, 2, 3, dtype=torch.int32))
-errors = {}
-for name, route in (("min", (lists.counts, 0)), ("shape", (torch.zeros(1, 2, 4).int(), 2))):
-    try:
-        gluon_fwd.forward(*[None] * 4, lists, *[None] * 4, route=route)
-    except ValueError as error:
-        errors[name] = str(error)
-print(json.dumps(errors))
-"""
-
-
-def test_launcher_refuses_a_route_it_cannot_follow():
-    """The split's route: at least one key tile, and one length per query tile's list."""
-    (errors,) = json_lines(["-c", _ROUTE_CHECK])
-    assert errors["min"] == "route's min_tiles must be at least 1, got 0"
-    assert errors["shape"] == "route's counts must be shaped as the lists' (1, 2, 3), got (1, 2, 4)"
-
-
 # Runs in a process of its own (gluon_fwd imports Gluon): ``--gluon-fwd-o-tma`` as
 # gpu_check.py and profile_backward.py parse and apply it.
 _O_TMA_OPTION = """
@@ -287,7 +242,7 @@ def test_o_tma_form_stores_each_warpgroups_rows_with_one_tma_store(sm90_reports)
     buffer and stores them with one TMA store. Against the stores from registers (compiled
     for the same kernel variant): only the lse rows' stores left as ``STG``, two
     ``UTMASTG``, the same products."""
-    reports = [r for r in sm90_reports if not r["routed"]]
+    reports = sm90_reports
 
     def key(r):
         return (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
@@ -316,11 +271,10 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     seen = {}
 
     def fake_forward(
-        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None,
-        route=None,
-    ):  # fmt: skip
+        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None
+    ):
         seen.update(q=q, k=k, bounds=bounds, lists=lists, hm=hm, causal=causal, scale=scale)
-        seen.update(tiles=(block_n, slots), order=order, route=route)
+        seen.update(tiles=(block_n, slots), order=order)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward)
@@ -337,7 +291,6 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
     assert seen["tiles"] == kernels.gluon_forward_tiles(128) == (128, 3)
     assert seen["order"] is None  # no mask: the grid's own order
-    assert seen["route"] is None  # all its query tiles: not split
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
@@ -373,95 +326,6 @@ def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
         out, lse = kernels.forward(q, q, q, sri, True, 0.25)
         kernels.backward(torch.ones_like(out), None, q, q, q, out, lse, sri, True, 0.25, False)
         assert seen == [("fwd", sri is not None), ("bwd", sri is not None)]
-
-
-def _split_on_hopper(monkeypatch, min_tiles: int | None = 2) -> None:
-    monkeypatch.setattr(kernels, "GLUON_FWD_SPLIT_MIN_TILES", min_tiles)
-    monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
-    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
-
-
-def test_split_takes_masked_calls_below_the_gluon_forwards_length_limit(monkeypatch):
-    """``GLUON_FWD_SPLIT_MIN_TILES``: a masked call the Gluon forward could take but for its
-    length limit is split between it and the Triton forward; from the limit the Gluon forward
-    takes it all, without a mask it takes any length; off (``None``), no split."""
-    cfg = replace(kernels.tile_config(128), fwd_gluon=True)
-    _split_on_hopper(monkeypatch)
-    short = _qkv(seqlen_q=8192, seqlen_k=8192)
-    long = _qkv(seqlen_q=256, seqlen_k=kernels.GLUON_FWD_MIN_MASKED_SEQLEN)
-    assert kernels._split_forward(*short, 0.1, True, cfg)
-    assert not kernels._split_forward(*short, 0.1, False, cfg)  # no mask: the Gluon forward
-    assert not kernels._split_forward(*long, 0.1, True, cfg)  # from the limit: likewise
-    assert not kernels._split_forward(*short, 0.0, True, cfg)  # its row max needs scale > 0
-    assert not kernels._split_forward(*short, 0.1, True, replace(cfg, fwd_gluon=False))
-    assert not kernels._split_forward(*short, 0.1, True, replace(cfg, fwd_m=48))  # 128 % 48
-    assert not kernels._split_forward(*_qkv(seqlen_q=200), 0.1, True, cfg)  # not eligible
-    monkeypatch.setattr(kernels, "_gpu_capability", lambda q: None)  # CPU, interpreter
-    assert not kernels._split_forward(*short, 0.1, True, cfg)
-    _split_on_hopper(monkeypatch, None)
-    assert not kernels._split_forward(*short, 0.1, True, cfg)
-
-
-@pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the Triton kernels run interpreted
-@pytest.mark.parametrize("skip_tiles", [True, False], ids=["skipping", "dense"])
-def test_split_forward_gives_each_query_tile_to_one_kernel(monkeypatch, skip_tiles):
-    """Split, the Gluon forward (a stand-in here: it marks the rows it computes) gets its
-    128x128 lists, their launch order and the route: the skipping lists' lengths (in dense
-    mode too, so that both modes give each tile to the same kernel) and
-    ``GLUON_FWD_SPLIT_MIN_TILES``. The Triton forward then writes exactly the query tiles of
-    shorter lists, bit for bit as it does alone, and leaves the others' rows as the Gluon
-    forward wrote them."""
-    seen = {}
-    marker = 7.0
-
-    def fake_forward(
-        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None,
-        route=None,
-    ):  # fmt: skip
-        seen.update(lists=lists, order=order, route=route)
-        b, sq, h, _ = q.shape
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((b, h, sq), float("nan"))
-        counts, min_tiles = route
-        mine = (counts >= min_tiles).repeat_interleave(h // hm, dim=1)  # [B, H, query tiles]
-        rows = mine.repeat_interleave(kernels.GLUON_FWD_TILE, dim=2)  # [B, H, Sq]
-        out[rows.transpose(1, 2)] = marker
-        lse[rows] = marker
-        seen["rows"] = rows
-        return out, lse
-
-    fake = types.SimpleNamespace(forward=fake_forward)
-    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_fwd", fake)
-    monkeypatch.setattr(kernels, "gluon_fwd", fake, raising=False)
-    _split_on_hopper(monkeypatch, 2)
-    cfg = replace(kernels.tile_config(64), fwd_gluon=True)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 384, 2, 64, generator=gen, dtype=torch.float16) for _ in "qkv")
-    # 128-row tiles of causal documents of 128 and 256 tokens: 1, 1 and 2 key tiles.
-    sri = masks.causal_document([128, 256]).startend_row_indices
-    kernels.clear_prepared()
-    out, lse = kernels.forward(q, k, v, sri, True, 0.125, config=cfg, skip_tiles=skip_tiles)
-    assert seen["lists"].entries.shape[-2:] == (3, 3)
-    counts, min_tiles = seen["route"]
-    assert counts.flatten().tolist() == [1, 1, 2] and min_tiles == 2
-    # Skipping, the Gluon forward's own lists route; dense, they list every tile.
-    assert seen["lists"].counts.flatten().tolist() == ([1, 1, 2] if skip_tiles else [3, 3, 3])
-    assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 2, True))
-    rows = seen["rows"]
-    assert rows.any() and not rows.all()  # both kernels have query tiles
-    alone_out, alone_lse = kernels.forward(
-        q, k, v, sri, True, 0.125, config=replace(cfg, fwd_gluon=False), skip_tiles=skip_tiles
-    )
-    assert (out.transpose(1, 2)[rows] == marker).all() and (lse[rows] == marker).all()
-    assert torch.equal(out.transpose(1, 2)[~rows], alone_out.transpose(1, 2)[~rows])
-    assert torch.equal(lse[~rows], alone_lse[~rows])
-    # What a benchmark prepares for it: both forwards' lists, and both launch orders.
-    shapes, orders = kernels.forward_preparation(
-        q, k, v, sri, 0.125, False, cfg, backward_follows=False
-    )
-    gluon_lists = (kernels.GLUON_FWD_TILE, kernels.GLUON_FWD_TILE, True)
-    assert shapes == [(cfg.fwd_m, cfg.fwd_n, True), gluon_lists]
-    assert orders == [(shapes[0], (2, True)), (gluon_lists, (2, True))]
 
 
 def test_list_shapes_follow_the_routing(monkeypatch):

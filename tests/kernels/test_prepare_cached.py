@@ -280,21 +280,6 @@ def test_two_orders_take_one_launch_and_only_the_missing_ones_are_computed(monke
     assert torch.equal(other.cpu(), kernels.tiles.program_order(cols.counts, 4, False).cpu())
 
 
-def test_three_orders_take_two_launches(monkeypatch):
-    """A split forward before the Gluon backward asks for three orders (both forwards' and the
-    backward's): two launches, each order as computed alone."""
-    call = dict(causal=True, seqlen_k=SK, batch=2, device=DEVICE)
-    shapes = [(16, 16, True), (32, 32, True), (16, 32, False)]
-    _, lists = kernels.prepare_cached(None, seqlen_q=SQ, shapes=shapes, **call)
-    launches = _count_order_launches(monkeypatch)
-    requests = [(lists[0], 4, True), (lists[1], 4, True), (lists[2], 2, False)]
-    orders = kernels.program_orders(requests)
-    assert [launch["HAS_B"] for launch in launches] == [True, False]
-    for order, (each, heads, reverse) in zip(orders, requests, strict=True):
-        want = kernels.tiles.program_order(each.counts.cpu(), heads, reverse)
-        assert torch.equal(order.cpu(), want)
-
-
 def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeypatch):
     """Inputs that require grad and a backward routed to the Gluon kernel: the forward
     computes its order and the backward's in one launch, which the backward then finds."""

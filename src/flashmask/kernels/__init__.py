@@ -482,9 +482,9 @@ def program_order(
 def program_orders(
     requests: list[tuple[tiles.TileLists, int, bool]],
 ) -> list[torch.Tensor | None]:
-    """:func:`program_order` of each ``(lists, grid_heads, reverse_tiles)`` of ``requests`` (of
-    one mask), those not computed yet in launches of ``mask_prep.program_order_kernel``, two per
-    launch: a forward computes its backward's with its own."""
+    """:func:`program_order` of each ``(lists, grid_heads, reverse_tiles)`` of ``requests`` (at
+    most two, of one mask), those not computed yet in one launch of
+    ``mask_prep.program_order_kernel``: a forward computes its backward's with its own."""
     if not PROGRAM_ORDER:
         return [None] * len(requests)
     caching = _may_cache(requests[0][0].counts.device)
@@ -499,9 +499,7 @@ def program_orders(
                     found[i] = hit[1]
     missing = [i for i, order in enumerate(found) if order is None]
     if missing:
-        computed = []
-        for start in range(0, len(missing), 2):  # two orders per launch
-            computed += _launch_program_orders([requests[i] for i in missing[start : start + 2]])
+        computed = _launch_program_orders([requests[i] for i in missing])
         for i, order in zip(missing, computed, strict=True):
             found[i] = order
         if caching:
@@ -783,40 +781,6 @@ def _use_gluon_forward(
     )
 
 
-# Below GLUON_FWD_MIN_MASKED_SEQLEN, a masked hd128 forward is split per query tile between the
-# two forwards (``None``: off, the Triton forward alone): the Gluon forward takes the 128-row
-# query tiles whose 128x128 lists hold at least this many key tiles, the Triton forward (its
-# 64x64 tiles) the rest. The Gluon kernel's per-program cost (one 224 KB program per SM, its
-# pipeline filled and drained per tile) pays off on long lists only: whole 8K masks of long
-# lists ran up to 20% faster on it, the short-list ones (sliding_window, share_question,
-# global_sliding_window) 6-20% slower (``results/gluon_forward_routing_s21.log``). The split is
-# decided on the GPU from the lists, with no host work or device-to-host copy per mask.
-GLUON_FWD_SPLIT_MIN_TILES: int | None = None
-
-
-def _split_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    masked: bool,
-    config: TileConfig,
-) -> bool:
-    """Whether :func:`forward` splits this call's query tiles between the Gluon and the Triton
-    forward (:data:`GLUON_FWD_SPLIT_MIN_TILES`): a masked call that the Gluon forward could
-    take but for its length limit, with Triton tiles that divide its 128-row ones."""
-    if GLUON_FWD_SPLIT_MIN_TILES is None or not masked or not config.fwd_gluon:
-        return False
-    if softmax_scale <= 0 or k.shape[1] >= GLUON_FWD_MIN_MASKED_SEQLEN:
-        return False
-    if GLUON_FWD_TILE % config.fwd_m:
-        return False
-    capability = _gpu_capability(q)
-    return (
-        capability is not None and gluon_forward_eligible(q, k, v, capability) and gluon_available()
-    )
-
-
 def _use_gluon_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -889,15 +853,11 @@ def _s3(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _forward_shapes(
-    use_gluon: bool, head_dim: int, config: TileConfig, split: bool = False
+    use_gluon: bool, head_dim: int, config: TileConfig
 ) -> list[tuple[int, int, bool]]:
-    """The forward's row lists: the Gluon forward's, the Triton forward's or, split, the
-    Triton forward's then the Gluon forward's (whose lengths route the query tiles)."""
-    gluon = (GLUON_FWD_TILE, gluon_forward_tiles(head_dim)[0], True)
     if use_gluon:
-        return [gluon]
-    triton_lists = (config.fwd_m, config.fwd_n, True)
-    return [triton_lists, gluon] if split else [triton_lists]
+        return [(GLUON_FWD_TILE, gluon_forward_tiles(head_dim)[0], True)]
+    return [(config.fwd_m, config.fwd_n, True)]
 
 
 def gluon_backward_keys(head_dim: int) -> int:
@@ -941,8 +901,7 @@ def forward_list_shapes(
     them to (for a benchmark that times mask preparation alone, as ``flashmask bench`` does)."""
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
-    split = not use_gluon and _split_forward(q, k, v, softmax_scale, masked, config)
-    return _forward_shapes(use_gluon, q.shape[-1], config, split)
+    return _forward_shapes(use_gluon, q.shape[-1], config)
 
 
 def backward_list_shapes(
@@ -970,11 +929,9 @@ def _forward_preparation(
     deterministic: bool,
     backward_follows: bool,
     config: TileConfig,
-    split: bool = False,
 ) -> tuple[list[tuple[int, int, bool]], list[tuple[tuple[int, int, bool], tuple[int, bool]]]]:
-    """:func:`forward_preparation` for a forward routed to Gluon (``use_gluon``), to Triton,
-    or split between them (``split``)."""
-    shapes = _forward_shapes(use_gluon, q.shape[-1], config, split)
+    """:func:`forward_preparation` for a forward routed to Gluon (``use_gluon``) or not."""
+    shapes = _forward_shapes(use_gluon, q.shape[-1], config)
     if backward_follows:
         # The backward's (its dout is shaped and typed like q), to be built in one go.
         shapes += [
@@ -990,8 +947,6 @@ def _forward_preparation(
     orders = []
     if startend_row_indices is not None:
         orders.append((shapes[0], (q.shape[2], True)))
-        if split:  # the Gluon forward's programs, longest lists first as well
-            orders.append((shapes[1], (q.shape[2], True)))
         if backward_follows and _use_gluon_backward(q, k, v, q, deterministic, True, True, config):
             # The Gluon backward's order too, in the same launch (the backward then finds it).
             gluon_shape = _backward_shapes(True, deterministic, q.shape[-1], config)[0]
@@ -1018,9 +973,8 @@ def forward_preparation(
     as ``flashmask bench`` does."""
     masked = startend_row_indices is not None
     use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
-    split = not use_gluon and _split_forward(q, k, v, softmax_scale, masked, config)
     return _forward_preparation(
-        q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config, split
+        q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config
     )
 
 
@@ -1085,49 +1039,31 @@ def forward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    masked = startend_row_indices is not None
-    use_gluon = _use_gluon_forward(q, k, v, softmax_scale, masked, config)
-    split = not use_gluon and _split_forward(q, k, v, softmax_scale, masked, config)
+    use_gluon = _use_gluon_forward(q, k, v, softmax_scale, startend_row_indices is not None, config)
     shapes, order_requests = _forward_preparation(
-        q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config, split
+        q, k, v, startend_row_indices, use_gluon, deterministic, backward_follows, config
     )
     bounds, all_lists, orders = prepare_forward(
         startend_row_indices, causal, sq, sk, b, q.device, shapes, order_requests, skip_tiles
     )
     lists = all_lists[0]
     order = orders[0] if orders else None
-    out = lse = None
-    route_lists = None
-    if use_gluon or split:
+    if use_gluon:
         from flashmask.kernels import gluon_fwd
 
-        gluon_lists, gluon_order = (all_lists[1], orders[1]) if split else (lists, order)
-        route = None
-        if split:
-            route_lists = gluon_lists
-            if not skip_tiles:  # dense mode splits as skipping does: by the skipping lists
-                route_lists = prepare_cached(
-                    startend_row_indices, causal, sq, sk, b, q.device, [shapes[1]]
-                )[1][0]
-            route = (route_lists.counts, GLUON_FWD_SPLIT_MIN_TILES)
         q, k, v = (tma_ready(x) for x in (q, k, v))
         key_tile, slots = gluon_forward_tiles(d)
-        # Split: the Gluon forward first (the long lists, heaviest first), then the Triton
-        # forward into the same out/lse for the query tiles it left.
-        out, lse = gluon_fwd.forward(
-            q, k, v, bounds, gluon_lists, hm, causal, softmax_scale, skip_tiles, key_tile,
-            slots, order=gluon_order, route=route,
+        return gluon_fwd.forward(
+            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots,
+            order=order,
         )  # fmt: skip
-        if not split:
-            return out, lse
     if bounds is None:
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
     block_d = _block_d(d)
     even = config.even_fast_path
-    if out is None:
-        out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     even_m = even and sq % config.fwd_m == 0
     even_n = even and sk % config.fwd_n == 0
     even_d = even and d == block_d
@@ -1153,9 +1089,6 @@ def forward(
         flashmask_fwd_kernel, (tm, hq, b),
         q, k, v, out, lse, bounds, lists.entries, lists.counts,
         lists.counts if order is None else order, *descs,
-        lists.counts if route_lists is None else route_lists.counts,
-        GLUON_FWD_SPLIT_MIN_TILES if route_lists is not None else 0,
-        1 if route_lists is None else route_lists.counts.shape[-1],
         *_s3(q), *_s3(k), *_s3(v), *_s3(out),
         sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
         CAUSAL=causal,
@@ -1169,8 +1102,6 @@ def forward(
         USE_TMA=use_tma,
         TMA_FLAT=use_tma and flat,
         ORDERED=order is not None,
-        ROUTED=route_lists is not None,
-        ROUTE_TILE_ROWS=GLUON_FWD_TILE,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,

@@ -113,7 +113,6 @@ def launched_program(order_ptr, tiles, heads, ORDERED: tl.constexpr):
 @triton.jit
 def flashmask_fwd_kernel(
     Q, K, V, Out, Lse, Bounds, ListEntries, ListCounts, ProgramOrder, DescQ, DescK, DescV,
-    RouteCounts, route_min_tiles, route_num_tiles,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -131,8 +130,6 @@ def flashmask_fwd_kernel(
     USE_TMA: tl.constexpr,
     TMA_FLAT: tl.constexpr,
     ORDERED: tl.constexpr,
-    ROUTED: tl.constexpr,
-    ROUTE_TILE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -141,11 +138,7 @@ def flashmask_fwd_kernel(
     """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
     copies, no per-thread address arithmetic) instead of pointer loads; same values. ``TMA_FLAT``:
     the descriptors are 2-D (see :func:`load_rows_tma`). ``ORDERED``: programs run in the order
-    ``ProgramOrder`` gives (:func:`launched_program`). ``ROUTED``: the forward is split with
-    the Gluon forward (``kernels.GLUON_FWD_SPLIT_MIN_TILES``), which takes the query tiles of
-    ``ROUTE_TILE_ROWS`` rows whose skipping lists (their lengths in ``RouteCounts``, ``[B, Hm,
-    route_num_tiles]``) hold at least ``route_min_tiles`` key tiles; this kernel's programs
-    inside those return at once, leaving their rows of ``Out`` and ``Lse`` to it."""
+    ``ProgramOrder`` gives (:func:`launched_program`)."""
     grid_tile, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - grid_tile
@@ -153,11 +146,6 @@ def flashmask_fwd_kernel(
     h_kv = h // heads_per_kv
     h_mask = h // heads_per_mask_head
     b64 = b.to(tl.int64)
-    if ROUTED:
-        route_row = (b64 * num_mask_heads + h_mask) * route_num_tiles
-        route_count = tl.load(RouteCounts + route_row + m_tile // (ROUTE_TILE_ROWS // BLOCK_M))
-        if route_count >= route_min_tiles:
-            return
 
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

@@ -372,13 +372,12 @@ def gluon_fwd_kernel(
     order_ptr,
     stride_ob, stride_os, stride_oh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, route_counts_ptr, route_min_tiles,
+    num_m_tiles, num_n_tiles, qk_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
     ORDERED: gl.constexpr,
-    ROUTED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
@@ -388,18 +387,11 @@ def gluon_fwd_kernel(
     """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first (with
     ``ORDERED``, in the order of ``order_ptr``: ``kernels.tiles.program_order``). O is stored
     through ``o_desc`` (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view)
-    unless it is ``None``. ``ROUTED``: the forward is split with the Triton forward
-    (``kernels.GLUON_FWD_SPLIT_MIN_TILES``), which takes the query tiles whose skipping lists
-    (their lengths in ``route_counts_ptr``, laid out as ``counts_ptr``) hold fewer than
-    ``route_min_tiles`` key tiles; this kernel's programs for those return at once."""
+    unless it is ``None``."""
     m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
         bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, ORDERED,
     )  # fmt: skip
-    if ROUTED:
-        route_row = (b * num_mask_heads + h // heads_per_mask_head) * num_m_tiles + m_tile
-        if gl.load(route_counts_ptr + route_row) < route_min_tiles:
-            return
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -487,7 +479,6 @@ def forward(
     num_buffers: int = NUM_BUFFERS,
     *,
     order: torch.Tensor | None = None,
-    route: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
     ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
@@ -499,20 +490,8 @@ def forward(
     passes ``kernels.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256);
     other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
     ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
-    which the programs run. ``route = (counts, min_tiles)`` (the split forward,
-    ``kernels.GLUON_FWD_SPLIT_MIN_TILES``): compute only the query tiles whose skipping lists'
-    lengths (``counts``, shaped as ``lists.counts``; in dense mode they differ from
-    ``lists.counts``) are at least ``min_tiles``, leaving the other rows of ``out`` and ``lse``
-    unwritten, for the Triton forward to fill."""
+    which the programs run."""
     require_form("gluon_fwd.O_TMA", O_TMA)
-    if route is not None:
-        if route[1] < 1:
-            raise ValueError(f"route's min_tiles must be at least 1, got {route[1]}")
-        if route[0].shape != lists.counts.shape:
-            raise ValueError(
-                f"route's counts must be shaped as the lists' {tuple(lists.counts.shape)}, "
-                f"got {tuple(route[0].shape)}"
-            )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -536,11 +515,9 @@ def forward(
         lists.entries, lists.counts, lists.counts if order is None else order,
         out.stride(0), out.stride(1), out.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
-        softmax_scale * LOG2E_VALUE, lists.counts if route is None else route[0],
-        0 if route is None else route[1],
+        softmax_scale * LOG2E_VALUE,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
-        MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None,
-        ROUTED=route is not None, BLOCK_M=BLOCK_M,
+        MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, HEAD_DIM=d,
         NUM_BUFFERS=num_buffers, COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,
