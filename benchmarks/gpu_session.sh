@@ -120,6 +120,8 @@
 #                 at 8K and 32K, with do_bench over 1 s; gluon-chunks-add-128k CHUNKS_ADD_IN_KERNEL
 #                 at 128K full with its error against the Triton backward
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
+#   program-overhead program_overhead.py at 8K and 32K: each forward's and backward's fixed
+#                 cost per program and cost per tile, fitted over sliding windows of 128-8K keys
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
 #   gluon-forward-routing gluon_forward.py on all 12 masks at 8K and 16K, hd128 (routing data
 #                 for GLUON_FWD_MIN_MASKED_SEQLEN with the shipped O_TMA)
@@ -591,6 +593,11 @@ for step in "$@"; do
     gluon-forward-tiles)
         run_step gluon_forward_tiles python benchmarks/gluon_forward.py --seqlens 8192,32768 \
             --block-n 128,64 --buffers 2,3
+        ;;
+    program-overhead)
+        run_step program_overhead python benchmarks/program_overhead.py --seqlen 8192
+        run_step program_overhead_32k python benchmarks/program_overhead.py --seqlen 32768 \
+            --windows 255,1023,2047,4095,8191
         ;;
     gluon-forward-routing)
         all=full,causal,sliding_window,causal_document,document,share_question
