@@ -84,14 +84,18 @@ def compile_only(
 
 
 def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
-    """The Gluon forward on any mask and length (the library routes masked calls to it only
-    from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys)."""
+    """The Gluon forward on any mask and length, in the library's launch order (the library
+    routes masked calls to it only from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys)."""
     b, sq = q.shape[:2]
     bounds, (lists,) = kernels.prepare_cached(
         sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
     )
     hm = 1 if sri is None else sri.shape[1]
-    return gluon_fwd.forward(q, k, v, bounds, lists, hm, causal, scale, True, block_n, buffers)
+    # The library's launch order: with a mask, the longest lists first.
+    order = None if sri is None else kernels.program_order(lists, q.shape[2], True)
+    return gluon_fwd.forward(
+        q, k, v, bounds, lists, hm, causal, scale, True, block_n, buffers, order=order
+    )
 
 
 def check_and_time(

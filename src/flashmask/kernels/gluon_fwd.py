@@ -189,9 +189,11 @@ def load_partition(
         t = (w - gl.program_id(0)) // gl.num_programs(0)  # the program's tile number
         kv_row_base = b * seqlen_k
         kv_col = h_kv * HEAD_DIM
-        # Key tiles first: their slots free as the previous tile's products finish, its Q rows
-        # only after its O is stored, so these loads run under that tile's epilogue.
-        early = gl.minimum(count, num_buffers)
+        # After the program's first tile, key tiles first: their slots free as the previous
+        # tile's products finish, its Q rows only after its O is stored, so these loads run
+        # under that tile's epilogue. On the first, Q first (nothing to wait for; issued after
+        # the K/V tiles it would arrive behind their 192 KB).
+        early = gl.where(t == 0, 0, gl.minimum(count, num_buffers))
         for it in range(early):
             load_kv(
                 k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
