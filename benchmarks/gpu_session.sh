@@ -122,8 +122,6 @@
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
 #   program-overhead program_overhead.py at 8K and 32K: each forward's and backward's fixed
 #                 cost per program and cost per tile, fitted over sliding windows of 128-8K keys
-#   gluon-forward-persistent gluon_forward.py --persistent-ab on all 12 masks at 8K and 32K:
-#                 the Gluon forward (PERSISTENT as shipped and flipped) against the Triton one
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
 #   gluon-forward-routing gluon_forward.py on all 12 masks at 8K and 16K, hd128 (routing data
 #                 for GLUON_FWD_MIN_MASKED_SEQLEN with the shipped O_TMA)
@@ -600,13 +598,6 @@ for step in "$@"; do
         run_step program_overhead python benchmarks/program_overhead.py --seqlen 8192
         run_step program_overhead_32k python benchmarks/program_overhead.py --seqlen 32768 \
             --windows 255,1023,2047,4095,8191
-        ;;
-    gluon-forward-persistent)
-        all=full,causal,sliding_window,causal_document,document,share_question
-        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
-        all=$all,qk_sparse,random_eviction
-        run_step gluon_forward_persistent python benchmarks/gluon_forward.py \
-            --seqlens 8192,32768 --masks "$all" --persistent-ab
         ;;
     gluon-forward-routing)
         all=full,causal,sliding_window,causal_document,document,share_question
