@@ -82,17 +82,24 @@ def compile_only(
     }
 
 
-def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
-    """The Gluon forward on any mask and length, in the library's launch order (the library
-    routes masked calls to it only from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys; the
-    twenty-first session's and earlier logs of this script ran it in the grid's order)."""
+def library_preparation(q, k, sri, causal, block_n):
+    """``(bounds, lists, mask heads, order)`` that the library prepares for the Gluon forward
+    at key tile ``block_n``: its row lists and, with a mask, its launch order (the longest
+    lists first)."""
     b, sq = q.shape[:2]
     bounds, (lists,) = kernels.prepare_cached(
         sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
     )
     hm = 1 if sri is None else sri.shape[1]
-    # The library's launch order: with a mask, the longest lists first.
     order = None if sri is None else kernels.program_order(lists, q.shape[2], True)
+    return bounds, lists, hm, order
+
+
+def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
+    """The Gluon forward on any mask and length, in the library's launch order (the library
+    routes masked calls to it only from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys; the
+    twenty-first session's and earlier logs of this script ran it in the grid's order)."""
+    bounds, lists, hm, order = library_preparation(q, k, sri, causal, block_n)
     return gluon_fwd.forward(
         q, k, v, bounds, lists, hm, causal, scale, True, block_n, buffers, order=order
     )

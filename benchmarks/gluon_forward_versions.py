@@ -23,14 +23,10 @@ import importlib.util
 import torch
 import triton
 from bench_cases import mask_case
+from gluon_forward import library_preparation
 
-from flashmask import kernels
+from flashmask import kernels, masks
 from flashmask.kernels import gluon_fwd
-
-MASKS = (
-    "full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,"
-    "causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction"
-)
 
 
 def _load(path: str):
@@ -46,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="path of the other gluon_fwd.py")
     parser.add_argument("--seqlens", default="8192,32768")
-    parser.add_argument("--masks", default=MASKS)
+    parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))
     parser.add_argument("--rep-ms", type=int, default=60)
     parser.add_argument("--persistent", action="store_true")
     args = parser.parse_args()
@@ -57,16 +53,14 @@ def main() -> None:
             parser.error("--persistent: this gluon_fwd has no PERSISTENT flag")
         forms = {"per-tile": 0, "persistent": 1}
     d, h = 128, 16
+    block_n, slots = kernels.gluon_forward_tiles(d)
     for s in (int(x) for x in args.seqlens.split(",")):
         b = max(1, 32768 // s)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
         for name in args.masks.split(","):
             _, sri, causal = mask_case(name, s, b)
-            shape = (kernels.GLUON_FWD_TILE, kernels.gluon_forward_tiles(d)[0], True)
-            bounds, (lists,) = kernels.prepare_cached(sri, causal, s, s, b, q.device, [shape])
-            hm = 1 if sri is None else sri.shape[1]
-            order = None if sri is None else kernels.program_order(lists, h, True)
-            call = (q, k, v, bounds, lists, hm, causal, d**-0.5, True, shape[1], 3)
+            bounds, lists, hm, order = library_preparation(q, k, sri, causal, block_n)
+            call = (q, k, v, bounds, lists, hm, causal, d**-0.5, True, block_n, slots)
 
             def run_base(call=call, order=order):
                 return base.forward(*call, order=order)

@@ -57,7 +57,7 @@ def main() -> None:
     cfg = kernels.tile_config(d, has_mask=True)
     triton_bwd = replace(cfg, bwd_gluon=False)
     limit = kernels.GLUON_FWD_MIN_MASKED_SEQLEN
-    # (label, list shape, config or forward length limit): each kernel's own list shape.
+    # Each kernel's own list shape (row lists for a forward, column lists for a backward).
     gluon_fwd_shape = (kernels.GLUON_FWD_TILE, kernels.gluon_forward_tiles(d)[0], True)
     gluon_bwd_shape = (kernels.GLUON_BWD_QUERIES, kernels.GLUON_BWD_KEYS, False)
     variants = {
@@ -94,7 +94,6 @@ def main() -> None:
 
                 pass_flop = flop * 2.5
             run()
-            # Each kernel's own lists (row lists for a forward, column lists for a backward).
             tiles, programs = _lists_of(sri, s, b, shape, h)
             programs_of[name] = programs
             ms = triton.testing.do_bench(run, rep=100)
