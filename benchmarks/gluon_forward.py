@@ -58,7 +58,8 @@ def compile_only(
         "stride_oh": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
-        "num_n_tiles": "i32", "qk_scale": "fp32",
+        "num_n_tiles": "i32", "qk_scale": "fp32", "num_items": "i32",
+        "next_item_ptr": "*i32",
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "MASK_FULL_TILES": dense, "ORDERED": True, "BLOCK_M": block, "BLOCK_N": block_n,
@@ -108,12 +109,15 @@ def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
     block_ns: list[int], buffer_counts: list[int], o_tma_ab: bool = False,
+    persistent_ab: bool = False,
 ) -> None:  # fmt: skip
     """Out/lse against the Triton forward and both timed, per sequence length and mask; the
     Gluon forward once per key tile in ``block_ns`` and K/V ring depth in ``buffer_counts``;
     with ``o_tma_ab`` also with O stored the other way than ``gluon_fwd.o_by_tma`` ships for
     the case (``O_TMA`` 0 or 1), its out/lse compared bitwise with the shipped setting's (the
-    same values, stored another way)."""
+    same values, stored another way); with ``persistent_ab`` also with ``gluon_fwd.PERSISTENT``
+    flipped (one program per SM looping over the query tiles, or one per tile), bitwise as
+    well (each tile's arithmetic is the same)."""
 
     for s in seqlens:
         b, h = max(1, tokens // s), hidden // d
@@ -158,6 +162,23 @@ def check_and_time(
                         f" | O_TMA={flipped} {alt_ms:.3f} ms "
                         f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
                     )
+                if persistent_ab:
+                    shipped = gluon_fwd.PERSISTENT
+                    gluon_fwd.PERSISTENT = 1 - shipped
+                    try:
+                        alt_out, alt_lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
+                        same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
+                        alt_ms = triton.testing.do_bench(
+                            lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(
+                                q, k, v, sri, c, scale, bn, nb
+                            )
+                        )
+                    finally:
+                        gluon_fwd.PERSISTENT = shipped
+                    line += (
+                        f" | PERSISTENT={1 - shipped} {alt_ms:.3f} ms "
+                        f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
+                    )
             print(line, flush=True)
 
 
@@ -181,6 +202,11 @@ def main() -> None:
         action="store_true",
         help="also time the Gluon forward with O stored the other way than shipped for each case "
         "(gluon_fwd.O_TMA 0 or 1; bitwise out/lse check)",
+    )
+    parser.add_argument(
+        "--persistent-ab",
+        action="store_true",
+        help="also time the Gluon forward with gluon_fwd.PERSISTENT flipped (bitwise check)",
     )
     args = parser.parse_args()
     if args.compile_only:
@@ -210,7 +236,7 @@ def main() -> None:
     buffer_counts = [int(x) for x in (args.buffers or str(default_slots)).split(",")]
     check_and_time(
         args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim, block_ns,
-        buffer_counts, args.o_tma_ab,
+        buffer_counts, args.o_tma_ab, args.persistent_ab,
     )  # fmt: skip
 
 

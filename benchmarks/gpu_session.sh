@@ -136,6 +136,8 @@
 #                 host-breakdown: the same with the host time inside named library functions;
 #   eager-check   eager_check.py: flashmask_attention's autograd.Function path against the
 #                 custom ops on the GPU kernels (bitwise), and the host time of each
+#   gluon-versions gluon_forward_versions.py: BASELINE=FILE (a gluon_fwd.py) against the
+#                 library's Gluon forward or CANDIDATES=a.py,b.py, 12 masks at 8K and 32K
 #   host-costs    host_costs.py: each phase of a Triton launch's host time, per kernel, and the
 #                 library's Python layers alone (stand-in kernels), cached 8K calls
 # STEP_TIMEOUT (seconds) bounds each step: default 280, and 380 for the GPU checks (the ninth
@@ -639,6 +641,23 @@ for step in "$@"; do
         run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \
             --head-dims 128 --masks full,causal --rep-ms 100 --dense-limit-gb 0.5 \
             --out "$OUT/bench_hd128_nomask"
+        ;;
+    gluon-versions)
+        # BASELINE=FILE [CANDIDATES=a.py,b.py]: gluon_forward_versions.py. Its kernels compile
+        # first in three processes at once (one mask group each, one short run of every form),
+        # so that the timed process, alone on the GPU, finds them in the cache.
+        start=$SECONDS
+        for group in full,causal,sliding_window,causal_document \
+            document,share_question,global_sliding_window,causal_blockwise \
+            prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction; do
+            timeout "$limit" python benchmarks/gluon_forward_versions.py \
+                --baseline "${BASELINE:?set BASELINE}" --candidates "${CANDIDATES:-}" \
+                --masks "$group" --rep-ms 1 >/dev/null 2>&1 &
+        done
+        wait
+        echo "== gluon-versions: compiled in $((SECONDS - start)) s"
+        run_step gluon_forward_versions python benchmarks/gluon_forward_versions.py \
+            --baseline "$BASELINE" --candidates "${CANDIDATES:-}"
         ;;
     *)
         echo "unknown step: $step" >&2

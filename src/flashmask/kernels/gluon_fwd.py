@@ -86,6 +86,15 @@ COMPUTE_REGISTERS = 240
 # 3.3% / 1.6% slower (hd64: -0.7% / -1.0%). 2: TMA stores except for full attention (no mask,
 # not causal); 1: everywhere; 0: nowhere (the last two for measurement).
 O_TMA = 2
+# One program per SM, each taking query tiles one after another (1), instead of one program per
+# query tile (0). A one-program-per-tile launch paid ~7 us per program besides its key tiles,
+# 218 us of an 8K sliding-window forward of 479 us (``results/program_overhead_s22.log``): the
+# Q load, the pipeline's fill, O's and lse's stores and the launch itself, none of which another
+# program could overlap at one 224 KB program per SM. Looping, the next tile's first K/V tiles
+# load under this tile's last products and its O stores. The tiles are taken dynamically (a
+# counter, in the launch order): statically strided, programs of unequal lists lost up to 18%
+# (twenty-second session, ``results/gluon_forward_persistent_vs_s21_s22.log``).
+PERSISTENT = 1
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -137,40 +146,121 @@ def hide_pairs(
 
 
 @gluon.jit
-def load_partition(
-    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
-    entries, count, q_row0, kv_row_base, q_col, kv_col,
-    BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    """Producer warp: Q once, then each listed key tile's K and V into the next free slot."""
+def load_kv(k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step, kv_row_base,
+            kv_col, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Key tile ``it`` of a query tile's list into the slot of the program's ring step
+    ``step``, once both warpgroups have released that slot's previous round."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [q_row0, q_col], q_bar, q_smem)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-    for it in range(count):
-        entry = gl.load(entries + it)
-        n_tile = gl.where(entry >= 0, entry, -entry - 1)
-        slot = it % num_buffers
-        # A slot's "empty" barrier starts in the completed phase, so the first round never waits.
-        mbarrier.wait(kv_empty.index(slot), ((it // num_buffers) & 1) ^ 1)
-        ready = kv_ready.index(slot)
-        mbarrier.expect(ready, kv_bytes)
-        row = kv_row_base + n_tile * BLOCK_N
-        tma_load(k_desc, [row, kv_col], ready, k_bufs.index(slot))
-        tma_load(v_desc, [row, kv_col], ready, v_bufs.index(slot))
+    entry = gl.load(entries + it)
+    n_tile = gl.where(entry >= 0, entry, -entry - 1)
+    slot = step % num_buffers
+    # A slot's "empty" barrier starts in the completed phase, so the first round never waits.
+    mbarrier.wait(kv_empty.index(slot), ((step // num_buffers) & 1) ^ 1)
+    ready = kv_ready.index(slot)
+    mbarrier.expect(ready, kv_bytes)
+    row = kv_row_base + n_tile * BLOCK_N
+    tma_load(k_desc, [row, kv_col], ready, k_bufs.index(slot))
+    tma_load(v_desc, [row, kv_col], ready, v_bufs.index(slot))
+
+
+@gluon.jit
+def publish_item(items, item_ready, item_empty, w, t):
+    """Producer: work item ``w`` as the program's ``t``-th, into slot ``t % 2`` of the item
+    ring once both warpgroups have read what it held (``item_empty``)."""
+    slot = t % 2
+    mbarrier.wait(item_empty.index(slot), ((t // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    items.index(slot).store(gl.full([1], w, gl.int32, layout))
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def receive_item(items, item_ready, item_empty, t):
+    """Consumer warpgroup: the program's ``t``-th work item, from the producer's item ring."""
+    slot = t % 2
+    mbarrier.wait(item_ready.index(slot), (t // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    w = gl.max(items.index(slot).load(layout), 0)
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return w
+
+
+@gluon.jit
+def load_partition(
+    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
+    items, item_ready, item_empty, next_item_ptr,
+    bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, seqlen_q, seqlen_k, num_heads_q,
+    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    ORDERED: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """Producer warp: the program's work items (its own first, then each next one from the
+    launch's counter ``next_item_ptr``, handed to the consumers through the item ring), and for
+    each query tile the first key tiles of its list, its Q tile once both warpgroups have
+    stored the previous tile's O, then the rest; the K/V ring's steps run on across tiles."""
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    programs = gl.num_programs(0)
+    # One program per item (the grid has them all): no counter to take the next from.
+    dynamic = programs < num_items
+    w = gl.program_id(0)
+    t = 0
+    step = 0
+    while w < num_items:
+        m_tile, h, b, h_kv, _, count, entries = query_tile_program(
+            bounds_ptr, entries_ptr, counts_ptr, order_ptr, w, seqlen_k, num_heads_q,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            ORDERED,
+        )  # fmt: skip
+        kv_row_base = b * seqlen_k
+        kv_col = h_kv * HEAD_DIM
+        # After the program's first tile, key tiles first: their slots free as the previous
+        # tile's products finish, its Q rows only after its O is stored, so these loads run
+        # under that tile's epilogue. On the first, Q first (nothing to wait for).
+        first = gl.minimum(count, num_buffers)
+        early = gl.where(t == 0, 0, first)
+        for it in range(early):
+            load_kv(
+                k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
+                kv_row_base, kv_col, BLOCK_N,
+            )  # fmt: skip
+        mbarrier.wait(q_empty, (t & 1) ^ 1)
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        tma_load(q_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], q_ready, q_smem)
+        for it in range(early, first):
+            load_kv(
+                k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
+                kv_row_base, kv_col, BLOCK_N,
+            )  # fmt: skip
+        # The next item once the first loads are in flight: a scalar atomic in a partition
+        # waits for its result's broadcast, which must not hold up this tile's loads.
+        nxt = w + programs
+        if dynamic:
+            nxt = gl.atomic_add(next_item_ptr, 1, sem="relaxed") + programs
+        for it in range(first, count):
+            load_kv(
+                k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
+                kv_row_base, kv_col, BLOCK_N,
+            )  # fmt: skip
+        publish_item(items, item_ready, item_empty, nxt, t)
+        step += count
+        t += 1
+        w = nxt
 
 
 @gluon.jit
 def pingpong_tile(
-    q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries, it, prev,
-    bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k, qk_scale,
+    q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries, it, step,
+    prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup's step ``it`` over a query tile's list: wait for the key tile's
-    slot (the ``it``-th of the program's ring) and this warpgroup's turn, issue ``S = Q K^T`` and
+    slot (the program's ring step ``step``) and this warpgroup's turn, issue ``S = Q K^T`` and
     the previous tile's ``O += P V`` (from slot ``prev``; ``0 · V`` on the first step), hand the
     turn over, release the previous slot, then the online softmax of this tile. Returns the
     updated ``(m_i, l_i, acc, p)``; the last tile's ``P V`` is :func:`finish_rows`'s."""
@@ -181,9 +271,10 @@ def pingpong_tile(
     p_layout: gl.constexpr = p_prev.type.layout
     entry = gl.load(entries + it)
     n_tile = gl.where(entry >= 0, entry, -entry - 1)
-    slot = it % num_buffers
-    mbarrier.wait(kv_ready.index(slot), (it // num_buffers) & 1)
-    mbarrier.wait(my_turn, it & 1)
+    slot = step % num_buffers
+    mbarrier.wait(kv_ready.index(slot), (step // num_buffers) & 1)
+    # The turns alternate over the program's steps, across its query tiles.
+    mbarrier.wait(my_turn, step & 1)
     s_token = warpgroup_mma(
         q_half, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
@@ -252,22 +343,24 @@ def finish_rows(
 
 @gluon.jit
 def _compute_partition(
-    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count, bounds_ptr,
-    out_ptr, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q, seqlen_k, qk_scale,
-    o_desc, q_row0, q_col,
+    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items, item_ready,
+    item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, out_ptr, lse_ptr,
+    stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, qk_scale, o_desc,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
+    ORDERED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     WG: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroup ``WG``: query rows ``WG * 64 ...`` of the tile; online softmax over
-    the listed key tiles, taking turns at the tensor cores with the other warpgroup; then O and
-    lse of its rows (O through ``o_desc`` where given: the tile's rows start at ``q_row0`` of
-    Q's and O's 2-D views, the head's columns at ``q_col``)."""
+    """Consumer warpgroup ``WG``, for each query tile of the program: rows ``WG * 64 ...`` of
+    the tile; online softmax over the listed key tiles, taking turns at the tensor cores with
+    the other warpgroup; then O and lse of its rows (O through ``o_desc`` where given), after
+    which its Q rows are the producer's again."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     half: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_smem.dtype
@@ -280,27 +373,45 @@ def _compute_partition(
     q_half = q_smem.slice(WG * half, half)
     my_turn = turns.index(WG)
     other_turn = turns.index(1 - WG)
-    m_i = gl.full([half], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([half], gl.float32, row_layout)
-    acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
     zero_s = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
-    p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
-    rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
     offs_n = gl.arange(0, BLOCK_N, col_layout)
-
-    mbarrier.wait(q_bar, 0)
-    for it in range(count):
-        # The previous tile's slot (the first tile's own: 0 · V_0, exact zeros).
-        prev = gl.maximum(it - 1, 0) % num_buffers
-        m_i, l_i, acc, p_prev = pingpong_tile(
-            q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s, entries,
-            it, prev, bounds_ptr, rows, offs_n, m_i, l_i, acc, p_prev, seqlen_q, seqlen_k,
-            qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+    step = 0
+    t = 0
+    # The program's first item is its index; each next one comes from the producer.
+    w = gl.program_id(0)
+    while w < num_items:
+        m_tile, h, b, _, bounds, count, entries = query_tile_program(
+            bounds_ptr, entries_ptr, counts_ptr, order_ptr, w, seqlen_k, num_heads_q,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            ORDERED,
         )  # fmt: skip
-    finish_rows(
-        v_bufs, kv_empty, count, (count - 1) % num_buffers, m_i, l_i, acc, p_prev, out_ptr,
-        out_row0, stride_os, lse_ptr, lse_row0, q_half, o_desc, q_row0 + WG * half, q_col, WG,
-    )  # fmt: skip
+        q_row0, out_head, out_row0, lse_row0 = query_tile_rows(
+            m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q, BLOCK_M
+        )
+        m_i = gl.full([half], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([half], gl.float32, row_layout)
+        acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
+        p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
+        rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
+        mbarrier.wait(q_ready, t & 1)
+        for it in range(count):
+            # The previous tile's slot (the first tile's own: 0 · V_0, exact zeros).
+            prev = gl.maximum(step + it - 1, step) % num_buffers
+            m_i, l_i, acc, p_prev = pingpong_tile(
+                q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s,
+                entries, it, step + it, prev, bounds, rows, offs_n, m_i, l_i, acc, p_prev,
+                seqlen_q, seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+            )  # fmt: skip
+        finish_rows(
+            v_bufs, kv_empty, count, (step + count - 1) % num_buffers, m_i, l_i, acc, p_prev,
+            out_head, out_row0, stride_os, lse_ptr, lse_row0, q_half, o_desc,
+            q_row0 + WG * half, h * HEAD_DIM, WG,
+        )  # fmt: skip
+        # Its Q rows are read (and, with o_desc, stored from): the next tile's may load.
+        mbarrier.arrive(q_empty, count=1)
+        w = receive_item(items, item_ready, item_empty, t)
+        step += count
+        t += 1
 
 
 @gluon.jit
@@ -335,15 +446,26 @@ def launched_program(order_ptr, tiles, heads, ORDERED: gl.constexpr):
 
 
 @gluon.jit
+def work_item(w, order_ptr, tiles, heads, ORDERED: gl.constexpr):
+    """``(p, h, b)``: the position in the grid ``(tiles, heads, batch)`` of work item ``w``
+    (its linear index there or, with ``ORDERED``, the item ``order_ptr`` gives it:
+    ``kernels.tiles.program_order``, as :func:`launched_program` reads it)."""
+    item = w
+    if ORDERED:
+        item = gl.load(order_ptr + w)
+    return item % tiles, (item // tiles) % heads, item // (tiles * heads)
+
+
+@gluon.jit
 def query_tile_program(
-    bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
+    bounds_ptr, entries_ptr, counts_ptr, order_ptr, w, seqlen_k, num_heads_q, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
     ORDERED: gl.constexpr,
 ):  # fmt: skip
-    """This program of the grid ``(query tiles, query heads, batch)``, heaviest query tiles
+    """Work item ``w`` of the items ``(query tiles, query heads, batch)``, heaviest query tiles
     first (in the order ``order_ptr`` gives with ``ORDERED``): ``(query tile, query head,
     batch, kv head, its mask head's bounds, the tile's list length and entries)``."""
-    p, h, b = launched_program(order_ptr, num_m_tiles, num_heads_q, ORDERED)
+    p, h, b = work_item(w, order_ptr, num_m_tiles, num_heads_q, ORDERED)
     m_tile = num_m_tiles - 1 - p
     bounds, count, entries = query_tile_list(
         m_tile, h, b, bounds_ptr, entries_ptr, counts_ptr, seqlen_k, heads_per_mask_head,
@@ -372,7 +494,7 @@ def gluon_fwd_kernel(
     order_ptr,
     stride_ob, stride_os, stride_oh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale,
+    num_m_tiles, num_n_tiles, qk_scale, num_items, next_item_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -384,24 +506,33 @@ def gluon_fwd_kernel(
     NUM_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(query tiles, query heads, batch)``, heaviest query tiles first (with
-    ``ORDERED``, in the order of ``order_ptr``: ``kernels.tiles.program_order``). O is stored
-    through ``o_desc`` (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view)
-    unless it is ``None``."""
-    m_tile, h, b, h_kv, bounds, count, entries = query_tile_program(
-        bounds_ptr, entries_ptr, counts_ptr, order_ptr, seqlen_k, num_heads_q, heads_per_kv,
-        heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, ORDERED,
-    )  # fmt: skip
+    """A 1-D grid over the ``num_items = query tiles x query heads x batch`` work items,
+    heaviest query tiles first (with ``ORDERED``, in the order of ``order_ptr``:
+    ``kernels.tiles.program_order``): program ``i`` takes items ``i, i + grid, ...`` (one each
+    when the grid has them all; ``PERSISTENT``: one program per SM, each looping). ``q_desc``
+    loads 64-row blocks (each warpgroup's half of a tile). O is stored through ``o_desc``
+    (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view) unless it is
+    ``None``."""
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # The Q tile loaded (q_ready) and free for the next tile's (q_empty: both warpgroups).
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # The producer's work items for the consumers: two slots, each read by both warpgroups.
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both warpgroups release the Q tile
+    for i in gl.static_range(2):
+        mbarrier.init(item_ready.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=2)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both warpgroups release a slot
@@ -409,42 +540,58 @@ def gluon_fwd_kernel(
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 has the first turn
 
-    q_row0, out_head, out_row0, lse_row0 = query_tile_rows(
-        m_tile, h, b, out_ptr, stride_ob, stride_os, stride_oh, seqlen_q, num_heads_q, BLOCK_M
-    )
     gl.warp_specialize(
         [
             # gluon.jit takes no argument spreading: the two warpgroups' lists differ in WG only.
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
-                    bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
-                    seqlen_k, qk_scale, o_desc, q_row0, h * HEAD_DIM, CAUSAL, HAS_MASK,
-                    HAS_UPPER, MASK_FULL_TILES, BLOCK_M, BLOCK_N, HEAD_DIM, 0,
+                    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
+                    num_items, out_ptr, lse_ptr,
+                    stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
+                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+                    qk_scale, o_desc, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ORDERED,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, 0,
                 ),
             ),
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty, turns, entries, count,
-                    bounds, out_head, lse_ptr, out_row0, stride_os, lse_row0, m_tile, seqlen_q,
-                    seqlen_k, qk_scale, o_desc, q_row0, h * HEAD_DIM, CAUSAL, HAS_MASK,
-                    HAS_UPPER, MASK_FULL_TILES, BLOCK_M, BLOCK_N, HEAD_DIM, 1,
+                    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
+                    num_items, out_ptr, lse_ptr,
+                    stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
+                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+                    qk_scale, o_desc, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ORDERED,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, 1,
                 ),
             ),
             (
                 load_partition,
                 (
-                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, kv_ready, kv_empty,
-                    entries, count, q_row0, b * seqlen_k, h * HEAD_DIM, h_kv * HEAD_DIM,
-                    BLOCK_N,
+                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
+                    kv_empty, items, item_ready, item_empty, next_item_ptr, bounds_ptr,
+                    entries_ptr, counts_ptr, order_ptr, num_items,
+                    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+                    num_mask_heads, num_m_tiles, num_n_tiles, ORDERED, BLOCK_M, BLOCK_N,
+                    HEAD_DIM,
                 ),
             ),
         ],
         [4, 1],
         [COMPUTE_REGISTERS, 24],
     )  # fmt: skip
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device`` (a CUDA device), asked once per device."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache  # frozen: one object per shape serves every launch (host time)
@@ -492,12 +639,15 @@ def forward(
     ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
     which the programs run."""
     require_form("gluon_fwd.O_TMA", O_TMA)
+    if PERSISTENT not in (0, 1):
+        raise ValueError(f"gluon_fwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     tm, tn = lists.entries.shape[-2:]
     q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
+    half = BLOCK_M // 2  # O stores move each warpgroup's 64 rows
     q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], shared_layout(BLOCK_M, d, q.dtype))
     kv_layout = shared_layout(block_n, d, q.dtype)
     k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
@@ -507,15 +657,21 @@ def forward(
     o_desc = None
     if o_by_tma(causal, bounds is not None):  # each warpgroup's 64 rows: half of Q's tile
         o_desc = TensorDescriptor.from_tensor(
-            out.view(b * sq, hq * d), [BLOCK_M // 2, d], shared_layout(BLOCK_M // 2, d, q.dtype)
+            out.view(b * sq, hq * d), [half, d], shared_layout(half, d, q.dtype)
         )
+    num_items = tm * hq * b
+    programs = min(num_items, sm_count(q.device)) if PERSISTENT else num_items
+    # Items past the first ``programs`` are taken from this counter, one at a time.
+    next_item = lists.counts  # not read with one program per item
+    if programs < num_items:
+        next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
     launch_kernel(
-        gluon_fwd_kernel, (tm, hq, b),
+        gluon_fwd_kernel, (programs,),
         q_desc, k_desc, v_desc, out, o_desc, lse, lists.counts if bounds is None else bounds,
         lists.entries, lists.counts, lists.counts if order is None else order,
         out.stride(0), out.stride(1), out.stride(2),
         sq, sk, hq, hq // hk, hq // num_mask_heads, num_mask_heads, tm, tn,
-        softmax_scale * LOG2E_VALUE,
+        softmax_scale * LOG2E_VALUE, num_items, next_item,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, HEAD_DIM=d,
