@@ -136,6 +136,8 @@
 #                 host-breakdown: the same with the host time inside named library functions;
 #   eager-check   eager_check.py: flashmask_attention's autograd.Function path against the
 #                 custom ops on the GPU kernels (bitwise), and the host time of each
+#   gluon-forward-short gluon_forward.py on all 12 masks, hd128 at 4K-16K, hd64 at 4K-32K (the
+#                 masked routing limit's data)
 #   gluon-versions gluon_forward_versions.py: BASELINE=FILE (a gluon_fwd.py) against the
 #                 library's Gluon forward or CANDIDATES=a.py,b.py, 12 masks at 8K and 32K
 #   host-costs    host_costs.py: each phase of a Triton launch's host time, per kernel, and the
@@ -641,6 +643,17 @@ for step in "$@"; do
         run_step bench_hd128_nomask python -m flashmask bench --seqlens 8192,32768 \
             --head-dims 128 --masks full,causal --rep-ms 100 --dense-limit-gb 0.5 \
             --out "$OUT/bench_hd128_nomask"
+        ;;
+    gluon-forward-short)
+        # The Gluon forward against the Triton one on all 12 masks below the masked routing
+        # limit (kernels.GLUON_FWD_MIN_MASKED_SEQLEN): hd128 at 4K-16K, hd64 at 4K-32K.
+        all=full,causal,sliding_window,causal_document,document,share_question
+        all=$all,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
+        all=$all,qk_sparse,random_eviction
+        run_step gluon_forward_short python benchmarks/gluon_forward.py \
+            --seqlens 4096,8192,16384 --masks "$all"
+        run_step gluon_forward_short_hd64 python benchmarks/gluon_forward.py --head-dim 64 \
+            --seqlens 4096,8192,16384,32768 --masks "$all"
         ;;
     gluon-versions)
         # BASELINE=FILE [CANDIDATES=a.py,b.py]: gluon_forward_versions.py. Its kernels compile
