@@ -239,6 +239,11 @@ def main() -> int:
         default="",
         help="gluon_bwd256 launch constants for the run, e.g. DKDV_TMA=1 (as --gluon-bwd)",
     )
+    parser.add_argument(
+        "--gluon-fwd",
+        default="",
+        help="gluon_fwd launch constants for the run, e.g. MAX_PROGRAMS=3 (as --gluon-bwd)",
+    )
     add_o_tma_option(parser, "the run")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -258,14 +263,15 @@ def main() -> int:
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
-    if args.gluon_bwd or args.gluon_bwd256:
+    if args.gluon_bwd or args.gluon_bwd256 or args.gluon_fwd:
         from gluon_backward import apply_gluon_bwd_option
 
-        from flashmask.kernels import gluon_bwd, gluon_bwd256
+        from flashmask.kernels import gluon_bwd, gluon_bwd256, gluon_fwd
 
         for text, module, option in (
             (args.gluon_bwd, gluon_bwd, "--gluon-bwd"),
             (args.gluon_bwd256, gluon_bwd256, "--gluon-bwd256"),
+            (args.gluon_fwd, gluon_fwd, "--gluon-fwd"),
         ):
             if text:
                 apply_gluon_bwd_option(parser, text, module, option)
@@ -376,6 +382,7 @@ def main() -> int:
         args.gluon_everywhere and "gluon-everywhere",
         args.gluon_bwd,
         args.gluon_bwd256 and f"gluon_bwd256 {args.gluon_bwd256}",
+        args.gluon_fwd and f"gluon_fwd {args.gluon_fwd}",
         o_tma_label,
     ]
     variant = " ".join(filter(None, [args.variant, *flags]))

@@ -68,6 +68,8 @@
 #                 and every eligible deterministic=False one on the Gluon backward
 #                 (--gluon-everywhere: the check's 1K masks are below the library's 4K-32K limits;
 #                 --variant fwd_gluon=1 up to head dim 256: the forward at hd64 and hd256 too)
+#   check-gluon-programs check-gluon with gluon_fwd.MAX_PROGRAMS=3 (the persistent forward's
+#                 programs each loop over many of a case's query tiles)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
 #   check-mixed   check-gluon's cases with the Triton forward before the Gluon backward (the
 #                 route masked hd64 calls from 8K keys take)
@@ -365,6 +367,12 @@ for step in "$@"; do
     check-gluon)
         check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256" \
             gpu_check_gluon
+        ;;
+    check-gluon-programs)
+        # check-gluon with the persistent Gluon forward on at most 3 programs, so that each
+        # loops over many query tiles (the check's cases have fewer tiles than the SMs).
+        check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256 \
+            --gluon-fwd MAX_PROGRAMS=3" gpu_check_gluon_programs3
         ;;
     check-mixed)
         check "--quick --gluon-everywhere --variant fwd_gluon=0 --variant-max-head-dim 256" \

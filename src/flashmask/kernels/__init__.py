@@ -98,7 +98,8 @@ class TileConfig:
     # it applies: Hopper, a positive scale, inputs ``gluon_forward_eligible`` accepts and, with a
     # mask, the length limit of ``_use_gluon_forward``. On by default at D = 128, where the H200
     # measured it 1.22-1.31x the Triton forward on full/causal and 1.04-1.28x on 11 of 12 masks
-    # at 32K (benchmarks/NOTES.md, seventh session); at D = 64 without a mask only.
+    # at 32K (benchmarks/NOTES.md, seventh session; from 8K keys since the twenty-third); at
+    # D = 64 without a mask only.
     fwd_gluon: bool = False
     # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
     # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
@@ -708,13 +709,17 @@ GLUON_BWD256_KEYS = 64
 # length (full/causal 1.15-1.2x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts
 # these limits and the forward's to check both kernels on its short masked cases.
 GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 8192, 128: 4096}
-# The same for the Gluon forward: at 8K its 128x128 tiles lost to the Triton forward's 64x64
-# ones on the sparse masks (sliding_window 0.81x, share_question 0.83x, global_sliding_window
-# 0.89x, causal_document 0.98x) and won on the denser ones (1.04-1.17x); at 16K it still lost
-# on three of the five sparsest (sliding_window 0.93x, share_question 0.73x, causal_document
-# 0.90x; ``results/gluon_forward_16k_s9.log``); at 32K it won on 11 of 12 masks (1.04-1.28x;
-# share_question 0.92x; benchmarks/results/gluon_forward_masks_s7.log).
-GLUON_FWD_MIN_MASKED_SEQLEN = 32768
+# The same for the Gluon forward. With one program per query tile it lost at 8K to the Triton
+# forward's 64x64 tiles on the sparse masks (sliding_window 0.92x, share_question 0.94x,
+# global_sliding_window 0.83x; ``results/gluon_forward_routing_s21.log``): each program paid
+# ~7 us besides its tiles (``program_overhead_s22.log``). With one program per SM taking the
+# query tiles dynamically (``gluon_fwd.PERSISTENT``, twenty-third session), against the Triton
+# forward (``results/gluon_forward_short_s23.log``): at 8K 1.04-1.22x on seven of ten masks and
+# 0.93-0.97x on sliding_window, share_question and global_sliding_window, 11% less forward
+# time summed over the ten; at 16K 1.03-1.23x on nine, share_question 0.88x; at 4K 0.86-0.94x
+# on four. Used from 8K keys (the launcher knows a mask only as a GPU tensor: its lists'
+# lengths, which decide, are not read on the host).
+GLUON_FWD_MIN_MASKED_SEQLEN = 8192
 
 
 def gluon_backward_eligible(

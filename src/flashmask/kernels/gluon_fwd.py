@@ -27,10 +27,12 @@ Each query row sees the same arithmetic in the same order as in the sixth sessio
 kernel (both warpgroups in one partition), and on the H200 the outputs and lse matched it bit for
 bit on every case measured, while the ping-pong ran 5-22% faster: full 32K 502 -> 611 TFLOP/s,
 causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Against the Triton forward it
-is 1.22-1.31x on full/causal and, at 32K, 1.04-1.28x on 11 of the 12 masks, so the launcher uses
-it at hd128 on Hopper without a mask and with an interval mask from 32K keys
-(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_masks_s7.log``,
-``gluon_forward_16k_s9.log``). Descriptors
+is 1.22-1.31x on full/causal and, at 32K, 1.04-1.28x on 11 of the 12 masks. Since the
+twenty-third session one program per SM takes the query tiles one after another
+(``PERSISTENT``), from a counter in the launch order, so that the next tile's first K/V loads
+run under this tile's last products and its O stores; with that the launcher uses it at hd128 on
+Hopper without a mask and with an interval mask from 8K keys
+(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_short_s23.log``). Descriptors
 are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D``
 in {64, 128} (``kernels.gluon_forward_eligible``).
 
@@ -93,8 +95,16 @@ O_TMA = 2
 # program could overlap at one 224 KB program per SM. Looping, the next tile's first K/V tiles
 # load under this tile's last products and its O stores. The tiles are taken dynamically (a
 # counter, in the launch order): statically strided, programs of unequal lists lost up to 18%
-# (twenty-second session, ``results/gluon_forward_persistent_vs_s21_s22.log``).
+# (twenty-second session, ``results/gluon_forward_persistent_vs_s21_s22.log``). Against one
+# program per tile in one run, with an identical copy of that kernel as the noise's measure
+# (``results/gluon_forward_versions_s23.log``): 1.03-1.07x on 8K sliding_window,
+# share_question and global_sliding_window (the short lists), level within that noise (+-3%)
+# elsewhere; which made it faster than the Triton forward on masks from 8K keys.
 PERSISTENT = 1
+# With PERSISTENT, at most this many programs (0: one per SM). For checks only: the GPU check's
+# cases have at most ~128 query tiles, fewer than the H200's 132 SMs, so only a smaller grid
+# makes their programs loop (``benchmarks/gpu_check.py --gluon-fwd MAX_PROGRAMS=3``).
+MAX_PROGRAMS = 0
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -641,6 +651,8 @@ def forward(
     require_form("gluon_fwd.O_TMA", O_TMA)
     if PERSISTENT not in (0, 1):
         raise ValueError(f"gluon_fwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
+    if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
+        raise ValueError(f"gluon_fwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -660,7 +672,9 @@ def forward(
             out.view(b * sq, hq * d), [half, d], shared_layout(half, d, q.dtype)
         )
     num_items = tm * hq * b
-    programs = min(num_items, sm_count(q.device)) if PERSISTENT else num_items
+    programs = num_items
+    if PERSISTENT:
+        programs = min(num_items, MAX_PROGRAMS or sm_count(q.device))
     # Items past the first ``programs`` are taken from this counter, one at a time.
     next_item = lists.counts  # not read with one program per item
     if programs < num_items:
