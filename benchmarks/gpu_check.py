@@ -263,15 +263,16 @@ def main() -> int:
     if args.gluon_everywhere:
         kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
-    if args.gluon_bwd or args.gluon_bwd256 or args.gluon_fwd:
+    if args.gluon_fwd:
+        _apply_gluon_fwd_option(parser, args.gluon_fwd)
+    if args.gluon_bwd or args.gluon_bwd256:
         from gluon_backward import apply_gluon_bwd_option
 
-        from flashmask.kernels import gluon_bwd, gluon_bwd256, gluon_fwd
+        from flashmask.kernels import gluon_bwd, gluon_bwd256
 
         for text, module, option in (
             (args.gluon_bwd, gluon_bwd, "--gluon-bwd"),
             (args.gluon_bwd256, gluon_bwd256, "--gluon-bwd256"),
-            (args.gluon_fwd, gluon_fwd, "--gluon-fwd"),
         ):
             if text:
                 apply_gluon_bwd_option(parser, text, module, option)
@@ -387,6 +388,24 @@ def main() -> int:
     ]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
+
+
+GLUON_FWD_CONSTANTS = ("PERSISTENT", "MAX_PROGRAMS")
+
+
+def _apply_gluon_fwd_option(parser: argparse.ArgumentParser, text: str) -> None:
+    """``--gluon-fwd NAME=INT[,...]``: set ``gluon_fwd``'s launch constants (names from
+    :data:`GLUON_FWD_CONSTANTS`) for the run; bad text is the parser's error."""
+    from flashmask.kernels import gluon_fwd
+
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in GLUON_FWD_CONSTANTS or not value.isdigit():
+            parser.error(
+                f"--gluon-fwd: expected NAME=INT[,NAME=INT...] with NAME in "
+                f"{GLUON_FWD_CONSTANTS}, got {item!r}"
+            )
+        setattr(gluon_fwd, name, int(value))
 
 
 def _override_defaults(spec: str, max_head_dim: int) -> None:
