@@ -210,6 +210,33 @@ def test_launcher_refuses_an_o_store_form_it_does_not_have():
     assert all("gluon_fwd.O_TMA must be 0, 1 or 2" in message for message in errors.values())
 
 
+# Runs in a process of its own (gluon_fwd imports Gluon): the launcher's checks of the
+# persistent form's constants, before anything is launched.
+_PERSISTENT_CHECK = """
+import json
+from flashmask.kernels import gluon_fwd
+errors = {}
+for name, value in (("PERSISTENT", 2), ("MAX_PROGRAMS", -1), ("MAX_PROGRAMS", 2.5)):
+    setattr(gluon_fwd, name, value)
+    try:
+        gluon_fwd.forward(*[None] * 9)
+    except ValueError as error:
+        errors[f"{name}={value}"] = str(error)
+    gluon_fwd.PERSISTENT, gluon_fwd.MAX_PROGRAMS = 1, 0
+print(json.dumps(errors))
+"""
+
+
+def test_launcher_refuses_persistent_settings_it_does_not_have():
+    """``PERSISTENT`` is 0 or 1 and ``MAX_PROGRAMS`` an int from 0 (0: one program per SM);
+    anything else is refused, naming the constant, before a launch."""
+    (errors,) = json_lines(["-c", _PERSISTENT_CHECK])
+    assert errors.keys() == {"PERSISTENT=2", "MAX_PROGRAMS=-1", "MAX_PROGRAMS=2.5"}
+    assert "gluon_fwd.PERSISTENT must be 0 or 1" in errors["PERSISTENT=2"]
+    assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=-1"]
+    assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=2.5"]
+
+
 # Runs in a process of its own (gluon_fwd imports Gluon): the grid the launcher asks for, the
 # launch itself recorded instead of run.
 _GRID_CHECK = """
