@@ -136,6 +136,7 @@
 #                 their mask, as the bench times them;
 #                 kernel-times: the same with each kernel's GPU time per call (five 8K masks);
 #                 host-breakdown: the same with the host time inside named library functions;
+#                 host-routes: the same with the Gluon forward's masked limit at 8K and 32K;
 #   eager-check   eager_check.py: flashmask_attention's autograd.Function path against the
 #                 custom ops on the GPU kernels (bitwise), and the host time of each
 #   gluon-forward-short gluon_forward.py on all 12 masks, hd128 at 4K-16K, hd64 at 4K-32K (the
@@ -562,6 +563,13 @@ for step in "$@"; do
     host-overhead)
         run_step host_overhead python benchmarks/host_overhead.py --seqlens 8192 \
             --masks full,sliding_window,share_question,causal_document,document
+        ;;
+    host-routes)
+        # 8K host and GPU time with the masked Gluon-forward limit at 8K (shipped since the
+        # twenty-third session) and at 32K (the Triton forward at 8K), in one run.
+        run_step host_routes python benchmarks/host_overhead.py --seqlens 8192 \
+            --masks sliding_window,share_question,causal_document,document \
+            --fwd-masked-limits 8192,32768
         ;;
     kernel-times)
         # Where each 8K call's GPU time goes, kernel by kernel (FlashMask with its mask prepared

@@ -69,8 +69,20 @@ def main() -> None:
         action="store_true",
         help="also print the GPU time per call of each kernel of every case's forward+backward",
     )
+    parser.add_argument(
+        "--fwd-masked-limits",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=None,
+        help="time FlashMask once per value of kernels.GLUON_FWD_MIN_MASKED_SEQLEN, e.g. "
+        "8192,32768 (masked calls on the Gluon forward from that many keys, else the Triton one)",
+    )
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
+
+    from flashmask import kernels
+
+    shipped_limit = kernels.GLUON_FWD_MIN_MASKED_SEQLEN
+    limits = args.fwd_masked_limits or [shipped_limit]
 
     # Static shapes, as flashmask bench compiles it (a dynamic-length compile runs slower).
     flex = torch.compile(flex_attention, dynamic=False)
@@ -112,10 +124,17 @@ def main() -> None:
                 ("flashmask prep/call", "fwd+bwd", fm_total(True)),
                 ("flashmask cached", "fwd", fm_fwd(False)),
                 ("flashmask cached", "fwd+bwd", fm_total(False)),
-                ("flex", "fwd", fx_fwd),
-                ("flex", "fwd+bwd", fx_total),
             ]
-            for impl, part, fn in cases:
+            for limit in limits:
+                kernels.GLUON_FWD_MIN_MASKED_SEQLEN = limit
+                if args.fwd_masked_limits:
+                    print(f"== GLUON_FWD_MIN_MASKED_SEQLEN = {limit}")
+                for impl, part, fn in cases:
+                    b, h, g = measure(fn, args.rep_ms)
+                    print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
+                clear_prepared()  # the next limit's route prepares other lists
+            kernels.GLUON_FWD_MIN_MASKED_SEQLEN = shipped_limit
+            for impl, part, fn in (("flex", "fwd", fx_fwd), ("flex", "fwd+bwd", fx_total)):
                 b, h, g = measure(fn, args.rep_ms)
                 print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
             if args.kernels:
