@@ -37,7 +37,7 @@ OPCODES = ("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2", "LDG", "STG")
 def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dense: bool, block_n: int = gluon_fwd.BLOCK_N,
     dtype: torch.dtype = torch.bfloat16, num_buffers: int = gluon_fwd.NUM_BUFFERS,
-    o_tma: bool | None = None,
+    o_tma: bool | None = None, q_buffers: int = gluon_fwd.Q_BUFFERS,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``o_tma``: as ``gluon_fwd.o_by_tma`` unless given);
     registers, spills, shared memory and key instructions."""
@@ -63,7 +63,7 @@ def compile_only(
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "MASK_FULL_TILES": dense, "ORDERED": True, "BLOCK_M": block, "BLOCK_N": block_n,
-              "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers,
+              "HEAD_DIM": head_dim, "NUM_BUFFERS": num_buffers, "Q_BUFFERS": q_buffers,
               "COMPUTE_REGISTERS": gluon_fwd.COMPUTE_REGISTERS,
               **({} if o_tma else {"o_desc": None})}  # fmt: skip
     compiled = compile_gluon_sm90(
@@ -78,6 +78,7 @@ def compile_only(
         "block_n": block_n,
         "dtype": short,
         "num_buffers": num_buffers,
+        "q_buffers": q_buffers,
         "o_tma": o_tma,
         **warp_specialized_report(compiled, OPCODES),
     }
@@ -221,6 +222,9 @@ def main() -> None:
         print(json.dumps(compile_only(128, True, True, False, dtype=torch.float16)), flush=True)
         # a two-slot K/V ring (measured against the default three by the GPU script's --buffers)
         print(json.dumps(compile_only(128, False, False, False, num_buffers=2)), flush=True)
+        # two Q buffers beside two K/V slots (gluon_fwd.Q_BUFFERS, prepared, off), with a mask
+        report = compile_only(128, True, True, False, num_buffers=2, q_buffers=2)
+        print(json.dumps(report), flush=True)
         # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
         block_n, slots = kernels.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))

@@ -46,21 +46,44 @@ def _load(path: str, option: str):
     return module
 
 
+def _settings(text: str) -> tuple[dict[str, int], int | None]:
+    """``"Q_BUFFERS=2,slots=2"`` -> ``({"Q_BUFFERS": 2}, 2)``: module constants to set for a
+    candidate's calls, and the K/V slots to launch it with (``slots``; ``None``: the
+    launcher's)."""
+    settings, slots = {}, None
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not value.isdigit():
+            raise ValueError(f"--candidates: expected NAME=INT after '@', got {item!r}")
+        if name == "slots":
+            slots = int(value)
+        else:
+            settings[name] = int(value)
+    return settings, slots
+
+
 def _forms(candidates: list[str]) -> dict[str, tuple]:
-    """``label -> (module, PERSISTENT value or None)`` for each candidate and form."""
-    modules = {}
-    for path in candidates or ["library"]:
-        if path == "library":
-            modules["library"] = gluon_fwd
-        else:
-            modules[pathlib.Path(path).stem] = _load(path, "--candidates")
+    """``label -> (module, constants to set, K/V slots or None)`` for each candidate and form:
+    a candidate is a ``gluon_fwd.py`` path or ``library``, optionally followed by
+    ``@NAME=INT,...`` (module constants for its calls, ``slots=N`` for its K/V slots); one with
+    a ``PERSISTENT`` flag that the candidate does not set is timed with it at 0 and at 1."""
     forms = {}
-    for label, module in modules.items():
-        if hasattr(module, "PERSISTENT"):
-            forms[f"{label}/per-tile"] = (module, 0)
-            forms[f"{label}/persistent"] = (module, 1)
+    for candidate in candidates or ["library"]:
+        path, _, extra = candidate.partition("@")
+        settings, slots = _settings(extra)
+        if path == "library":
+            module, label = gluon_fwd, "library"
         else:
-            forms[label] = (module, None)
+            module, label = _load(path, "--candidates"), pathlib.Path(path).stem
+        missing = [name for name in settings if not hasattr(module, name)]
+        if missing:
+            raise ValueError(f"--candidates: {label} has no {missing}")
+        label += f"@{extra}" if extra else ""
+        if hasattr(module, "PERSISTENT") and "PERSISTENT" not in settings:
+            forms[f"{label}/per-tile"] = (module, {**settings, "PERSISTENT": 0}, slots)
+            forms[f"{label}/persistent"] = (module, {**settings, "PERSISTENT": 1}, slots)
+        else:
+            forms[label] = (module, settings, slots)
     return forms
 
 
@@ -70,7 +93,8 @@ def main() -> None:
     parser.add_argument(
         "--candidates",
         default="",
-        help="gluon_fwd.py files to time, 'library' for the library's (the default)",
+        help="gluon_fwd.py files to time, 'library' for the library's (the default); each may "
+        "end in @NAME=INT,... (module constants for its calls; slots=N: its K/V slots)",
     )
     parser.add_argument("--seqlens", default="8192,32768")
     parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))
@@ -98,19 +122,25 @@ def main() -> None:
             def run_base(call=call, order=order):
                 return base.forward(*call, order=order)
 
-            def run_form(module, flag, call=call, order=order):
-                if flag is not None:
-                    module.PERSISTENT = flag
-                return module.forward(*call, order=order)
+            def run_form(module, settings, slots, call=call, order=order):
+                previous = {name: getattr(module, name) for name in settings}
+                for name, value in settings.items():
+                    setattr(module, name, value)
+                try:
+                    launch = call if slots is None else (*call[:-1], slots)
+                    return module.forward(*launch, order=order)
+                finally:
+                    for name, value in previous.items():
+                        setattr(module, name, value)
 
             want = run_base()
             same = all(
                 torch.equal(x, y)
-                for module, flag in forms.values()
-                for x, y in zip(run_form(module, flag), want, strict=True)
+                for form in forms.values()
+                for x, y in zip(run_form(*form), want, strict=True)
             )
             runs = {"baseline": run_base, **{
-                label: (lambda m=m, f=f: run_form(m, f)) for label, (m, f) in forms.items()
+                label: (lambda form=form: run_form(*form)) for label, form in forms.items()
             }}  # fmt: skip
             best = dict.fromkeys(runs, float("inf"))
             labels = list(runs)

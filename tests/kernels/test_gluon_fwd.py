@@ -156,10 +156,11 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
     reports = [r for r in sm90_reports if r["o_tma"] == _ships_tma_o(r)]
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
-         r["num_buffers"])
+         r["num_buffers"], r["q_buffers"])
         for r in reports
     }  # fmt: skip
-    assert len(variants) == 23
+    assert len(variants) == 24
+    assert {v[7] for v in variants} == {1, 2}  # two Q buffers: prepared, off
     assert {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
     assert {v[4] for v in variants} == {64, 128}
     assert {v[5] for v in variants} == {"bf16", "fp16"}
@@ -213,25 +214,40 @@ def test_launcher_refuses_an_o_store_form_it_does_not_have():
 # Runs in a process of its own (gluon_fwd imports Gluon): the launcher's checks of the
 # persistent form's constants, before anything is launched.
 _PERSISTENT_CHECK = """
-import json
+import json, torch
 from flashmask.kernels import gluon_fwd
 errors = {}
-for name, value in (("PERSISTENT", 2), ("MAX_PROGRAMS", -1), ("MAX_PROGRAMS", 2.5)):
+for name, value in (
+    ("PERSISTENT", 2), ("MAX_PROGRAMS", -1), ("MAX_PROGRAMS", 2.5), ("Q_BUFFERS", 3)
+):
     setattr(gluon_fwd, name, value)
     try:
         gluon_fwd.forward(*[None] * 9)
     except ValueError as error:
         errors[f"{name}={value}"] = str(error)
-    gluon_fwd.PERSISTENT, gluon_fwd.MAX_PROGRAMS = 1, 0
+    gluon_fwd.PERSISTENT, gluon_fwd.MAX_PROGRAMS, gluon_fwd.Q_BUFFERS = 1, 0, 1
+# Two Q tiles and three K/V slots at hd128: 256 KB, more than a block's shared memory.
+gluon_fwd.Q_BUFFERS = 2
+q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+try:
+    gluon_fwd.forward(q, q, q, None, None, 1, False, 0.1, True, 128, 3)
+except ValueError as error:
+    errors["Q_BUFFERS=2 with 3 slots"] = str(error)
 print(json.dumps(errors))
 """
 
 
 def test_launcher_refuses_persistent_settings_it_does_not_have():
-    """``PERSISTENT`` is 0 or 1 and ``MAX_PROGRAMS`` an int from 0 (0: one program per SM);
+    """``PERSISTENT`` is 0 or 1, ``MAX_PROGRAMS`` an int from 0 (0: one program per SM) and
+    ``Q_BUFFERS`` 1 or 2, with Q's buffers and the K/V slots within a block's shared memory;
     anything else is refused, naming the constant, before a launch."""
     (errors,) = json_lines(["-c", _PERSISTENT_CHECK])
-    assert errors.keys() == {"PERSISTENT=2", "MAX_PROGRAMS=-1", "MAX_PROGRAMS=2.5"}
+    assert errors.keys() == {
+        "PERSISTENT=2", "MAX_PROGRAMS=-1", "MAX_PROGRAMS=2.5", "Q_BUFFERS=3",
+        "Q_BUFFERS=2 with 3 slots",
+    }  # fmt: skip
+    assert "gluon_fwd.Q_BUFFERS must be 1 or 2" in errors["Q_BUFFERS=3"]
+    assert "256 KB of shared memory at head dim 128" in errors["Q_BUFFERS=2 with 3 slots"]
     assert "gluon_fwd.PERSISTENT must be 0 or 1" in errors["PERSISTENT=2"]
     assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=-1"]
     assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=2.5"]

@@ -105,6 +105,14 @@ PERSISTENT = 1
 # cases have at most ~128 query tiles, fewer than the H200's 132 SMs, so only a smaller grid
 # makes their programs loop (``benchmarks/gpu_check.py --gluon-fwd MAX_PROGRAMS=3``).
 MAX_PROGRAMS = 0
+# Q tiles in shared memory (1 or 2). With two, a persistent program loads its next tile's Q
+# while the current one computes, instead of after its O is stored (the next tile's wait for Q
+# is part of what a tile costs besides its key tiles); at hd128 they fit beside two K/V slots
+# only (192 KB), not three. Prepared offline in the twenty-third session and not measured:
+# off. ``benchmarks/gluon_forward_versions.py --candidates 'library@Q_BUFFERS=2,slots=2'``.
+Q_BUFFERS = 1
+# Hopper's shared memory per block (227 KB), which Q's buffers and the K/V slots must fit.
+SHARED_MEMORY_BYTES = 227 * 1024
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -198,7 +206,7 @@ def receive_item(items, item_ready, item_empty, t):
 
 @gluon.jit
 def load_partition(
-    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
+    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
     items, item_ready, item_empty, next_item_ptr,
     bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, seqlen_q, seqlen_k, num_heads_q,
     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
@@ -210,8 +218,10 @@ def load_partition(
     """Producer warp: the program's work items (its own first, then each next one from the
     launch's counter ``next_item_ptr``, handed to the consumers through the item ring), and for
     each query tile the first key tiles of its list, its Q tile once both warpgroups have
-    stored the previous tile's O, then the rest; the K/V ring's steps run on across tiles."""
+    stored the O of the tile that last used its Q buffer, then the rest; the K/V ring's steps
+    run on across tiles."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    q_buffers: gl.constexpr = q_bufs.type.shape[0]
     programs = gl.num_programs(0)
     # One program per item (the grid has them all): no counter to take the next from.
     dynamic = programs < num_items
@@ -226,19 +236,25 @@ def load_partition(
         )  # fmt: skip
         kv_row_base = b * seqlen_k
         kv_col = h_kv * HEAD_DIM
-        # After the program's first tile, key tiles first: their slots free as the previous
-        # tile's products finish, its Q rows only after its O is stored, so these loads run
-        # under that tile's epilogue. On the first, Q first (nothing to wait for).
+        # After the program's first tile, with one Q buffer, key tiles first: their slots free
+        # as the previous tile's products finish, its Q rows only after its O is stored, so
+        # these loads run under that tile's epilogue. On the first, or with two Q buffers (the
+        # one this tile takes was freed a tile ago), Q first.
         first = gl.minimum(count, num_buffers)
         early = gl.where(t == 0, 0, first)
+        if q_buffers > 1:
+            early = 0
         for it in range(early):
             load_kv(
                 k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
                 kv_row_base, kv_col, BLOCK_N,
             )  # fmt: skip
-        mbarrier.wait(q_empty, (t & 1) ^ 1)
-        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        tma_load(q_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], q_ready, q_smem)
+        q_slot = t % q_buffers
+        mbarrier.wait(q_empty.index(q_slot), ((t // q_buffers) & 1) ^ 1)
+        q_bar = q_ready.index(q_slot)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        q_row = b * seqlen_q + m_tile * BLOCK_M
+        tma_load(q_desc, [q_row, h * HEAD_DIM], q_bar, q_bufs.index(q_slot))
         for it in range(early, first):
             load_kv(
                 k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
@@ -353,7 +369,7 @@ def finish_rows(
 
 @gluon.jit
 def _compute_partition(
-    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items, item_ready,
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items, item_ready,
     item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, out_ptr, lse_ptr,
     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, qk_scale, o_desc,
@@ -372,15 +388,15 @@ def _compute_partition(
     the other warpgroup; then O and lse of its rows (O through ``o_desc`` where given), after
     which its Q rows are the producer's again."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    q_buffers: gl.constexpr = q_bufs.type.shape[0]
     half: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    q_half = q_smem.slice(WG * half, half)
     my_turn = turns.index(WG)
     other_turn = turns.index(1 - WG)
     zero_s = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
@@ -403,7 +419,9 @@ def _compute_partition(
         acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
         p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
         rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
-        mbarrier.wait(q_ready, t & 1)
+        q_slot = t % q_buffers
+        q_half = q_bufs.index(q_slot).slice(WG * half, half)
+        mbarrier.wait(q_ready.index(q_slot), (t // q_buffers) & 1)
         for it in range(count):
             # The previous tile's slot (the first tile's own: 0 · V_0, exact zeros).
             prev = gl.maximum(step + it - 1, step) % num_buffers
@@ -417,8 +435,8 @@ def _compute_partition(
             out_head, out_row0, stride_os, lse_ptr, lse_row0, q_half, o_desc,
             q_row0 + WG * half, h * HEAD_DIM, WG,
         )  # fmt: skip
-        # Its Q rows are read (and, with o_desc, stored from): the next tile's may load.
-        mbarrier.arrive(q_empty, count=1)
+        # Its Q rows are read (and, with o_desc, stored from): another tile's may load.
+        mbarrier.arrive(q_empty.index(q_slot), count=1)
         w = receive_item(items, item_ready, item_empty, t)
         step += count
         t += 1
@@ -514,23 +532,24 @@ def gluon_fwd_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    Q_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """A 1-D grid over the ``num_items = query tiles x query heads x batch`` work items,
     heaviest query tiles first (with ``ORDERED``, in the order of ``order_ptr``:
     ``kernels.tiles.program_order``): program ``i`` takes items ``i, i + grid, ...`` (one each
-    when the grid has them all; ``PERSISTENT``: one program per SM, each looping). ``q_desc``
-    loads 64-row blocks (each warpgroup's half of a tile). O is stored through ``o_desc``
-    (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view) unless it is
-    ``None``."""
+    when the grid has them all; ``PERSISTENT``: one program per SM, each looping), Q in
+    ``Q_BUFFERS`` buffers of a tile each and K/V in ``NUM_BUFFERS`` slots. O is stored through
+    ``o_desc`` (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view) unless it
+    is ``None``."""
     dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
-    # The Q tile loaded (q_ready) and free for the next tile's (q_empty: both warpgroups).
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # Each Q buffer's tile loaded (q_ready) and free for another (q_empty: both warpgroups).
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     # The producer's work items for the consumers: two slots, each read by both warpgroups.
     items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -538,8 +557,9 @@ def gluon_fwd_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both warpgroups release the Q tile
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both warpgroups release a Q tile
     for i in gl.static_range(2):
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)
@@ -556,7 +576,7 @@ def gluon_fwd_kernel(
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
                     item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
                     num_items, out_ptr, lse_ptr,
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
@@ -568,7 +588,7 @@ def gluon_fwd_kernel(
             (
                 _compute_partition,
                 (
-                    q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
                     item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
                     num_items, out_ptr, lse_ptr,
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
@@ -580,7 +600,7 @@ def gluon_fwd_kernel(
             (
                 load_partition,
                 (
-                    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
+                    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
                     kv_empty, items, item_ready, item_empty, next_item_ptr, bounds_ptr,
                     entries_ptr, counts_ptr, order_ptr, num_items,
                     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
@@ -653,10 +673,19 @@ def forward(
         raise ValueError(f"gluon_fwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
     if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
         raise ValueError(f"gluon_fwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
+    if Q_BUFFERS not in (1, 2):
+        raise ValueError(f"gluon_fwd.Q_BUFFERS must be 1 or 2, got {Q_BUFFERS}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    tiles_bytes = (Q_BUFFERS * BLOCK_M + 2 * num_buffers * block_n) * d * q.element_size()
+    if tiles_bytes > SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"gluon_fwd.Q_BUFFERS = {Q_BUFFERS} Q tiles and num_buffers = {num_buffers} K/V "
+            f"slots of {block_n} keys take {tiles_bytes // 1024} KB of shared memory at head "
+            f"dim {d}, more than the {SHARED_MEMORY_BYTES // 1024} KB a block has"
+        )
     tm, tn = lists.entries.shape[-2:]
     q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
     half = BLOCK_M // 2  # O stores move each warpgroup's 64 rows
@@ -689,7 +718,8 @@ def forward(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, HEAD_DIM=d,
-        NUM_BUFFERS=num_buffers, COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS,
+        NUM_BUFFERS=num_buffers, Q_BUFFERS=Q_BUFFERS, COMPUTE_REGISTERS=COMPUTE_REGISTERS,
+        num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
