@@ -47,11 +47,11 @@ def _load(path: str, option: str):
 
 
 def _settings(text: str) -> tuple[dict[str, int], int | None]:
-    """``"Q_BUFFERS=2,slots=2"`` -> ``({"Q_BUFFERS": 2}, 2)``: module constants to set for a
+    """``"Q_BUFFERS=2+slots=2"`` -> ``({"Q_BUFFERS": 2}, 2)``: module constants to set for a
     candidate's calls, and the K/V slots to launch it with (``slots``; ``None``: the
     launcher's)."""
     settings, slots = {}, None
-    for item in filter(None, text.split(",")):
+    for item in filter(None, text.split("+")):
         name, _, value = item.partition("=")
         if not value.isdigit():
             raise ValueError(f"--candidates: expected NAME=INT after '@', got {item!r}")
@@ -65,7 +65,7 @@ def _settings(text: str) -> tuple[dict[str, int], int | None]:
 def _forms(candidates: list[str]) -> dict[str, tuple]:
     """``label -> (module, constants to set, K/V slots or None)`` for each candidate and form:
     a candidate is a ``gluon_fwd.py`` path or ``library``, optionally followed by
-    ``@NAME=INT,...`` (module constants for its calls, ``slots=N`` for its K/V slots); one with
+    ``@NAME=INT+...`` (module constants for its calls, ``slots=N`` for its K/V slots); one with
     a ``PERSISTENT`` flag that the candidate does not set is timed with it at 0 and at 1."""
     forms = {}
     for candidate in candidates or ["library"]:
@@ -94,7 +94,7 @@ def main() -> None:
         "--candidates",
         default="",
         help="gluon_fwd.py files to time, 'library' for the library's (the default); each may "
-        "end in @NAME=INT,... (module constants for its calls; slots=N: its K/V slots)",
+        "end in @NAME=INT+... (module constants for its calls; slots=N: its K/V slots)",
     )
     parser.add_argument("--seqlens", default="8192,32768")
     parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))

@@ -244,6 +244,14 @@ def main() -> int:
         default="",
         help="gluon_fwd launch constants for the run, e.g. MAX_PROGRAMS=3 (as --gluon-bwd)",
     )
+    parser.add_argument(
+        "--gluon-fwd-slots",
+        type=int,
+        choices=(2, 3),
+        default=None,
+        help="the Gluon forward's K/V slots up to head dim 128 (kernels.GLUON_FWD_SLOTS; 2 with "
+        "--gluon-fwd Q_BUFFERS=2)",
+    )
     add_o_tma_option(parser, "the run")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     args = parser.parse_args()
@@ -265,6 +273,8 @@ def main() -> int:
         kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     if args.gluon_fwd:
         _apply_gluon_fwd_option(parser, args.gluon_fwd)
+    if args.gluon_fwd_slots is not None:
+        kernels.GLUON_FWD_SLOTS = args.gluon_fwd_slots
     if args.gluon_bwd or args.gluon_bwd256:
         from gluon_backward import apply_gluon_bwd_option
 
@@ -384,13 +394,14 @@ def main() -> int:
         args.gluon_bwd,
         args.gluon_bwd256 and f"gluon_bwd256 {args.gluon_bwd256}",
         args.gluon_fwd and f"gluon_fwd {args.gluon_fwd}",
+        args.gluon_fwd_slots and f"gluon_fwd slots {args.gluon_fwd_slots}",
         o_tma_label,
     ]
     variant = " ".join(filter(None, [args.variant, *flags]))
     return report(args.out, results, exact, time.time() - t0, variant=variant)
 
 
-GLUON_FWD_CONSTANTS = ("PERSISTENT", "MAX_PROGRAMS")
+GLUON_FWD_CONSTANTS = ("PERSISTENT", "MAX_PROGRAMS", "Q_BUFFERS")
 
 
 def _apply_gluon_fwd_option(parser: argparse.ArgumentParser, text: str) -> None:

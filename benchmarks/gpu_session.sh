@@ -68,6 +68,9 @@
 #                 and every eligible deterministic=False one on the Gluon backward
 #                 (--gluon-everywhere: the check's 1K masks are below the library's 4K-32K limits;
 #                 --variant fwd_gluon=1 up to head dim 256: the forward at hd64 and hd256 too)
+#   check-gluon-q2 check-gluon-programs with gluon_fwd.Q_BUFFERS=2 and two K/V slots
+#   gluon-q-buffers gluon-versions of the library against itself with Q_BUFFERS=2 (two slots)
+#                 and with two slots alone (BASELINE=FILE)
 #   check-gluon-programs check-gluon with gluon_fwd.MAX_PROGRAMS=3 (the persistent forward's
 #                 programs each loop over many of a case's query tiles)
 #   gluon-forward-masks gluon_forward.py on all 12 masks at 8K and 32K (routing data)
@@ -219,6 +222,22 @@ check() {
         --out "$OUT/$tag.json" | tail -n 14 &&
         rm -f "$OUT/$tag-masks.json" "$OUT/$tag-shapes.json"
     grep -h FAIL "$OUT/$tag-masks.log" "$OUT/$tag-shapes.log" | head -n 5 | cut -c1-400
+}
+
+versions() {
+    local baseline=$1 candidates=$2 start=$SECONDS group
+    # The kernels compile first in three processes at once (one mask group each, one short run
+    # of every form), so that the timed process, alone on the GPU, finds them in the cache.
+    for group in full,causal,sliding_window,causal_document \
+        document,share_question,global_sliding_window,causal_blockwise \
+        prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction; do
+        timeout "$limit" python benchmarks/gluon_forward_versions.py --baseline "$baseline" \
+            --candidates "$candidates" --masks "$group" --rep-ms 1 >/dev/null 2>&1 &
+    done
+    wait
+    echo "== gluon-versions: compiled in $((SECONDS - start)) s"
+    run_step gluon_forward_versions python benchmarks/gluon_forward_versions.py \
+        --baseline "$baseline" --candidates "$candidates"
 }
 
 for step in "$@"; do
@@ -374,6 +393,17 @@ for step in "$@"; do
         # loops over many query tiles (the check's cases have fewer tiles than the SMs).
         check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256 \
             --gluon-fwd MAX_PROGRAMS=3" gpu_check_gluon_programs3
+        ;;
+    check-gluon-q2)
+        # check-gluon with the prepared two-Q-buffer forward (gluon_fwd.Q_BUFFERS=2 beside two
+        # K/V slots), on three programs so that each loops.
+        check "--quick --gluon-everywhere --variant fwd_gluon=1 --variant-max-head-dim 256 \
+            --gluon-fwd MAX_PROGRAMS=3,Q_BUFFERS=2 --gluon-fwd-slots 2" gpu_check_gluon_q2
+        ;;
+    gluon-q-buffers)
+        # BASELINE=FILE (the shipped gluon_fwd.py): the library's forward against itself with
+        # two Q buffers and two K/V slots, and with three slots, 12 masks at 8K and 32K.
+        versions "${BASELINE:?set BASELINE}" "library,library@Q_BUFFERS=2+slots=2,library@slots=2"
         ;;
     check-mixed)
         check "--quick --gluon-everywhere --variant fwd_gluon=0 --variant-max-head-dim 256" \
@@ -672,21 +702,8 @@ for step in "$@"; do
             --seqlens 4096,8192,16384,32768 --masks "$all"
         ;;
     gluon-versions)
-        # BASELINE=FILE [CANDIDATES=a.py,b.py]: gluon_forward_versions.py. Its kernels compile
-        # first in three processes at once (one mask group each, one short run of every form),
-        # so that the timed process, alone on the GPU, finds them in the cache.
-        start=$SECONDS
-        for group in full,causal,sliding_window,causal_document \
-            document,share_question,global_sliding_window,causal_blockwise \
-            prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction; do
-            timeout "$limit" python benchmarks/gluon_forward_versions.py \
-                --baseline "${BASELINE:?set BASELINE}" --candidates "${CANDIDATES:-}" \
-                --masks "$group" --rep-ms 1 >/dev/null 2>&1 &
-        done
-        wait
-        echo "== gluon-versions: compiled in $((SECONDS - start)) s"
-        run_step gluon_forward_versions python benchmarks/gluon_forward_versions.py \
-            --baseline "$BASELINE" --candidates "${CANDIDATES:-}"
+        # BASELINE=FILE [CANDIDATES=a.py,b.py]: gluon_forward_versions.py.
+        versions "${BASELINE:?set BASELINE}" "${CANDIDATES:-}"
         ;;
     *)
         echo "unknown step: $step" >&2

@@ -135,6 +135,18 @@ def test_with_a_mask_only_from_8k_keys(monkeypatch):
     assert kernels._use_gluon_forward(*short, 0.1, True, cfg)
 
 
+def test_key_tiles_and_slots_per_head_dim(monkeypatch):
+    """128-key tiles in three K/V slots up to D = 128 (``GLUON_FWD_SLOTS``, which a check of the
+    two-Q-buffer form sets to 2), 64-key tiles in two at D = 256."""
+    assert [kernels.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
+        (128, 3), (128, 3), (64, 2)
+    ]  # fmt: skip
+    monkeypatch.setattr(kernels, "GLUON_FWD_SLOTS", 2)
+    assert [kernels.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
+        (128, 2), (128, 2), (64, 2)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 def test_default_tiles_use_it_at_head_dim_128_and_without_a_mask_at_64(monkeypatch, head_dim):
     """Measured faster on the H200 at hd128 (with a mask from 8K keys, the launcher's rule)

@@ -649,12 +649,18 @@ GLUON_FWD_TILE = 128
 GLUON_FWD_HEAD_DIMS = (64, 128, 256)
 
 
+# The Gluon forward's K/V slots up to D = 128 (a check with ``gluon_fwd.Q_BUFFERS = 2``, which
+# fits beside two at D = 128, sets 2: ``benchmarks/gpu_check.py --gluon-fwd-slots 2``).
+GLUON_FWD_SLOTS = 3
+
+
 def gluon_forward_tiles(head_dim: int) -> tuple[int, int]:
-    """``(key tile, K/V slots)`` of the Gluon forward at ``head_dim``: 128-key tiles in three
-    slots up to D = 128 (224 KB of shared memory at 128); at D = 256 64-key tiles in two slots,
-    the largest that fit (192 KB). D = 256 is not routed by default: measured 0.87-0.98x the
-    Triton forward on the H200 (benchmarks/results/gluon_forward_hd256_s8.log)."""
-    return (64, 2) if head_dim > 128 else (GLUON_FWD_TILE, 3)
+    """``(key tile, K/V slots)`` of the Gluon forward at ``head_dim``: 128-key tiles in
+    :data:`GLUON_FWD_SLOTS` (three) slots up to D = 128 (224 KB of shared memory at 128); at
+    D = 256 64-key tiles in two slots, the largest that fit (192 KB). D = 256 is not routed by
+    default: measured 0.87-0.98x the Triton forward on the H200
+    (benchmarks/results/gluon_forward_hd256_s8.log)."""
+    return (64, 2) if head_dim > 128 else (GLUON_FWD_TILE, GLUON_FWD_SLOTS)
 
 
 def gluon_forward_eligible(

@@ -109,7 +109,8 @@ MAX_PROGRAMS = 0
 # while the current one computes, instead of after its O is stored (the next tile's wait for Q
 # is part of what a tile costs besides its key tiles); at hd128 they fit beside two K/V slots
 # only (192 KB), not three. Prepared offline in the twenty-third session and not measured:
-# off. ``benchmarks/gluon_forward_versions.py --candidates 'library@Q_BUFFERS=2,slots=2'``.
+# off. ``benchmarks/gluon_forward_versions.py --candidates 'library@Q_BUFFERS=2+slots=2'``
+# (``gpu_session.sh gluon-q-buffers``; its check: ``check-gluon-q2``).
 Q_BUFFERS = 1
 # Hopper's shared memory per block (227 KB), which Q's buffers and the K/V slots must fit.
 SHARED_MEMORY_BYTES = 227 * 1024
