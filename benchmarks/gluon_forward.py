@@ -107,6 +107,21 @@ def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
     )
 
 
+def _flipped_form(name: str, value: int, run, out, lse, flop: float) -> str:
+    """The Gluon forward with its constant ``name`` set to ``value`` for the calls of ``run``:
+    its time and TFLOP/s, and whether its out/lse equal ``out``/``lse`` (the shipped form's)
+    bit for bit, as a fragment of a result line."""
+    shipped = getattr(gluon_fwd, name)
+    setattr(gluon_fwd, name, value)
+    try:
+        alt_out, alt_lse = run()
+        same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
+        ms = triton.testing.do_bench(run)
+    finally:
+        setattr(gluon_fwd, name, shipped)
+    return f" | {name}={value} {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
+
+
 def check_and_time(
     seqlens: list[int], mask_names: list[str], tokens: int, hidden: int, d: int,
     block_ns: list[int], buffer_counts: list[int], o_tma_ab: bool = False,
@@ -136,49 +151,23 @@ def check_and_time(
             ms_triton = triton.testing.do_bench(run_triton, rep=100)
             line = f"S={s} {name:16s} triton {ms_triton:.3f} ms ({flop / ms_triton / 1e9:.0f} TF/s)"
             for bn, nb in ((bn, nb) for bn in block_ns for nb in buffer_counts):
-                out, lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
+
+                def run(sri=sri, c=causal, bn=bn, nb=nb):
+                    return _gluon(q, k, v, sri, c, scale, bn, nb)
+
+                out, lse = run()
                 err, lse_err, dead_ok = forward_differences(out, lse, ref_out, ref_lse)
-                ms = triton.testing.do_bench(
-                    lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(q, k, v, sri, c, scale, bn, nb)
-                )
+                ms = triton.testing.do_bench(run)
                 line += (
                     f" | gluon 128x{bn}/{nb} buffers {ms:.3f} ms ({flop / ms / 1e9:.0f} TF/s) "
                     f"max|out diff| {err:.1e} max|lse diff| {lse_err:.1e} empty rows ok {dead_ok}"
                 )
                 if o_tma_ab:
-                    shipped = gluon_fwd.O_TMA
                     flipped = 0 if gluon_fwd.o_by_tma(causal, sri is not None) else 1
-                    gluon_fwd.O_TMA = flipped
-                    try:
-                        alt_out, alt_lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
-                        same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
-                        alt_ms = triton.testing.do_bench(
-                            lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(
-                                q, k, v, sri, c, scale, bn, nb
-                            )
-                        )
-                    finally:
-                        gluon_fwd.O_TMA = shipped
-                    line += (
-                        f" | O_TMA={flipped} {alt_ms:.3f} ms "
-                        f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
-                    )
+                    line += _flipped_form("O_TMA", flipped, run, out, lse, flop)
                 if persistent_ab:
-                    shipped = gluon_fwd.PERSISTENT
-                    gluon_fwd.PERSISTENT = 1 - shipped
-                    try:
-                        alt_out, alt_lse = _gluon(q, k, v, sri, causal, scale, bn, nb)
-                        same = torch.equal(alt_out, out) and torch.equal(alt_lse, lse)
-                        alt_ms = triton.testing.do_bench(
-                            lambda sri=sri, c=causal, bn=bn, nb=nb: _gluon(
-                                q, k, v, sri, c, scale, bn, nb
-                            )
-                        )
-                    finally:
-                        gluon_fwd.PERSISTENT = shipped
-                    line += (
-                        f" | PERSISTENT={1 - shipped} {alt_ms:.3f} ms "
-                        f"({flop / alt_ms / 1e9:.0f} TF/s) out/lse bitwise {same}"
+                    line += _flipped_form(
+                        "PERSISTENT", 1 - gluon_fwd.PERSISTENT, run, out, lse, flop
                     )
             print(line, flush=True)
 

@@ -478,7 +478,9 @@ def launched_program(order_ptr, tiles, heads, ORDERED: gl.constexpr):
 def work_item(w, order_ptr, tiles, heads, ORDERED: gl.constexpr):
     """``(p, h, b)``: the position in the grid ``(tiles, heads, batch)`` of work item ``w``
     (its linear index there or, with ``ORDERED``, the item ``order_ptr`` gives it:
-    ``kernels.tiles.program_order``, as :func:`launched_program` reads it)."""
+    ``kernels.tiles.program_order``, decoded as :func:`launched_program` decodes it; that one
+    stays separate: calling this from it changes the backward kernels' SASS, which the H200
+    has not checked)."""
     item = w
     if ORDERED:
         item = gl.load(order_ptr + w)
@@ -668,7 +670,7 @@ def forward(
     passes ``kernels.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256);
     other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
     ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
-    which the programs run."""
+    which the query tiles are taken (by the programs, one per SM with ``PERSISTENT``)."""
     require_form("gluon_fwd.O_TMA", O_TMA)
     if PERSISTENT not in (0, 1):
         raise ValueError(f"gluon_fwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
