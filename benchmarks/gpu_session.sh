@@ -601,6 +601,12 @@ for step in "$@"; do
             --masks sliding_window,share_question,causal_document,document \
             --fwd-masked-limits 8192,32768
         ;;
+    host-routes-breakdown)
+        # Where the 8K host time goes on each forward route (host-routes measured the Gluon
+        # route's mask preparation 0.1-0.2 ms dearer per call, twenty-fourth session).
+        run_step host_routes_breakdown python benchmarks/host_overhead.py --seqlens 8192 \
+            --masks sliding_window,share_question --fwd-masked-limits 8192,32768 --breakdown
+        ;;
     kernel-times)
         # Where each 8K call's GPU time goes, kernel by kernel (FlashMask with its mask prepared
         # in the call, as the bench times it, and flex), on the masks furthest from 1.5x flex.

@@ -132,6 +132,11 @@ def main() -> None:
                 for impl, part, fn in cases:
                     b, h, g = measure(fn, args.rep_ms)
                     print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
+                if args.breakdown:  # on each route
+                    for impl, fresh in (("prep/call", True), ("cached", False)):
+                        print(f"{s:>6} {name:<22} flashmask {impl} fwd+bwd, host us per call:")
+                        for label, count, us in host_breakdown(qg, kg, vg, do, mask, causal, fresh):
+                            print(f"{'':>8}{us:9.1f} us  x{count:<3} {label}")
                 clear_prepared()  # the next limit's route prepares other lists
             kernels.GLUON_FWD_MIN_MASKED_SEQLEN = shipped_limit
             for impl, part, fn in (("flex", "fwd", fx_fwd), ("flex", "fwd+bwd", fx_total)):
@@ -142,11 +147,6 @@ def main() -> None:
                     print(f"{s:>6} {name:<22} {impl} fwd+bwd, GPU time per call by kernel:")
                     for kernel, count, us in kernel_times(fn):
                         print(f"{'':>8}{us:9.1f} us  x{count:<3} {kernel}")
-            if args.breakdown:
-                for impl, fresh in (("prep/call", True), ("cached", False)):
-                    print(f"{s:>6} {name:<22} flashmask {impl} fwd+bwd, host us per call:")
-                    for label, count, us in host_breakdown(qg, kg, vg, do, mask, causal, fresh):
-                        print(f"{'':>8}{us:9.1f} us  x{count:<3} {label}")
             if args.profile:
                 args.profile = False
                 profile_host(fm_total(True))
@@ -210,6 +210,10 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
         (kernels, "program_orders", "kernels.program_orders"),
         (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
         (gluon_bwd, "launch", "gluon_bwd.launch"),
+        (gluon_fwd, "forward", "gluon_fwd.forward"),
+        (kernels, "_summarize", "kernels._summarize"),
+        (kernels, "_build_lists", "kernels._build_lists"),
+        (kernels, "_launch_program_orders", "kernels._launch_program_orders"),
         # Each launch: kernels.launch's cached path, and Triton's own where it falls back. The
         # modules call launch_kernel through their own global, so each is wrapped there.
         *(
