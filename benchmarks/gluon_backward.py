@@ -39,7 +39,7 @@ from flashmask.kernels.gluon_fwd import shared_layout
 
 OPCODES = (
     "HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "UTMASTG", "MUFU.EX2", "LDG", "REDG",
-    "STG", "BAR",
+    "STG", "BAR", "ATOMG",
 )  # fmt: skip
 
 
@@ -53,15 +53,16 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
-    dkdv_tma: bool | None = None,
+    dkdv_tma: bool | None = None, persistent: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
     partial sums, ``kernels.query_chunks``; ``add_dkdv``: added to what they hold, D = 64/128;
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as the module's
-    ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it); registers,
-    spills, shared memory and key instructions."""
+    ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it;
+    ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128); registers, spills, shared
+    memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -73,6 +74,9 @@ def compile_only(
         dq_before_dk = gluon_bwd.DQ_BEFORE_DK
     if dkdv_tma is None:
         dkdv_tma = module.dkdv_by_tma(causal, has_mask)
+    if persistent is None:
+        persistent = bool(gluon_bwd.PERSISTENT)
+    persistent = persistent and module is gluon_bwd
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -97,6 +101,7 @@ def compile_only(
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
+        **({"num_items": "i32", "next_item_ptr": "*i32"} if module is gluon_bwd else {}),
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -107,8 +112,8 @@ def compile_only(
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
-              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk}
-                 if module is gluon_bwd else {})}  # fmt: skip
+              **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
+                  "PERSISTENT": persistent} if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -125,6 +130,7 @@ def compile_only(
         "late_dq": late_dq if module is gluon_bwd else 0,
         "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
         "dkdv_tma": dkdv_tma,
+        "persistent": persistent,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -161,6 +167,8 @@ VARIANT_CONSTANTS = (
     "DKDV_TMA",
     "QUERY_CHUNK_BYTES",
     "QUERY_SPLIT_FROM_BYTES",
+    "PERSISTENT",
+    "MAX_PROGRAMS",
 )
 
 
@@ -352,6 +360,12 @@ def main() -> None:
         for causal, has_mask in ((False, False), (True, True)):
             report = compile_only(256, causal, has_mask, dkdv_tma=not has_mask)
             print(json.dumps(report), flush=True)
+        # The persistent programs (gluon_bwd.PERSISTENT, D = 64/128): full, plain causal and
+        # masked, in the form not shipped.
+        for d in (64, 128):
+            for causal, has_mask in ((False, False), (True, False), (True, True)):
+                report = compile_only(d, causal, has_mask, persistent=not gluon_bwd.PERSISTENT)
+                print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):

@@ -125,6 +125,10 @@
 #                 at 8K and 32K, with do_bench over 1 s; gluon-chunks-add-128k CHUNKS_ADD_IN_KERNEL
 #                 at 128K full with its error against the Triton backward
 #   check-gluon-bwd the quick check's Gluon cases with GLUON_BWD=NAME=V[,...] set on gluon_bwd
+#   gluon-bwd-persistent gluon_backward.py with the dynamic persistent backward
+#                 (gluon_bwd.PERSISTENT=1) against one program per item: 12 masks at 8K, five
+#                 at 32K (dK/dV bitwise); check-gluon-bwd-persistent: the quick check's Gluon
+#                 cases with it on three programs (so that each loops over many items)
 #   program-overhead program_overhead.py at 8K and 32K: each forward's and backward's fixed
 #                 cost per program and cost per tile, fitted over sliding windows of 128-8K keys
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
@@ -478,6 +482,18 @@ for step in "$@"; do
         # (fused multiply-adds make it differ from the launcher's sums in the last bit).
         run_step gluon_backward_chunks_add_128k python benchmarks/gluon_backward.py \
             --seqlens 131072 --masks full --variant CHUNKS_ADD_IN_KERNEL=1
+        ;;
+    gluon-bwd-persistent)
+        run_step gluon_backward_persistent python benchmarks/gluon_backward.py --seqlens 8192 \
+            --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
+            --variant PERSISTENT=1
+        run_step gluon_backward_persistent_32k python benchmarks/gluon_backward.py \
+            --seqlens 32768 --masks full,causal,sliding_window,share_question,document \
+            --variant PERSISTENT=1
+        ;;
+    check-gluon-bwd-persistent)
+        check "--quick --gluon-everywhere --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3" \
+            gpu_check_gluon_bwd_persistent
         ;;
     check-gluon-bwd)
         # The quick GPU check's Gluon backward cases with GLUON_BWD's constants set.

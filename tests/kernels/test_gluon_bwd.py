@@ -154,7 +154,12 @@ def _shipped(report: dict) -> bool:
         and not report["dkdv_fp32"]
         and report["dq_before_dk"] == (module == "gluon_bwd")
         and report["dkdv_tma"] == _ships_tma_dkdv(report)
+        and report["persistent"] == (SHIPS_PERSISTENT and module == "gluon_bwd")
     )
+
+
+# ``gluon_bwd.PERSISTENT`` as shipped, restated so that the test process does not import Gluon.
+SHIPS_PERSISTENT = False
 
 
 def _ships_tma_dkdv(report: dict) -> bool:
@@ -341,7 +346,11 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
             report["row_terms_smem"], report["dkdv_fp32"],
         )  # fmt: skip
 
-    by_form = {(form(r), r["dkdv_tma"]): r for r in sm90_reports if r["head_dim"] != 256}
+    by_form = {
+        (form(r), r["dkdv_tma"]): r
+        for r in sm90_reports
+        if r["head_dim"] != 256 and r["persistent"] == SHIPS_PERSISTENT
+    }
     pairs = [
         (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
     ]
@@ -353,6 +362,31 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
         assert new["WARPGROUP.DEPBAR"] == old["WARPGROUP.DEPBAR"], (new, old)
         assert new["shared_kb"] == old["shared_kb"], (new, old)
         assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+
+
+def test_persistent_programs_loop_with_the_same_products(sm90_reports):
+    """``gluon_bwd.PERSISTENT``: one program per SM looping over the work items, each next one
+    taken with one atomic. Against one program per item compiled for the same inputs (full,
+    plain causal, masked at D = 64/128): the same products and ``wgmma`` waits (the tile loop
+    is the same code), one ``ATOMG`` where the other has none, a few hundred bytes of shared
+    memory more (the item ring and the K/V buffers' "empty" barrier), and spills bounded (under
+    Triton 3.6, the H200's: none but 56 bytes for plain causal at D = 128, in the consumers'
+    loop-carried values)."""
+    persistent = [r for r in sm90_reports if r["persistent"] != SHIPS_PERSISTENT]
+    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in persistent} == {
+        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
+    }
+    for report in persistent:
+        looping, per_item = (report, _shipped_twin(sm90_reports, _compiled_for(report)))[
+            :: 1 if report["persistent"] else -1
+        ]
+        assert looping["ATOMG"] == 1 and per_item["ATOMG"] == 0, (looping, per_item)
+        assert looping["HGMMA"] == per_item["HGMMA"], (looping, per_item)
+        assert looping["WARPGROUP.DEPBAR"] == per_item["WARPGROUP.DEPBAR"], (looping, per_item)
+        assert 0 < looping["shared_kb"] - per_item["shared_kb"] <= 0.5, (looping, per_item)
+        assert looping["shared_kb"] <= 227, looping
+        assert looping["warps"] == 12 and looping["UTMALDG"] > 0, looping
+        assert looping["spill_bytes"] <= per_item["spill_bytes"] + 128, (looping, per_item)
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):

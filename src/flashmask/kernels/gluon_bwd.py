@@ -65,11 +65,15 @@ from flashmask.kernels.gluon_fwd import (
     hide_pairs,
     launched_program,
     load_column_bounds,
+    publish_item,
+    receive_item,
     require_form,
     shared_layout,
+    sm_count,
     tma_load,
     tma_store,
     wgmma_layout,
+    work_item,
 )
 from flashmask.kernels.gluon_fwd import partition_barrier as _partition_barrier
 from flashmask.kernels.launch import launch_kernel
@@ -170,6 +174,19 @@ DQ_BEFORE_DK = True
 # from registers: 2 (the default) is TMA stores except for plain causal, 1 everywhere, 0 nowhere
 # (both for measurement).
 DKDV_TMA = 2
+# Programs per launch: 0, one per work item (a key tile of a kv head and batch), the grid
+# ``(key tiles, kv heads, batch)``; 1, one per SM, each looping over items taken from a
+# counter in the launch order, so that an item's first Q/dO tiles load while the previous
+# item's last compute and no program is launched, set up and torn down per item (the
+# persistent forward's saving, ``gluon_fwd.PERSISTENT``). The next item's K and V still load
+# only after the previous item's dK/dV are stored out of their buffers (shared memory has no
+# room for a second K/V pair at hd128: 224 of 227 KB). The same products in the same order
+# per item: dK/dV bitwise equal to the other form's.
+PERSISTENT = 0
+# With PERSISTENT, at most this many programs (0: one per SM). For checks: the GPU check's
+# cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
+# (``benchmarks/gpu_check.py --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3``).
+MAX_PROGRAMS = 0
 
 
 @gluon.jit
@@ -226,10 +243,77 @@ def _bwd_load_partition(
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
-    """Producer warp: K and V once, then Q and dO of every listed query tile of every head (with
-    ``ROW_TERMS_SMEM`` also the tile's lse and delta rows into ``lse_bufs[slot]`` and
-    ``delta_bufs[slot]``, loaded while the tile's copies run and released by a second arrival on
-    its "ready" barrier)."""
+    """Producer warp of a program that owns one key tile: :func:`_bwd_load_item` once."""
+    _bwd_load_item(
+        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+        entries_ptr, counts_ptr, b, h_kv, n_tile, 0, seqlen_q, seqlen_k, heads_per_kv,
+        heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs,
+        lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_load_partition_persistent(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, kv_empty, ready,
+    empty, items, item_ready, item_empty, next_item_ptr, order_ptr, num_items, entries_ptr,
+    counts_ptr, seqlen_q, seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads,
+    num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q,
+    ORDERED: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
+):  # fmt: skip
+    """Producer warp of a persistent program (``PERSISTENT``): :func:`_bwd_load_item` for each
+    of its work items (its own first, then each next one from the launch's counter
+    ``next_item_ptr``, handed to the consumers and the dQ writer through the item ring), each
+    item's K and V once the consumers have released the previous item's (``kv_empty``: read,
+    and its dK/dV stored out of those buffers). The Q/dO ring's steps run on across items, so
+    the next item's first tiles load while this one's last compute."""
+    programs = gl.num_programs(0)
+    # One program per item (the grid has them all): no counter to take the next from.
+    dynamic = programs < num_items
+    num_kv_heads = num_heads_q // heads_per_kv
+    w = gl.program_id(0)
+    t = 0
+    it = 0
+    while w < num_items:
+        n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
+        mbarrier.wait(kv_empty, (t & 1) ^ 1)
+        it = _bwd_load_item(
+            q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
+            empty, entries_ptr, counts_ptr, b, h_kv, n_tile, it, seqlen_q, seqlen_k,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM,
+            ROW_TERMS_SMEM,
+        )  # fmt: skip
+        # The next item once this one's loads are issued (the last of them waited for a slot
+        # the consumers release two tiles before the item's end, so the atomic's round trip
+        # runs under those tiles).
+        nxt = w + programs
+        if dynamic:
+            nxt = gl.atomic_add(next_item_ptr, 1, sem="relaxed") + programs
+        publish_item(items, item_ready, item_empty, nxt, t)
+        t += 1
+        w = nxt
+
+
+@gluon.jit
+def _bwd_load_item(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+    entries_ptr, counts_ptr, b, h_kv, n_tile, it, seqlen_q, seqlen_k, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
+    delta_ptr, num_heads_q,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
+):  # fmt: skip
+    """Producer, one work item (key tile ``n_tile`` of kv head ``h_kv``, batch ``b``): K and V
+    (``kv_bar``), then Q and dO of every listed query tile of every head sharing the kv head,
+    the first into ring step ``it`` (with ``ROW_TERMS_SMEM`` also the tile's lse and delta rows
+    into ``lse_bufs[slot]`` and ``delta_bufs[slot]``, loaded while the tile's copies run and
+    released by a second arrival on its "ready" barrier). Returns the next item's first step."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -237,7 +321,7 @@ def _bwd_load_partition(
     tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    it = 0
+    it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -268,6 +352,7 @@ def _bwd_load_partition(
                 delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
                 mbarrier.arrive(bar, count=1)
             it += 1
+    return it
 
 
 @gluon.jit
@@ -279,14 +364,61 @@ def _bwd_dq_writer_partition(
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
 ):  # fmt: skip
-    """dQ writer warps: walk the producer's tile sequence and add each tile's
-    scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer (with
-    ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``)."""
+    """dQ writer warps of a program that owns one key tile: :func:`_bwd_dq_writer_item` once."""
+    _bwd_dq_writer_item(
+        dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile, 0,
+        seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+        stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM, DQ_TMA,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_dq_writer_partition_persistent(
+    dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr, num_items,
+    entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q, num_heads_q, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
+    stride_dqh,
+    ORDERED: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+):  # fmt: skip
+    """dQ writer warps of a persistent program: :func:`_bwd_dq_writer_item` for each of its
+    work items (its own first, each next one from the producer's item ring)."""
+    num_kv_heads = num_heads_q // heads_per_kv
+    w = gl.program_id(0)
+    t = 0
+    it = 0
+    while w < num_items:
+        n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
+        it = _bwd_dq_writer_item(
+            dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv,
+            n_tile, it, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+            num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
+            DQ_TMA,
+        )  # fmt: skip
+        w = receive_item(items, item_ready, item_empty, t)
+        t += 1
+
+
+@gluon.jit
+def _bwd_dq_writer_item(
+    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile, it,
+    seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    stride_dqb, stride_dqs, stride_dqh,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+):  # fmt: skip
+    """dQ writer, one work item: walk the producer's tile sequence from ring step ``it`` and add
+    each tile's scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer
+    (with ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``). Returns the next
+    item's first step."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
     step: gl.constexpr = 8
-    it = 0
+    it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -311,6 +443,7 @@ def _bwd_dq_writer_partition(
             # Lowered as a barrier of the writer warps, then one arrive: all reads are done.
             mbarrier.arrive(dq_empty.index(buf), count=1)
             it += 1
+    return it
 
 
 @gluon.jit
@@ -494,7 +627,86 @@ def _bwd_compute_partition(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: dK and dV of the program's keys (with ``ADD_DKDV`` added to what
+    """Consumer warpgroups of a program that owns one key tile: :func:`_bwd_compute_item`
+    once."""
+    _bwd_compute_item(
+        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
+        dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
+        heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
+        stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
+        0, 0, kv_bar, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+        ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_compute_partition_persistent(
+    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, kv_empty, ready, empty, dq_full,
+    dq_empty, items, item_ready, item_empty, order_ptr, num_items, entries_ptr, counts_ptr,
+    bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
+    num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
+    LATE_DQ: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
+    ORDERED: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups of a persistent program: :func:`_bwd_compute_item` for each of its
+    work items (its own first, each next one from the producer's item ring), the ``t``-th
+    waiting for phase ``t & 1`` of the K/V barrier."""
+    num_kv_heads = num_heads_q // heads_per_kv
+    w = gl.program_id(0)
+    t = 0
+    it = 0
+    while w < num_items:
+        n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
+        it = _bwd_compute_item(
+            k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
+            dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+            dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
+            heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
+            stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
+            it, t & 1, kv_empty, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+            DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True,
+        )  # fmt: skip
+        w = receive_item(items, item_ready, item_empty, t)
+        t += 1
+
+
+@gluon.jit
+def _bwd_compute_item(
+    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full, dq_empty,
+    entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
+    b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
+    num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs, it, kv_phase, kv_empty,
+    CAUSAL: gl.constexpr,
+    HAS_MASK: gl.constexpr,
+    HAS_UPPER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    DQ_TMA: gl.constexpr,
+    ROW_TERMS_SMEM: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
+    LATE_DQ: gl.constexpr,
+    DQ_BEFORE_DK: gl.constexpr,
+    DKDV_TMA: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups, one work item (key tile ``n_tile`` of kv head ``h_kv``, batch
+    ``b``; its K/V barrier's phase ``kv_phase``; its first tile ring step ``it``): dK and dV of
+    its keys (with ``ADD_DKDV`` added to what
     ``dk_ptr``/``dv_ptr`` hold; with ``DKDV_TMA`` stored through ``dk_desc``/``dv_desc``);
     each tile's dQ goes to the writer warps through ``dq_bufs`` (``lse_bufs``/``delta_bufs``:
     the producer's rows with ``ROW_TERMS_SMEM``). All five
@@ -502,7 +714,9 @@ def _bwd_compute_partition(
     product is issued after dQ's and runs while dQ is stored for the writer; leaving dK running
     into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
     stored dQ is handed over only once the next tile's score products are issued (see
-    ``LATE_DQ_HANDOFF``)."""
+    ``LATE_DQ_HANDOFF``). With ``PERSISTENT`` the item's last Q/dO slot is released too and, once
+    dK/dV are stored, its K/V buffers (``kv_empty``), for the next item. Returns the next item's
+    first step."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -524,8 +738,9 @@ def _bwd_compute_partition(
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
 
-    mbarrier.wait(kv_bar, 0)
-    it = 0
+    mbarrier.wait(kv_bar, kv_phase)
+    it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
+    first = it  # the item's first tile: no previous tile of its own to hand over
     for g in range(heads_per_kv):
         h, mask_head, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -554,8 +769,8 @@ def _bwd_compute_partition(
                 # size keeps the buffer index in range there).
                 if LATE_DQ == 2:
                     num_slots: gl.constexpr = q_bufs.type.shape[0]
-                    mbarrier.arrive(empty.index((it + num_slots - 1) % num_slots), pred=it > 0)
-                publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
+                    mbarrier.arrive(empty.index((it + num_slots - 1) % num_slots), pred=it > first)
+                publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > first)
             rows = m_tile * BLOCK_M + offs_m
             if ROW_TERMS_SMEM == 1:
                 lse = staged_lse(lse_bufs, slot, query_layout)
@@ -608,13 +823,22 @@ def _bwd_compute_partition(
                     hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
     if LATE_DQ:
-        # The last tile's dQ (the last Q/dO slot needs no release: nothing is loaded after it).
-        publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > 0)
+        # The last tile's dQ; its Q/dO slot only where another item's tiles load after it.
+        publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > first)
+        if PERSISTENT and LATE_DQ == 2:
+            last_slots: gl.constexpr = q_bufs.type.shape[0]
+            mbarrier.arrive(empty.index((it + last_slots - 1) % last_slots), pred=it > first)
 
     write_dk_dv(
         dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
         stride_kb, stride_ks, stride_kh, softmax_scale, ADD_DKDV, DKDV_TMA,
     )  # fmt: skip
+    if PERSISTENT:
+        # Every product that read K and V is in and, with DKDV_TMA, the stores that staged dK
+        # and dV in their buffers have read them (lowered as a barrier of the consumer warps,
+        # then one arrive): the producer may load the next item's.
+        mbarrier.arrive(kv_empty, count=1)
+    return it
 
 
 @gluon.jit
@@ -695,7 +919,7 @@ def gluon_bwd_kernel(
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -713,16 +937,17 @@ def gluon_bwd_kernel(
     LATE_DQ: gl.constexpr,
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
     strides; with ``ADD_DKDV`` added to their fp32 contents; with ``DKDV_TMA`` stored through
     ``dk_desc``/``dv_desc``, descriptors of the same buffers, ``None`` without) and dQ added to
     the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer;
-    ``None`` without)."""
+    ``None`` without). With ``PERSISTENT`` the grid is 1-D and its programs loop over the
+    ``num_items`` work items ``(key tiles, kv heads, batch)`` in that order, taking each next
+    one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item)."""
     dtype: gl.constexpr = q_desc.dtype
-    n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
-
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
     )
@@ -734,45 +959,102 @@ def gluon_bwd_kernel(
     lse_bufs, delta_bufs = allocate_row_terms(
         lse_ptr, delta_ptr, BLOCK_M, NUM_BUFFERS, ROW_TERMS_SMEM
     )
-    # The dQ writer is a second worker (hence two warp_specialize calls).
-    gl.warp_specialize(
-        [
-            (
-                _bwd_compute_partition,
+    if PERSISTENT:
+        # The K/V buffers free for the next item's (consumers: read, and dK/dV stored).
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=1)
+        # The producer's next work items for the consumers and the dQ writer: two slots, each
+        # read by both.
+        items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(item_ready.index(i), count=1)
+            mbarrier.init(item_empty.index(i), count=2)
+        gl.warp_specialize(
+            [
                 (
-                    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                    dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                    delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q,
-                    seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
-                    softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
-                    DKDV_TMA,
+                    _bwd_compute_partition_persistent,
+                    (
+                        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, kv_empty,
+                        ready, empty, dq_full, dq_empty, items, item_ready, item_empty,
+                        order_ptr, num_items, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
+                        delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
+                        num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                        num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
+                        softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER,
+                        BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
+                        DQ_BEFORE_DK, DKDV_TMA, ORDERED,
+                    ),
                 ),
-            ),
-            (
-                _bwd_load_partition,
                 (
-                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
-                    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+                    _bwd_load_partition_persistent,
+                    (
+                        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                        kv_empty, ready, empty, items, item_ready, item_empty, next_item_ptr,
+                        order_ptr, num_items, entries_ptr, counts_ptr, seqlen_q, seqlen_k,
+                        heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q,
+                        ORDERED, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+                    ),
                 ),
-            ),
-            (
-                _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
-                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                    HEAD_DIM, DQ_TMA,
+                    _bwd_dq_writer_partition_persistent,
+                    (
+                        dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr,
+                        num_items, entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q,
+                        num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, ORDERED,
+                        BLOCK_M, HEAD_DIM, DQ_TMA,
+                    ),
                 ),
-            ),
-        ],
-        [1, WRITER_WARPS],
-        [24, WRITER_REGISTERS],
-    )  # fmt: skip
+            ],
+            [1, WRITER_WARPS],
+            [24, WRITER_REGISTERS],
+        )  # fmt: skip
+    else:
+        n_tile, h_kv, b = launched_program(
+            order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED
+        )
+        # The dQ writer is a second worker (hence two warp_specialize calls).
+        gl.warp_specialize(
+            [
+                (
+                    _bwd_compute_partition,
+                    (
+                        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
+                        dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
+                        delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q,
+                        seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                        num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
+                        softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
+                        DKDV_TMA,
+                    ),
+                ),
+                (
+                    _bwd_load_partition,
+                    (
+                        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
+                        ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
+                        seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                        num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+                    ),
+                ),
+                (
+                    _bwd_dq_writer_partition,
+                    (
+                        dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
+                        h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
+                        HEAD_DIM, DQ_TMA,
+                    ),
+                ),
+            ],
+            [1, WRITER_WARPS],
+            [24, WRITER_REGISTERS],
+        )  # fmt: skip
 
 
 @functools.cache  # frozen: one object per head dim serves every launch (host time)
@@ -817,12 +1099,17 @@ def backward(
     require_form("gluon_bwd.ROW_TERMS_SMEM", ROW_TERMS_SMEM)
     require_form("gluon_bwd.LATE_DQ_HANDOFF", LATE_DQ_HANDOFF)
     require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
+    if PERSISTENT not in (0, 1):
+        raise ValueError(f"gluon_bwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
+    if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
+        raise ValueError(f"gluon_bwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
+        PERSISTENT=bool(PERSISTENT),
     )  # fmt: skip
 
 
@@ -973,8 +1260,20 @@ def _launch_once(
             TensorDescriptor.from_tensor(x.view(b * sk, hk * d), [block_n, d], kv_layout)
             for x in (dk, dv)
         )
+    grid = (tn, hk, b)
+    if "PERSISTENT" in constants:  # gluon_bwd_kernel's 1-D grid and item counter
+        num_items = tn * hk * b
+        programs = num_items
+        if constants["PERSISTENT"]:
+            programs = min(num_items, MAX_PROGRAMS or sm_count(q.device))
+            grid = (programs,)
+        # Items past the first ``programs`` are taken from this counter, one at a time.
+        next_item = lists.counts  # not read with one program per item
+        if programs < num_items:
+            next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
+        constants = {**constants, "num_items": num_items, "next_item_ptr": next_item}
     launch_kernel(
-        kernel, (tn, hk, b),
+        kernel, grid,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv, dk_desc, dv_desc,
         lists.counts if bounds is None else bounds, lists.entries, lists.counts,
         lists.counts if order is None else order,

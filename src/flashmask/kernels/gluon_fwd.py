@@ -106,11 +106,12 @@ PERSISTENT = 1
 # makes their programs loop (``benchmarks/gpu_check.py --gluon-fwd MAX_PROGRAMS=3``).
 MAX_PROGRAMS = 0
 # Q tiles in shared memory (1 or 2). With two, a persistent program loads its next tile's Q
-# while the current one computes, instead of after its O is stored (the next tile's wait for Q
-# is part of what a tile costs besides its key tiles); at hd128 they fit beside two K/V slots
-# only (192 KB), not three. Prepared offline in the twenty-third session and not measured:
-# off. ``benchmarks/gluon_forward_versions.py --candidates 'library@Q_BUFFERS=2+slots=2'``
-# (``gpu_session.sh gluon-q-buffers``; its check: ``check-gluon-q2``).
+# while the current one computes, instead of after its O is stored. At hd128 they fit beside
+# two K/V slots only (192 KB), not three, and that loss decides: measured in the twenty-fourth
+# session (``results/gluon_forward_q_buffers_s24.log``), two Q buffers gained 2-9% over two
+# slots alone, but two slots lose 3-12% against three, so Q_BUFFERS=2 was 0.90-0.99x the
+# shipped kernel on 11 of 12 masks at 8K and 32K (1.05x on 8K sliding_window only). Kept at
+# one; the form stays for hd64 and future measurement (``gpu_session.sh gluon-q-buffers``).
 Q_BUFFERS = 1
 # Hopper's shared memory per block (227 KB), which Q's buffers and the K/V slots must fit.
 SHARED_MEMORY_BYTES = 227 * 1024
@@ -196,10 +197,11 @@ def publish_item(items, item_ready, item_empty, w, t):
 
 @gluon.jit
 def receive_item(items, item_ready, item_empty, t):
-    """Consumer warpgroup: the program's ``t``-th work item, from the producer's item ring."""
+    """A consumer partition (a warpgroup of the forward; the backward's consumers or dQ
+    writer): the program's ``t``-th work item, from the producer's item ring."""
     slot = t % 2
     mbarrier.wait(item_ready.index(slot), (t // 2) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w = gl.max(items.index(slot).load(layout), 0)
     mbarrier.arrive(item_empty.index(slot), count=1)
     return w
