@@ -180,8 +180,12 @@ DKDV_TMA = 2
 # item's last compute and no program is launched, set up and torn down per item (the
 # persistent forward's saving, ``gluon_fwd.PERSISTENT``). The next item's K and V still load
 # only after the previous item's dK/dV are stored out of their buffers (shared memory has no
-# room for a second K/V pair at hd128: 224 of 227 KB). The same products in the same order
-# per item: dK/dV bitwise equal to the other form's.
+# room for a second K/V pair at hd128: 225.5 of 227 KB). The same products in the same order
+# per item: dK/dV bitwise equal to the other form's. Measured on the H200 against one program
+# per item (twenty-fifth session, ``results/gluon_backward_persistent{,_32k}_s25.log``):
+# 0.97-1.03x on 12 masks at 8K and five at 32K, inside the A/B noise: the ~6 us an item costs
+# beyond its tiles is its serial fill and drain, which this form still serialises, not the
+# launch. Off; kept as the base for overlapping the next item's K/V where shared memory allows.
 PERSISTENT = 0
 # With PERSISTENT, at most this many programs (0: one per SM). For checks: the GPU check's
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
