@@ -515,7 +515,8 @@ import json
 from flashmask.kernels import gluon_bwd, gluon_bwd256
 errors = {}
 for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE_DQ_HANDOFF", -1),
-                            (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3)):
+                            (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3),
+                            (gluon_bwd, "PERSISTENT", 2), (gluon_bwd, "MAX_PROGRAMS", -1)):
     saved = getattr(module, name)
     setattr(module, name, value)
     try:
@@ -572,5 +573,51 @@ def test_launcher_refuses_kernel_forms_it_does_not_have():
         "gluon_bwd.LATE_DQ_HANDOFF=-1",
         "gluon_bwd.DKDV_TMA=3",
         "gluon_bwd256.DKDV_TMA=3",
+        "gluon_bwd.PERSISTENT=2",
+        "gluon_bwd.MAX_PROGRAMS=-1",
     }
     assert all(key.split("=")[0] in message for key, message in errors.items())
+
+
+# Runs in a process of its own (gluon_bwd imports Gluon): one launch of the Gluon backward with
+# the kernel launch and the SM count replaced by stand-ins (132 SMs, as the H200 has), per form.
+_PERSISTENT_LAUNCHES = """
+import json, torch
+from flashmask.kernels import gluon_bwd, tiles
+seen = []
+def fake_launch(kernel, grid, *args, **kwargs):
+    counter = kwargs["next_item_ptr"]
+    seen[-1].update(grid=list(grid), num_items=kwargs["num_items"],
+                    persistent=kwargs["PERSISTENT"], counter_zeroed=counter.numel() == 1
+                    and not counter.any(), counter_is_counts=counter is lists.counts)
+gluon_bwd.launch_kernel = fake_launch
+gluon_bwd.sm_count = lambda device: 132
+b, s, h, hk, d = 2, 1024, 8, 4, 128
+q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
+k = torch.zeros(b, s, hk, d, dtype=torch.bfloat16)
+lse = torch.zeros(b, h, s)
+tn, tm = s // 128, s // 64
+lists = tiles.TileLists(torch.zeros(b, 1, tn, tm, dtype=torch.int32),
+                        torch.zeros(b, 1, tn, dtype=torch.int32), None)
+for persistent, max_programs in ((0, 0), (1, 0), (1, 3), (1, 1000)):
+    gluon_bwd.PERSISTENT, gluon_bwd.MAX_PROGRAMS = persistent, max_programs
+    seen.append({"form": [persistent, max_programs]})
+    gluon_bwd.backward(q, q, k, k, lse, lse, None, lists, 1, True, 0.125)
+print(json.dumps({"seen": seen}))
+"""
+
+
+def test_persistent_backward_runs_one_program_per_sm_taking_items_from_a_zeroed_counter():
+    """``gluon_bwd.PERSISTENT``: the grid ``(key tiles, kv heads, batch)`` = (8, 4, 2), 64 work
+    items, becomes 1-D with ``min(items, SMs or MAX_PROGRAMS)`` programs, and where that is
+    fewer than the items the kernel gets a zeroed int32 counter to take the rest from (else the
+    counts tensor, a pointer it does not read); off, the 3-D grid of one program per item."""
+    (result,) = json_lines(["-c", _PERSISTENT_LAUNCHES])
+    seen = result["seen"]
+    by_form = {tuple(launch["form"]): launch for launch in seen}
+    assert by_form[0, 0]["grid"] == [8, 4, 2] and not by_form[0, 0]["persistent"]
+    assert by_form[1, 0]["grid"] == [64] and by_form[1, 0]["counter_is_counts"]  # 64 < 132 SMs
+    assert by_form[1, 3]["grid"] == [3] and by_form[1, 3]["counter_zeroed"]
+    assert by_form[1, 1000]["grid"] == [64] and by_form[1, 1000]["counter_is_counts"]
+    assert all(launch["num_items"] == 64 for launch in seen)
+    assert all(launch["persistent"] for form, launch in by_form.items() if form[0])
