@@ -128,7 +128,8 @@
 #   gluon-bwd-persistent gluon_backward.py with the dynamic persistent backward
 #                 (gluon_bwd.PERSISTENT=1) against one program per item: 12 masks at 8K, five
 #                 at 32K (dK/dV bitwise); check-gluon-bwd-persistent: the quick check's Gluon
-#                 cases with it on three programs (so that each loops over many items)
+#                 cases with it on three programs (so that each loops over many items);
+#                 gluon-bwd-persistent-hd64: the A/B at head dim 64, 12 masks at 8K
 #   program-overhead program_overhead.py at 8K and 32K: each forward's and backward's fixed
 #                 cost per program and cost per tile, fitted over sliding windows of 128-8K keys
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
@@ -489,6 +490,14 @@ for step in "$@"; do
             --variant PERSISTENT=1
         run_step gluon_backward_persistent_32k python benchmarks/gluon_backward.py \
             --seqlens 32768 --masks full,causal,sliding_window,share_question,document \
+            --variant PERSISTENT=1
+        ;;
+    gluon-bwd-persistent-hd64)
+        # The same at head dim 64 (items half as long per tile; shared memory has room for a
+        # second K/V pair there, which this form does not use yet).
+        run_step gluon_backward_persistent_hd64 python benchmarks/gluon_backward.py \
+            --head-dim 64 --seqlens 8192 \
+            --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
             --variant PERSISTENT=1
         ;;
     check-gluon-bwd-persistent)
