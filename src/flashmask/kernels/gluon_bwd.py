@@ -183,7 +183,8 @@ DKDV_TMA = 2
 # room for a second K/V pair at hd128: 225.5 of 227 KB). The same products in the same order
 # per item: dK/dV bitwise equal to the other form's. Measured on the H200 against one program
 # per item (twenty-fifth session, ``results/gluon_backward_persistent{,_32k}_s25.log``):
-# 0.97-1.03x on 12 masks at 8K and five at 32K, inside the A/B noise: the ~6 us an item costs
+# 0.97-1.03x on 12 masks at 8K and five at 32K, inside the A/B noise (hd64 8K: 0.98-1.04x,
+# ``results/gluon_backward_persistent_hd64_s25.log``): the ~6 us an item costs
 # beyond its tiles is its serial fill and drain, which this form still serialises, not the
 # launch. Off; kept as the base for overlapping the next item's K/V where shared memory allows.
 PERSISTENT = 0
