@@ -710,12 +710,11 @@ def _bwd_compute_item(
     PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups, one work item (key tile ``n_tile`` of kv head ``h_kv``, batch
-    ``b``; its K/V barrier's phase ``kv_phase``; its first tile ring step ``it``): dK and dV of
-    its keys (with ``ADD_DKDV`` added to what
-    ``dk_ptr``/``dv_ptr`` hold; with ``DKDV_TMA`` stored through ``dk_desc``/``dv_desc``);
-    each tile's dQ goes to the writer warps through ``dq_bufs`` (``lse_bufs``/``delta_bufs``:
-    the producer's rows with ``ROW_TERMS_SMEM``). All five
-    products of a tile are awaited within the tile: with ``DQ_BEFORE_DK`` (the default) dK's
+    ``b``; its K/V barrier's phase ``kv_phase``; its first tile's ring step ``it``): dK and dV
+    of its keys (with ``ADD_DKDV`` added to what ``dk_ptr``/``dv_ptr`` hold; with ``DKDV_TMA``
+    stored through ``dk_desc``/``dv_desc``); each tile's dQ goes to the writer warps through
+    ``dq_bufs`` (``lse_bufs``/``delta_bufs``: the producer's rows with ``ROW_TERMS_SMEM``). All
+    five products of a tile are awaited within the tile: with ``DQ_BEFORE_DK`` (the default) dK's
     product is issued after dQ's and runs while dQ is stored for the writer; leaving dK running
     into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
     stored dQ is handed over only once the next tile's score products are issued (see
