@@ -377,9 +377,8 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
         (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
     }
     for report in persistent:
-        looping, per_item = (report, _shipped_twin(sm90_reports, _compiled_for(report)))[
-            :: 1 if report["persistent"] else -1
-        ]
+        twin = _shipped_twin(sm90_reports, _compiled_for(report))
+        looping, per_item = (report, twin) if report["persistent"] else (twin, report)
         assert looping["ATOMG"] == 1 and per_item["ATOMG"] == 0, (looping, per_item)
         assert looping["HGMMA"] == per_item["HGMMA"], (looping, per_item)
         assert looping["WARPGROUP.DEPBAR"] == per_item["WARPGROUP.DEPBAR"], (looping, per_item)
