@@ -1,17 +1,21 @@
 """``kernels.launch``'s cached launches against Triton's own launch path on the GPU: the same
 results, and the host time each takes per forward + backward.
 
-For every case (mask, length, head dim, key/value heads) the forward + backward runs with
-``launch.CACHED`` on and off, ``deterministic`` both ways (the Triton and the Gluon backward):
-out, lse, dK and dV must be bitwise equal, and dQ too where deterministic (the Gluon backward's
+Three launch settings: ``triton`` (``launch.CACHED`` off: every launch through
+``kernel[grid](...)``), ``cached`` (the cache on, tensors handed to the launcher as tensors:
+``launch.RAW_POINTERS`` off) and ``raw`` (the cache on, tensors handed as their addresses). For
+every case (mask, length, head dim, key/value heads) the forward + backward runs in each,
+``deterministic`` both ways (the Triton and the Gluon backward): out, lse, dK and dV must be
+bitwise equal to the ``triton`` setting's, and dQ too where deterministic (the Gluon backward's
 dQ is summed by atomics in any order: within 1e-2 of its largest element). With the cache on
 and warm, the number of launches per call that still took Triton's path (``JITFunction.run``)
 is printed: 0 means every kernel of the call went through the cache.
 
 Then the host time per call (mask prepared in every call, as ``flashmask bench`` times it) and
-``do_bench``'s median, alternating the two settings over three rounds, and the GPU time with the
-host queued ahead. Usage (H200): ``PYTHONPATH=src python benchmarks/cached_launch.py``; exits 1
-on a mismatch.
+``do_bench``'s median, alternating the settings over three rounds (the best of each kept), the
+GPU time with the host queued ahead, and FlexAttention's ``do_bench`` median in the same rounds
+(its block mask built once, as ``flashmask bench`` times it), so that a slow host moves both.
+Usage (H200): ``PYTHONPATH=src python benchmarks/cached_launch.py``; exits 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ def results(q, k, v, do, mask, causal, deterministic):
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
+# Each setting: (launch.CACHED, launch.RAW_POINTERS).
+SETTINGS = {"triton": (False, False), "cached": (True, False), "raw": (True, True)}
+
+
+def use(setting: str) -> None:
+    launch.CACHED, launch.RAW_POINTERS = SETTINGS[setting]
+
+
 def main() -> None:
     parser = case_parser(
         __doc__.splitlines()[0], "sliding_window,share_question,causal_document,full,causal"
@@ -59,11 +71,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.compile_only:
         parser.error("--compile-only: this script compares launches on a GPU")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
     failures = 0
     print(
         f"{'S':>6} {'D':>4} {'kv':>3} {'mask':<18} {'same':<5} {'triton-path/call':>16} "
-        f"{'host triton':>11} {'host cached':>11} {'bench triton':>12} {'bench cached':>12} "
-        f"{'gpu':>7}  (ms)"
+        + " ".join(f"{'host ' + n:>11}" for n in SETTINGS)
+        + " "
+        + " ".join(f"{'bench ' + n:>12}" for n in SETTINGS)
+        + f" {'gpu':>7} {'flex':>7}  (ms)"
     )
     for s in args.seqlens:
         for d in args.head_dims:
@@ -82,18 +99,22 @@ def main() -> None:
                     same, warm_triton_calls = True, 0
                     for deterministic in (True, False):
                         got = {}
-                        for cached in (False, True, True):  # the second cached call: warm
-                            launch.CACHED = cached
+                        # each cached setting twice: the second call is warm
+                        for setting in ("triton", "cached", "cached", "raw", "raw"):
+                            use(setting)
                             clear_prepared()
                             _TRITON_PATH_CALLS[0] = 0
-                            got[cached] = results(q, k, v, do, mask, causal, deterministic)
-                        warm_triton_calls = max(warm_triton_calls, _TRITON_PATH_CALLS[0])
-                        for part in got[False]:
-                            ok = agree(part, got[True][part], got[False][part], deterministic)
-                            same &= ok
-                            if not ok:
-                                print(f"FAIL {name} S={s} D={d} kv={kv} "
-                                      f"deterministic={deterministic} {part}")  # fmt: skip
+                            got[setting] = results(q, k, v, do, mask, causal, deterministic)
+                            if setting != "triton":
+                                warm_triton_calls = max(warm_triton_calls, _TRITON_PATH_CALLS[0])
+                        for setting in ("cached", "raw"):
+                            for part in got["triton"]:
+                                want = got["triton"][part]
+                                ok = agree(part, got[setting][part], want, deterministic)
+                                same &= ok
+                                if not ok:
+                                    print(f"FAIL {name} S={s} D={d} kv={kv} {setting} "
+                                          f"deterministic={deterministic} {part}")  # fmt: skip
                     failures += not same
                     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
@@ -102,22 +123,29 @@ def main() -> None:
                         out = flashmask_attention(qg, kg, vg, mask, causal=causal)
                         bench.input_gradients(out, (qg, kg, vg), do)
 
-                    host = {False: [], True: []}
-                    bench_ms = {False: [], True: []}
+                    block_mask = bench._flex_block_mask(mask, causal, batch, heads, s, "cuda")()
+                    _, flex_total = bench.flex_calls(flex, block_mask, q, k, v, do)
+                    host = {setting: [] for setting in SETTINGS}
+                    bench_ms = {setting: [] for setting in SETTINGS}
+                    flex_ms = []
                     for _ in range(3):
-                        for cached in (False, True):
-                            launch.CACHED = cached
-                            host[cached].append(host_ms(call))
-                            bench_ms[cached].append(
+                        for setting in SETTINGS:
+                            use(setting)
+                            host[setting].append(host_ms(call))
+                            bench_ms[setting].append(
                                 triton.testing.do_bench(call, rep=100, return_mode="median")
                             )
-                    launch.CACHED = True
+                        flex_ms.append(
+                            triton.testing.do_bench(flex_total, rep=100, return_mode="median")
+                        )
+                    use("raw")
                     gpu = bench._gpu_time(call)
                     print(
-                        f"{s:>6} {d:>4} {kv:>3} {name:<18} {same!s:<5} "
-                        f"{warm_triton_calls:>16} {min(host[False]):11.3f} "
-                        f"{min(host[True]):11.3f} {min(bench_ms[False]):12.3f} "
-                        f"{min(bench_ms[True]):12.3f} {gpu:7.3f}",
+                        f"{s:>6} {d:>4} {kv:>3} {name:<18} {same!s:<5} {warm_triton_calls:>16} "
+                        + " ".join(f"{min(host[n]):11.3f}" for n in SETTINGS)
+                        + " "
+                        + " ".join(f"{min(bench_ms[n]):12.3f}" for n in SETTINGS)
+                        + f" {gpu:7.3f} {min(flex_ms):7.3f}",
                         flush=True,
                     )
     print(f"cached launch entries: {len(launch._PLANS)}; cases failed: {failures}")

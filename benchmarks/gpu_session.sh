@@ -16,6 +16,10 @@
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
+#   launch-costs  launch_costs.py (the host cost of a launch's pieces and of every launch of an
+#                 8K sliding_window forward + backward in each launch setting), then
+#                 cached_launch.py at 8K hd128 on four masks: Triton's path, cached, cached with
+#                 raw addresses (launch.RAW_POINTERS), flex in the same rounds
 #   gluon-dkdv-tma gluon_backward.py at hd128 and hd64, 8K and 32K: dK/dV through shared memory
 #                 and TMA stores (DKDV_TMA=1) against the stores from registers; its GPU check:
 #                 GLUON_BWD=DKDV_TMA=1 ... check-dq-tma
@@ -269,6 +273,11 @@ for step in "$@"; do
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4
         run_step cached_launch_hd64_hd256 python benchmarks/cached_launch.py --head-dims 64,256 \
             --kv-heads 16 --masks sliding_window,causal
+        ;;
+    launch-costs)
+        run_step launch_costs python benchmarks/launch_costs.py --masks sliding_window,full
+        run_step cached_launch_raw python benchmarks/cached_launch.py --head-dims 128 \
+            --kv-heads 16 --masks sliding_window,share_question,causal_document,full
         ;;
     gluon-dkdv-tma)
         run_step gluon_backward_dkdv_tma python benchmarks/gluon_backward.py \

@@ -135,6 +135,30 @@ def test_a_repeated_call_launches_the_compiled_kernel_with_the_parameters_in_ord
     ]
 
 
+def test_cached_launches_pass_cuda_tensors_as_their_addresses(stand_in, monkeypatch):
+    """With every tensor on the GPU, a cached launch hands the launcher the tensors' addresses
+    (ints, which Triton's C launcher takes without asking the driver about them); with
+    ``RAW_POINTERS`` off, the tensors themselves."""
+    monkeypatch.setattr(launch, "_all_on_gpu", lambda args: True)
+    x, y = torch.zeros(256, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16)
+    launch.launch_kernel(stand_in.kernel, (1,), x, 64, 0.5, True, BLOCK=32)
+    launch.launch_kernel(stand_in.kernel, (1,), y, 64, 0.5, True, BLOCK=32)
+    monkeypatch.setattr(launch, "RAW_POINTERS", False)
+    launch.launch_kernel(stand_in.kernel, (1,), y, 64, 0.5, True, BLOCK=32)
+    first, second = (call[9] for call in stand_in.compiled.calls)
+    assert type(first) is int and first == y.data_ptr()
+    assert second is y
+
+
+def test_a_host_tensor_never_shares_a_key_with_a_cuda_one():
+    """Raw addresses skip the launcher's check that a pointer is the GPU's, so whether a tensor
+    is a CUDA tensor is part of its key: a host tensor's launch takes Triton's path, which
+    refuses it."""
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert launch._args_key((x,)) == ((torch.bfloat16, True, False),)
+    assert not launch._all_on_gpu((x, 3)) and launch._all_on_gpu((3, None))
+
+
 @pytest.mark.parametrize(
     "change",
     [

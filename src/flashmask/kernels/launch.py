@@ -30,6 +30,11 @@ import torch
 
 # False: every launch through ``kernel[grid](...)`` (for A/B measurement and as an escape hatch).
 CACHED = True
+# True: a cached launch hands the launcher each plain CUDA tensor's address as an int, which
+# Triton's C launcher takes as it is; given the tensor, it calls ``data_ptr()`` and asks the
+# driver about the address (``cuPointerGetAttribute``) once per pointer argument, every launch.
+# False: the tensors themselves (for A/B measurement).
+RAW_POINTERS = True
 # A cache of this many keys across kernels is cleared when full (shapes repeat in training, so
 # a full cache means keys that do not: start over rather than keep them all).
 MAX_ENTRIES = 1024
@@ -45,6 +50,7 @@ class _Plan:
     compiled: Any
     defaults: dict[str, Any]
     rest: Callable[[dict], tuple]
+    on_gpu: bool  # every plain tensor among the positional arguments is a CUDA tensor
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -87,14 +93,25 @@ def _arg_key(arg: Any) -> Any:
 
 
 def _args_key(args: tuple) -> tuple:
-    """The key of the positional arguments (ints and tensors, the most common, inline)."""
+    """The key of the positional arguments (ints and tensors, the most common, inline). A plain
+    tensor's key also says whether it is a CUDA tensor: a cached launch passes its address
+    unchecked (:data:`RAW_POINTERS`), so a host tensor must take Triton's path, which refuses
+    it."""
     tensor = torch.Tensor
     return tuple([
         a if type(a) is int
-        else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is tensor
+        else (a.dtype, a.data_ptr() % 16 == 0, a.is_cuda) if type(a) is tensor
         else _arg_key(a)
         for a in args
     ])  # fmt: skip
+
+
+def _raw_pointers(args: tuple) -> tuple:
+    """``args`` with each plain tensor replaced by its address (an int): what the C launcher
+    would read from it, without its driver query. Called only on keys whose tensors are all
+    CUDA tensors (their keys say so)."""
+    tensor = torch.Tensor
+    return tuple([a.data_ptr() if type(a) is tensor else a for a in args])
 
 
 # Keyword values keyed by value and type alone (the constexprs and launch options the library
@@ -164,9 +181,16 @@ def _globals_unchanged(kernel: Any) -> bool:
     return True
 
 
-def _plan(kernel: Any, compiled: Any, num_args: int, kwargs: dict) -> _Plan:
-    """The plan for calls with ``num_args`` positional arguments and these keyword names."""
-    params = list(kernel.signature.parameters.items())[num_args:]
+def _all_on_gpu(args: tuple) -> bool:
+    """Whether every plain tensor of ``args`` is a CUDA tensor (a launch may pass their raw
+    addresses)."""
+    return all(a.is_cuda for a in args if type(a) is torch.Tensor)
+
+
+def _plan(kernel: Any, compiled: Any, args: tuple, kwargs: dict) -> _Plan:
+    """The plan for calls with positional arguments keyed as ``args`` and these keyword names."""
+    on_gpu = _all_on_gpu(args)
+    params = list(kernel.signature.parameters.items())[len(args) :]
     defaults = {}
     for name, param in params:
         if name not in kwargs:
@@ -175,10 +199,12 @@ def _plan(kernel: Any, compiled: Any, num_args: int, kwargs: dict) -> _Plan:
             defaults[name] = param.default
     names = [name for name, _ in params]
     if not names:
-        return _Plan(kernel, compiled, defaults, lambda merged: ())
-    if len(names) == 1:
-        return _Plan(kernel, compiled, defaults, lambda merged: (merged[names[0]],))
-    return _Plan(kernel, compiled, defaults, itemgetter(*names))
+        rest = lambda merged: ()  # noqa: E731
+    elif len(names) == 1:
+        rest = lambda merged: (merged[names[0]],)  # noqa: E731
+    else:
+        rest = itemgetter(*names)
+    return _Plan(kernel, compiled, defaults, rest, on_gpu)
 
 
 def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -203,7 +229,7 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         if compiled is None:  # not compiled in this call (Triton's asynchronous compile mode)
             return
         try:
-            plan = _plan(kernel, compiled, len(args), kwargs)
+            plan = _plan(kernel, compiled, args, kwargs)
         except _Uncacheable:
             return
         if len(_PLANS) >= MAX_ENTRIES:
@@ -212,6 +238,8 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         return
     rest = plan.rest({**plan.defaults, **kwargs} if plan.defaults else kwargs)
     compiled = plan.compiled
+    if RAW_POINTERS and plan.on_gpu:
+        args = _raw_pointers(args)
     size, stream = len(grid), triton.current_stream(device)
     compiled.run(
         grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream,
