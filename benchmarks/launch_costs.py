@@ -1,6 +1,6 @@
 """Host microseconds of the pieces of a launch, on the GPU machine's host.
 
-Three parts, all timed with the GPU idle (a synchronize outside every timer), median of rounds:
+Four parts, all timed with the GPU idle (a synchronize outside every timer), median of rounds:
 
 1. The driver query Triton's C launcher makes once per tensor argument
    (``cuPointerGetAttribute``, called through ctypes; a ctypes call of ``cuCtxGetCurrent``
@@ -12,6 +12,9 @@ Three parts, all timed with the GPU idle (a synchronize outside every timer), me
    times it) replayed with its recorded arguments in each launch setting: Triton's path
    (``launch.CACHED`` off), cached with tensors (``RAW_POINTERS`` off) and cached with raw
    addresses (on).
+4. Per launch, the compiled launcher called directly with every tensor as its address and with
+   every tensor as a tensor; where the two differ by more than 3 us, what each tensor alone
+   adds, beside the driver query on its address (to find a tensor whose handling is slow).
 
 Usage (H200): ``PYTHONPATH=src python benchmarks/launch_costs.py --masks sliding_window``.
 """
@@ -142,6 +145,65 @@ def descriptor_encoding_costs(recorded: list[tuple]) -> None:
         print(f"make_tensordesc_arg ({name}, first of {len(descriptors)}) {us:8.2f} us")
 
 
+def _launcher_call(kernel, grid, a, kw):
+    """The cached plan's direct launcher call for a recorded launch, as a function of the
+    positional arguments it is handed (``None`` where the launch has no plan)."""
+    triton = launch._triton()
+    state = launch._runtime_state(kernel, triton)
+    device = triton.current_device()
+    key = (id(kernel), device, state, launch._args_key(a), launch._kwargs_key(kw))
+    plan = launch._PLANS.get(key)
+    if plan is None:
+        return None
+    rest = plan.rest({**plan.defaults, **kw} if plan.defaults else kw)
+    compiled, size = plan.compiled, len(grid)
+    g = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
+
+    def run(args):
+        compiled.run(
+            *g, triton.current_stream(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *rest,
+        )  # fmt: skip
+
+    return run
+
+
+def per_tensor_costs(recorded: list[tuple], threshold_us: float = 3.0) -> None:
+    """For each recorded launch whose tensors cost the launcher more than ``threshold_us``
+    together: what each tensor adds when it alone is handed as a tensor (the others as
+    addresses), beside the driver query on its address through ctypes. Finds a tensor whose
+    handling is slow, if one is."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    out = ctypes.c_uint64()
+    for kernel, grid, a, kw in recorded:
+        run = _launcher_call(kernel, grid, a, kw)
+        if run is None:
+            print(f"  {getattr(kernel, '__name__', kernel)}: no cached plan")
+            continue
+        raw = launch._raw_pointers(a)
+        base = idle_call_us(lambda: run(raw))
+        tensors = idle_call_us(lambda: run(a))
+        name = getattr(kernel, "__name__", str(kernel))
+        print(f"  {name}: launcher with addresses {base:.1f} us, with tensors {tensors:.1f} us")
+        if tensors - base < threshold_us:
+            continue
+        for i, x in enumerate(a):
+            if type(x) is not torch.Tensor:
+                continue
+            one = tuple(x if j == i else r for j, r in enumerate(raw))
+            extra = idle_call_us(lambda: run(one)) - base
+            address = ctypes.c_uint64(x.data_ptr())
+
+            def query(address=address):
+                cuda.cuPointerGetAttribute(ctypes.byref(out), 3, address)
+
+            print(
+                f"    arg {i:>2} {x.dtype!s:<14} {tuple(x.shape)!s:<24} "
+                f"{x.untyped_storage().nbytes() / 2**20:9.1f} MiB  +{extra:7.1f} us "
+                f"(ctypes query {per_call_us(query, 500):.2f} us)"
+            )
+
+
 def main() -> None:
     parser = case_parser(__doc__.splitlines()[0], "sliding_window")
     parser.set_defaults(seqlens="8192")
@@ -168,6 +230,8 @@ def main() -> None:
             call()
             recorded = record_launches(call)
             descriptor_encoding_costs(recorded)
+            print(f"{s} {name}: the launcher's cost per tensor argument, the GPU idle")
+            per_tensor_costs(recorded)
             print(f"{s} {name}: host us per launch, the GPU idle")
             print(f"  {'kernel':<34} {'grid':<16} {'tensors':>7} {'triton':>8} {'cached':>8} "
                   f"{'raw':>8}")  # fmt: skip
