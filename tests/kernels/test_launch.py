@@ -136,10 +136,11 @@ def test_a_repeated_call_launches_the_compiled_kernel_with_the_parameters_in_ord
 
 
 def test_cached_launches_pass_cuda_tensors_as_their_addresses(stand_in, monkeypatch):
-    """With every tensor on the GPU, a cached launch hands the launcher the tensors' addresses
-    (ints, which Triton's C launcher takes without asking the driver about them); with
-    ``RAW_POINTERS`` off, the tensors themselves."""
+    """With ``RAW_POINTERS`` on and every tensor on the GPU, a cached launch hands the launcher
+    the tensors' addresses (ints, which Triton's C launcher takes without asking the driver
+    about them); with it off (the default), the tensors themselves."""
     monkeypatch.setattr(launch, "_all_on_gpu", lambda args: True)
+    monkeypatch.setattr(launch, "RAW_POINTERS", True)
     x, y = torch.zeros(256, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16)
     launch.launch_kernel(stand_in.kernel, (1,), x, 64, 0.5, True, BLOCK=32)
     launch.launch_kernel(stand_in.kernel, (1,), y, 64, 0.5, True, BLOCK=32)

@@ -33,8 +33,12 @@ CACHED = True
 # True: a cached launch hands the launcher each plain CUDA tensor's address as an int, which
 # Triton's C launcher takes as it is; given the tensor, it calls ``data_ptr()`` and asks the
 # driver about the address (``cuPointerGetAttribute``) once per pointer argument, every launch.
-# False: the tensors themselves (for A/B measurement).
-RAW_POINTERS = True
+# Measured on the H200's host (``benchmarks/results/launch_costs_s28.log``): the driver query
+# costs 0.18 us per pointer and the launches of an 8K forward + backward took 149.7 us with
+# tensors against 152.4 with addresses (149.9 / 148.4 on full attention), inside the noise; the
+# twenty-seventh session's 133 us on the backward's launch did not repeat. Off (the tensors
+# themselves, with the launcher's check that each is the GPU's); kept for measurement.
+RAW_POINTERS = False
 # A cache of this many keys across kernels is cleared when full (shapes repeat in training, so
 # a full cache means keys that do not: start over rather than keep them all).
 MAX_ENTRIES = 1024
