@@ -58,15 +58,18 @@ def idle_call_us(fn, repeats: int = 30) -> float:
     return statistics.median(times) * 1e6
 
 
+def pointer_query(cuda: ctypes.CDLL, x: torch.Tensor):
+    """A function asking the driver about ``x``'s address as Triton's C launcher does
+    (``cuPointerGetAttribute`` for ``CU_POINTER_ATTRIBUTE_DEVICE_POINTER``)."""
+    address, out = ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64()
+    device_pointer_attribute = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    return lambda: cuda.cuPointerGetAttribute(ctypes.byref(out), device_pointer_attribute, address)
+
+
 def driver_query_costs(x: torch.Tensor) -> None:
     cuda = ctypes.CDLL("libcuda.so.1")
-    address = ctypes.c_uint64(x.data_ptr())
-    out = ctypes.c_uint64()
+    query = pointer_query(cuda, x)
     context = ctypes.c_void_p()
-    device_pointer_attribute = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
-
-    def query():
-        cuda.cuPointerGetAttribute(ctypes.byref(out), device_pointer_attribute, address)
 
     def ctypes_baseline():
         cuda.cuCtxGetCurrent(ctypes.byref(context))
@@ -149,23 +152,12 @@ def _launcher_call(kernel, grid, a, kw):
     """The cached plan's direct launcher call for a recorded launch, as a function of the
     positional arguments it is handed (``None`` where the launch has no plan)."""
     triton = launch._triton()
-    state = launch._runtime_state(kernel, triton)
     device = triton.current_device()
-    key = (id(kernel), device, state, launch._args_key(a), launch._kwargs_key(kw))
-    plan = launch._PLANS.get(key)
+    state = launch._runtime_state(kernel, triton)
+    plan = launch._PLANS.get(launch._key(kernel, device, state, a, kw))
     if plan is None:
         return None
-    rest = plan.rest({**plan.defaults, **kw} if plan.defaults else kw)
-    compiled, size = plan.compiled, len(grid)
-    g = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
-
-    def run(args):
-        compiled.run(
-            *g, triton.current_stream(device), compiled.function, compiled.packed_metadata,
-            None, None, None, *args, *rest,
-        )  # fmt: skip
-
-    return run
+    return lambda args: launch._run_plan(plan, grid, triton.current_stream(device), args, kw)
 
 
 def per_tensor_costs(recorded: list[tuple], threshold_us: float = 3.0) -> None:
@@ -174,7 +166,6 @@ def per_tensor_costs(recorded: list[tuple], threshold_us: float = 3.0) -> None:
     addresses), beside the driver query on its address through ctypes. Finds a tensor whose
     handling is slow, if one is."""
     cuda = ctypes.CDLL("libcuda.so.1")
-    out = ctypes.c_uint64()
     for kernel, grid, a, kw in recorded:
         run = _launcher_call(kernel, grid, a, kw)
         if run is None:
@@ -192,15 +183,10 @@ def per_tensor_costs(recorded: list[tuple], threshold_us: float = 3.0) -> None:
                 continue
             one = tuple(x if j == i else r for j, r in enumerate(raw))
             extra = idle_call_us(lambda: run(one)) - base
-            address = ctypes.c_uint64(x.data_ptr())
-
-            def query(address=address):
-                cuda.cuPointerGetAttribute(ctypes.byref(out), 3, address)
-
             print(
                 f"    arg {i:>2} {x.dtype!s:<14} {tuple(x.shape)!s:<24} "
                 f"{x.untyped_storage().nbytes() / 2**20:9.1f} MiB  +{extra:7.1f} us "
-                f"(ctypes query {per_call_us(query, 500):.2f} us)"
+                f"(ctypes query {per_call_us(pointer_query(cuda, x), 500):.2f} us)"
             )
 
 

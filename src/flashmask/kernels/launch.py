@@ -223,7 +223,7 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         return
     device = triton.current_device()
     try:
-        key = (id(kernel), device, state, _args_key(args), _kwargs_key(kwargs))
+        key = _key(kernel, device, state, args, kwargs)
     except _Uncacheable:
         kernel[grid](*args, **kwargs)
         return
@@ -240,11 +240,23 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
             _PLANS.clear()
         _PLANS[key] = plan
         return
-    rest = plan.rest({**plan.defaults, **kwargs} if plan.defaults else kwargs)
-    compiled = plan.compiled
     if RAW_POINTERS and plan.on_gpu:
         args = _raw_pointers(args)
-    size, stream = len(grid), triton.current_stream(device)
+    _run_plan(plan, grid, triton.current_stream(device), args, kwargs)
+
+
+def _key(kernel: Any, device: int, state: tuple, args: tuple, kwargs: dict) -> tuple:
+    """The cache key of a call of ``kernel`` on ``device`` under Triton settings ``state``
+    (:func:`_runtime_state`); raises :class:`_Uncacheable` for an argument it cannot key."""
+    return (id(kernel), device, state, _args_key(args), _kwargs_key(kwargs))
+
+
+def _run_plan(plan: _Plan, grid: tuple[int, ...], stream: int, args: tuple, kwargs: dict) -> None:
+    """Call ``plan``'s compiled launcher over ``grid`` on ``stream`` as Triton's path does: the
+    grid padded to three, no launch metadata or hooks, ``args`` as given (tensors, or their
+    addresses), then the remaining parameters in the kernel's order."""
+    rest = plan.rest({**plan.defaults, **kwargs} if plan.defaults else kwargs)
+    compiled, size = plan.compiled, len(grid)
     compiled.run(
         grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream,
         compiled.function, compiled.packed_metadata, None, None, None, *args, *rest,
