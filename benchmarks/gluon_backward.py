@@ -117,7 +117,8 @@ def compile_only(
               "DKDV_TMA": dkdv_tma,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
                   "PERSISTENT": persistent, "CONVERT_DQ": convert_dq,
-                  "CONVERT_ROWS": gluon_bwd.CONVERT_ROWS}
+                  "CONVERT_ROWS": gluon_bwd.CONVERT_ROWS,
+                  "LAG_PROGRAMS": gluon_bwd.CONVERT_LAG_PROGRAMS}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -179,6 +180,7 @@ VARIANT_CONSTANTS = (
     "QUERY_SPLIT_FROM_BYTES",
     "PERSISTENT",
     "MAX_PROGRAMS",
+    "CONVERT_LAG_PROGRAMS",
 )
 
 

@@ -78,3 +78,10 @@ def test_slot_outside_the_schedule_is_refused_by_name():
         conversion_slot(12, 2, 1, 4, 1)
     with pytest.raises(ValueError, match="s must be in"):
         conversion_slot(-1, 2, 1, 4, 1)
+
+
+def test_lag_per_program_sets_how_many_items_per_program_it_holds():
+    assert conversion_lag(64, 132, per_program=6) == 13  # 832 items >= 792
+    assert conversion_lag(64, 132, per_program=1) == 3
+    with pytest.raises(ValueError, match="per_program"):
+        conversion_lag(64, 132, per_program=0)

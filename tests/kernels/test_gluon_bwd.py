@@ -397,9 +397,9 @@ def test_converting_programs_add_the_conversion_without_touching_the_products(sm
     masked at D = 64/128): the same products and waits and the same shared memory (the
     schedule needs no buffer), three ``ATOMG`` (the producer's first slot and each next one,
     the writer's count of a finished item) where that form has one, the conversion's loads and
-    its stores in 16-byte and 8-byte vectors (``STG``: 16 per thread at D = 128, 8 at D = 64,
-    beside the plain causal form's dK/dV stores), and spills bounded (Triton 3.6: 56 bytes at
-    D = 128 with a mask)."""
+    its stores in 16-byte and 8-byte vectors (``STG``: two 128-row halves of 16 per thread at
+    D = 128, of 8 at D = 64, beside the plain causal form's dK/dV stores), and spills bounded
+    (Triton 3.6: 104-120 bytes at D = 128, none at D = 64)."""
     converting = [r for r in sm90_reports if r["convert_dq"]]
     assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in converting} == {
         (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
@@ -414,10 +414,10 @@ def test_converting_programs_add_the_conversion_without_touching_the_products(sm
         assert report["HGMMA"] == looping["HGMMA"], (report, looping)
         assert report["WARPGROUP.DEPBAR"] == looping["WARPGROUP.DEPBAR"], (report, looping)
         assert report["shared_kb"] == looping["shared_kb"], (report, looping)
-        vectors = 16 if report["head_dim"] == 128 else 8
+        vectors = 2 * (16 if report["head_dim"] == 128 else 8)
         assert report["STG"] - looping["STG"] == vectors, (report, looping)
         assert report["LDG"] > looping["LDG"], (report, looping)
-        assert report["spill_bytes"] <= looping["spill_bytes"] + 128, (report, looping)
+        assert report["spill_bytes"] <= looping["spill_bytes"] + 192, (report, looping)
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):

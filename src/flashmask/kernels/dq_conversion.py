@@ -29,14 +29,16 @@ from __future__ import annotations
 CONVERT_ROWS = 2048
 
 
-def conversion_lag(items_per_group: int, programs: int) -> int:
+def conversion_lag(items_per_group: int, programs: int, per_program: int = 2) -> int:
     """Groups of items between a group's last item and its first conversion unit: the fewest
-    that hold at least twice ``programs`` items (at least one)."""
-    if items_per_group < 1 or programs < 1:
+    that hold at least ``per_program`` items for each of the ``programs`` (at least one;
+    ``gluon_bwd.CONVERT_LAG_PROGRAMS`` sets ``per_program``)."""
+    if items_per_group < 1 or programs < 1 or per_program < 1:
         raise ValueError(
-            f"items_per_group and programs must be >= 1, got {items_per_group}, {programs}"
+            "items_per_group, programs and per_program must be >= 1, got "
+            f"{items_per_group}, {programs}, {per_program}"
         )
-    return max(1, -(-2 * programs // items_per_group))
+    return max(1, -(-per_program * programs // items_per_group))
 
 
 def units_per_group(heads_per_kv: int, seqlen_q: int) -> int:

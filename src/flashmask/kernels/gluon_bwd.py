@@ -193,6 +193,9 @@ DKDV_TMA = 2
 # work items, in the natural order, each waiting for its group's items to count their
 # completed adds); where dQ goes through TMA and one launch covers all rows, else as 1.
 PERSISTENT = 0
+# With PERSISTENT = 2, a group's conversion units come after this many items per program
+# (``dq_conversion.conversion_lag``).
+CONVERT_LAG_PROGRAMS = 2
 # With PERSISTENT, at most this many programs (0: one per SM). For checks: the GPU check's
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
 # (``benchmarks/gpu_check.py --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3``).
@@ -926,9 +929,11 @@ def _convert_dq_unit(
     their completed dQ adds (:func:`_count_finished_item`), rows ``CONVERT_ROWS * chunk ...``
     of query head ``h`` of the fp32 sums (``dq_ptr``, read from L2) stored in ``dq_out_ptr``'s
     dtype (the same strides); ``unit`` is ``(h - kv head * heads_per_kv) * chunks + chunk``."""
-    # 128 rows per step (lengths are multiples of 128, ``kernels.gluon_forward_eligible``):
-    # 64 values per thread at D = 128, enough loads in flight for the L2's latency.
-    step: gl.constexpr = 128
+    # Two 128-row halves per step, both loaded before either is stored (the compiler may not
+    # move a load above a store that could alias it): 128 values per thread at D = 128 in
+    # flight. Lengths are multiples of 128 (``kernels.gluon_forward_eligible``), so a half is
+    # all in or all out.
+    half: gl.constexpr = 128
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     chunks = gl.cdiv(seqlen_q, CONVERT_ROWS)
     b = group // num_kv_heads
@@ -939,23 +944,28 @@ def _convert_dq_unit(
     while done < expected:
         done = _acquire_load(arrivals_ptr + group)
     head = b.to(gl.int64) * stride_dqb + h * stride_dqh
-    rows = gl.arange(0, step, gl.SliceLayout(1, layout))
+    rows = gl.arange(0, half, gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-    for r in range(row0, row_end, step):
-        offs = head + (r + rows)[:, None].to(gl.int64) * stride_dqs + cols[None, :]
-        values = gl.load(dq_ptr + offs, cache_modifier=".cg")
-        gl.store(dq_out_ptr + offs, values.to(dq_out_ptr.dtype.element_ty))
+    dtype: gl.constexpr = dq_out_ptr.dtype.element_ty
+    for r in range(row0, row_end, 2 * half):
+        first = head + (r + rows)[:, None].to(gl.int64) * stride_dqs + cols[None, :]
+        second = first + half * stride_dqs
+        in_second = (r + half + rows < row_end)[:, None]
+        low = gl.load(dq_ptr + first, cache_modifier=".cg")
+        high = gl.load(dq_ptr + second, mask=in_second, cache_modifier=".cg")
+        gl.store(dq_out_ptr + first, low.to(dtype))
+        gl.store(dq_out_ptr + second, high.to(dtype), mask=in_second)
 
 
 @gluon.jit
 def _conversion_plan(programs, num_n_tiles, num_items, heads_per_kv, seqlen_q,
-                     CONVERT_ROWS: gl.constexpr):  # fmt: skip
+                     CONVERT_ROWS: gl.constexpr, LAG_PROGRAMS: gl.constexpr):  # fmt: skip
     """``(items per group, units per group, groups, lag, slots)`` of a converting launch over
-    ``num_items`` work items (``kernels.dq_conversion``: the lag as ``conversion_lag``, the
-    units as ``units_per_group``)."""
+    ``num_items`` work items (``kernels.dq_conversion``: the lag as ``conversion_lag`` with
+    ``LAG_PROGRAMS`` items per program, the units as ``units_per_group``)."""
     units = heads_per_kv * gl.cdiv(seqlen_q, CONVERT_ROWS)
     groups = num_items // num_n_tiles
-    lag = gl.maximum(1, gl.cdiv(2 * programs, num_n_tiles))
+    lag = gl.maximum(1, gl.cdiv(LAG_PROGRAMS * programs, num_n_tiles))
     return num_n_tiles, units, groups, lag, groups * (num_n_tiles + units)
 
 
@@ -970,6 +980,7 @@ def _bwd_load_partition_converting(
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
     CONVERT_ROWS: gl.constexpr,
+    LAG_PROGRAMS: gl.constexpr,
 ):  # fmt: skip
     """Producer warp of a converting program (``PERSISTENT = 2``): every slot from the
     launch's counter ``next_item_ptr``, its first too (so that a slot is only ever held by a
@@ -980,6 +991,7 @@ def _bwd_load_partition_converting(
     num_kv_heads = num_heads_q // heads_per_kv
     per_group, units, groups, lag, slots = _conversion_plan(
         gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
+        LAG_PROGRAMS,
     )  # fmt: skip
     s = gl.atomic_add(next_item_ptr, 1, sem="relaxed")
     publish_item(items, item_ready, item_empty, s, 0)
@@ -1013,6 +1025,7 @@ def _bwd_dq_writer_partition_converting(
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     CONVERT_ROWS: gl.constexpr,
+    LAG_PROGRAMS: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps of a converting program: :func:`_bwd_dq_writer_item` (TMA reduce-adds)
     for each work item of the producer's slots, then the item counted in its group
@@ -1021,6 +1034,7 @@ def _bwd_dq_writer_partition_converting(
     num_kv_heads = num_heads_q // heads_per_kv
     per_group, units, groups, lag, slots = _conversion_plan(
         gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
+        LAG_PROGRAMS,
     )  # fmt: skip
     s = receive_item(items, item_ready, item_empty, 0)
     t = 1
@@ -1059,6 +1073,7 @@ def _bwd_compute_partition_converting(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
     CONVERT_ROWS: gl.constexpr,
+    LAG_PROGRAMS: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups of a converting program: :func:`_bwd_compute_item` for each work
     item of the producer's slots (the ``kt``-th waiting for phase ``kt & 1`` of the K/V
@@ -1066,6 +1081,7 @@ def _bwd_compute_partition_converting(
     num_kv_heads = num_heads_q // heads_per_kv
     per_group, units, groups, lag, slots = _conversion_plan(
         gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
+        LAG_PROGRAMS,
     )  # fmt: skip
     s = receive_item(items, item_ready, item_empty, 0)
     t = 1
@@ -1195,6 +1211,7 @@ def gluon_bwd_kernel(
     PERSISTENT: gl.constexpr,
     CONVERT_DQ: gl.constexpr,
     CONVERT_ROWS: gl.constexpr,
+    LAG_PROGRAMS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -1247,6 +1264,7 @@ def gluon_bwd_kernel(
                         stride_dqh, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
                         lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N,
                         HEAD_DIM, ROW_TERMS_SMEM, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, CONVERT_ROWS,
+                        LAG_PROGRAMS,
                     ),
                 ),
                 (
@@ -1257,7 +1275,7 @@ def gluon_bwd_kernel(
                         num_items, entries_ptr, counts_ptr, seqlen_q, seqlen_k, heads_per_kv,
                         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs,
                         delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        ROW_TERMS_SMEM, CONVERT_ROWS,
+                        ROW_TERMS_SMEM, CONVERT_ROWS, LAG_PROGRAMS,
                     ),
                 ),
                 (
@@ -1267,7 +1285,7 @@ def gluon_bwd_kernel(
                         num_items, entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q,
                         num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
                         num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                        HEAD_DIM, CONVERT_ROWS,
+                        HEAD_DIM, CONVERT_ROWS, LAG_PROGRAMS,
                     ),
                 ),
             ],
@@ -1590,7 +1608,8 @@ def _launch_once(
             next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
         constants = {
             **constants, "PERSISTENT": bool(mode), "CONVERT_DQ": convert,
-            "CONVERT_ROWS": CONVERT_ROWS, "num_items": num_items, "next_item_ptr": next_item,
+            "CONVERT_ROWS": CONVERT_ROWS, "LAG_PROGRAMS": CONVERT_LAG_PROGRAMS,
+            "num_items": num_items, "next_item_ptr": next_item,
             "dq_out_ptr": dq_accum if dq_out is None else dq_out,
         }  # fmt: skip
     launch_kernel(
