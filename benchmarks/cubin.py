@@ -27,18 +27,11 @@ def inspect_cubin(compiled, opcodes: tuple[str, ...]) -> dict[str, int]:
     }
 
 
-def compile_gluon_sm90(
-    kernel,
-    signature: dict[str, str],
-    constexprs: dict,
-    options: dict,
-    aligned: tuple[str, ...] = (),
-):
+def compile_gluon_sm90(kernel, signature: dict[str, str], constexprs: dict, options: dict):
     """Compile a Gluon kernel for sm_90 without a GPU. ``signature`` maps the runtime parameters
     to their types (``"*bf16"``, ``"i32"``, ``"tensordesc<...>"``), ``constexprs`` the
     constexpr parameters to their values, ``options`` are the launch options (``num_warps``,
-    ``maxnreg``); the parameters named in ``aligned`` are compiled as a launch specialises a
-    16-byte aligned pointer or an integer divisible by 16 (``tt.divisibility``)."""
+    ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -48,8 +41,7 @@ def compile_gluon_sm90(
     indexed = {(names.index(name),): value for name, value in constexprs.items()}
     target = GPUTarget("cuda", 90, 32)
     parsed = make_backend(target).parse_options(options)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = GluonASTSource(kernel, signature, indexed, attrs)
+    source = GluonASTSource(kernel, signature, indexed, {})
     return triton.compile(source, target=target, options=parsed.__dict__)
 
 

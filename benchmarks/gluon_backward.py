@@ -53,7 +53,7 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
-    dkdv_tma: bool | None = None, persistent: bool | None = None, convert_dq: bool = False,
+    dkdv_tma: bool | None = None, persistent: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -61,9 +61,8 @@ def compile_only(
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as the module's
     ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it;
-    ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128; ``convert_dq``: the
-    persistent form that converts dQ in the kernel, ``PERSISTENT = 2``, natural order);
-    registers, spills, shared memory and key instructions."""
+    ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128); registers, spills, shared
+    memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -77,8 +76,7 @@ def compile_only(
         dkdv_tma = module.dkdv_by_tma(causal, has_mask)
     if persistent is None:
         persistent = bool(gluon_bwd.PERSISTENT)
-    persistent = (persistent or convert_dq) and module is gluon_bwd
-    convert_dq = convert_dq and persistent and dq_tma
+    persistent = persistent and module is gluon_bwd
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -103,8 +101,7 @@ def compile_only(
         "seqlen_q": "i32", "seqlen_k": "i32", "num_heads_q": "i32", "heads_per_kv": "i32",
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
-        **({"num_items": "i32", "next_item_ptr": "*i32", "dq_out_ptr": f"*{short}"}
-           if module is gluon_bwd else {}),
+        **({"num_items": "i32", "next_item_ptr": "*i32"} if module is gluon_bwd else {}),
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -113,20 +110,13 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
-              "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": not convert_dq,
+              "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
-                  "PERSISTENT": persistent, "CONVERT_DQ": convert_dq,
-                  "CONVERT_ROWS": gluon_bwd.CONVERT_ROWS,
-                  "LAG_PROGRAMS": gluon_bwd.CONVERT_LAG_PROGRAMS}
-                 if module is gluon_bwd else {})}  # fmt: skip
+                  "PERSISTENT": persistent} if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
-        # As a launch specialises them (the accumulator, the output and their strides: what the
-        # in-kernel conversion's 16-byte vectors need; other forms reach dQ by TMA or asm).
-        aligned=("dq_ptr", "stride_dqb", "stride_dqs", "stride_dqh")
-        + (("dq_out_ptr",) if module is gluon_bwd else ()),
     )  # fmt: skip
     return {
         "head_dim": head_dim,
@@ -141,7 +131,6 @@ def compile_only(
         "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
         "dkdv_tma": dkdv_tma,
         "persistent": persistent,
-        "convert_dq": convert_dq,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -180,7 +169,6 @@ VARIANT_CONSTANTS = (
     "QUERY_SPLIT_FROM_BYTES",
     "PERSISTENT",
     "MAX_PROGRAMS",
-    "CONVERT_LAG_PROGRAMS",
 )
 
 
@@ -377,11 +365,6 @@ def main() -> None:
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, False), (True, True)):
                 report = compile_only(d, causal, has_mask, persistent=not gluon_bwd.PERSISTENT)
-                print(json.dumps(report), flush=True)
-        # ... and converting dQ in the kernel (gluon_bwd.PERSISTENT = 2)
-        for d in (64, 128):
-            for causal, has_mask in ((False, False), (True, False), (True, True)):
-                report = compile_only(d, causal, has_mask, convert_dq=True)
                 print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:

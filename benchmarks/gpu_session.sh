@@ -134,11 +134,6 @@
 #                 at 32K (dK/dV bitwise); check-gluon-bwd-persistent: the quick check's Gluon
 #                 cases with it on three programs (so that each loops over many items);
 #                 gluon-bwd-persistent-hd64: the A/B at head dim 64, 12 masks at 8K
-#   gluon-bwd-convert gluon_backward.py with dQ converted in the persistent backward
-#                 (PERSISTENT=2) and PERSISTENT=1 against the default: 12 masks at 8K, five at
-#                 32K; gluon-bwd-convert-hd64 the same at head dim 64 (8K);
-#                 check-gluon-bwd-convert: the quick check's Gluon cases with it on three
-#                 programs
 #   program-overhead program_overhead.py at 8K and 32K: each forward's and backward's fixed
 #                 cost per program and cost per tile, fitted over sliding windows of 128-8K keys
 #   gluon-forward-8k gluon_forward.py on all 12 masks at 8K (Gluon against Triton forward)
@@ -513,28 +508,6 @@ for step in "$@"; do
             --head-dim 64 --seqlens 8192 \
             --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
             --variant PERSISTENT=1
-        ;;
-    gluon-bwd-convert)
-        # dQ converted in the persistent backward (PERSISTENT=2) against one program per item
-        # (the default) and the persistent form without it (PERSISTENT=1), in one process.
-        run_step gluon_backward_convert python benchmarks/gluon_backward.py --seqlens 8192 \
-            --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
-            --variant PERSISTENT=1 --variant PERSISTENT=2
-        run_step gluon_backward_convert_32k python benchmarks/gluon_backward.py \
-            --seqlens 32768 --masks full,causal,sliding_window,share_question,document \
-            --variant PERSISTENT=1 --variant PERSISTENT=2
-        ;;
-    gluon-bwd-convert-hd64)
-        run_step gluon_backward_convert_hd64 python benchmarks/gluon_backward.py \
-            --head-dim 64 --seqlens 8192 \
-            --masks full,causal,sliding_window,causal_document,document,share_question,global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal,qk_sparse,random_eviction \
-            --variant PERSISTENT=1 --variant PERSISTENT=2
-        ;;
-    check-gluon-bwd-convert)
-        # Three programs loop over every case's slots, so that units wait on other programs'
-        # items and the counts cross many items.
-        check "--quick --gluon-everywhere --gluon-bwd PERSISTENT=2,MAX_PROGRAMS=3" \
-            gpu_check_gluon_bwd_convert
         ;;
     check-gluon-bwd-persistent)
         check "--quick --gluon-everywhere --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3" \

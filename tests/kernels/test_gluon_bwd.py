@@ -155,7 +155,6 @@ def _shipped(report: dict) -> bool:
         and report["dq_before_dk"] == (module == "gluon_bwd")
         and report["dkdv_tma"] == _ships_tma_dkdv(report)
         and report["persistent"] == (SHIPS_PERSISTENT and module == "gluon_bwd")
-        and not report["convert_dq"]
     )
 
 
@@ -373,9 +372,7 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
     memory more (the item ring and the K/V buffers' "empty" barrier), and spills bounded (under
     Triton 3.6, the H200's: none but 56 bytes for plain causal at D = 128, in the consumers'
     loop-carried values)."""
-    persistent = [
-        r for r in sm90_reports if r["persistent"] != SHIPS_PERSISTENT and not r["convert_dq"]
-    ]
+    persistent = [r for r in sm90_reports if r["persistent"] != SHIPS_PERSISTENT]
     assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in persistent} == {
         (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
     }
@@ -389,35 +386,6 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
         assert looping["shared_kb"] <= 227, looping
         assert looping["warps"] == 12 and looping["UTMALDG"] > 0, looping
         assert looping["spill_bytes"] <= per_item["spill_bytes"] + 128, (looping, per_item)
-
-
-def test_converting_programs_add_the_conversion_without_touching_the_products(sm90_reports):
-    """``gluon_bwd.PERSISTENT = 2``: the persistent programs that also convert dQ in the
-    kernel. Against the persistent form compiled for the same inputs (full, plain causal,
-    masked at D = 64/128): the same products and waits and the same shared memory (the
-    schedule needs no buffer), three ``ATOMG`` (the producer's first slot and each next one,
-    the writer's count of a finished item) where that form has one, the conversion's loads and
-    its stores in 16-byte and 8-byte vectors (``STG``: two 128-row halves of 16 per thread at
-    D = 128, of 8 at D = 64, beside the plain causal form's dK/dV stores), and spills bounded
-    (Triton 3.6: 104-120 bytes at D = 128, none at D = 64)."""
-    converting = [r for r in sm90_reports if r["convert_dq"]]
-    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in converting} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
-    }
-    for report in converting:
-        looping = next(
-            r for r in sm90_reports
-            if r["persistent"] and not r["convert_dq"] and _compiled_for(r) == _compiled_for(report)
-        )  # fmt: skip
-        assert report["persistent"] and report["dq_tma"], report
-        assert report["ATOMG"] == 3 and looping["ATOMG"] == 1, (report, looping)
-        assert report["HGMMA"] == looping["HGMMA"], (report, looping)
-        assert report["WARPGROUP.DEPBAR"] == looping["WARPGROUP.DEPBAR"], (report, looping)
-        assert report["shared_kb"] == looping["shared_kb"], (report, looping)
-        vectors = 2 * (16 if report["head_dim"] == 128 else 8)
-        assert report["STG"] - looping["STG"] == vectors, (report, looping)
-        assert report["LDG"] > looping["LDG"], (report, looping)
-        assert report["spill_bytes"] <= looping["spill_bytes"] + 192, (report, looping)
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):
@@ -547,7 +515,7 @@ from flashmask.kernels import gluon_bwd, gluon_bwd256
 errors = {}
 for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE_DQ_HANDOFF", -1),
                             (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3),
-                            (gluon_bwd, "PERSISTENT", 3), (gluon_bwd, "MAX_PROGRAMS", -1)):
+                            (gluon_bwd, "PERSISTENT", 2), (gluon_bwd, "MAX_PROGRAMS", -1)):
     saved = getattr(module, name)
     setattr(module, name, value)
     try:
@@ -604,7 +572,7 @@ def test_launcher_refuses_kernel_forms_it_does_not_have():
         "gluon_bwd.LATE_DQ_HANDOFF=-1",
         "gluon_bwd.DKDV_TMA=3",
         "gluon_bwd256.DKDV_TMA=3",
-        "gluon_bwd.PERSISTENT=3",
+        "gluon_bwd.PERSISTENT=2",
         "gluon_bwd.MAX_PROGRAMS=-1",
     }
     assert all(key.split("=")[0] in message for key, message in errors.items())
@@ -619,59 +587,36 @@ seen = []
 def fake_launch(kernel, grid, *args, **kwargs):
     counter = kwargs["next_item_ptr"]
     seen[-1].update(grid=list(grid), num_items=kwargs["num_items"],
-                    persistent=kwargs["PERSISTENT"], convert=kwargs["CONVERT_DQ"],
-                    ordered=kwargs["ORDERED"], counter_size=counter.numel(),
-                    counter_zeroed=counter.dtype == torch.int32 and not counter.any(),
-                    counter_is_counts=counter is lists.counts,
-                    dq_out_dtype=str(kwargs["dq_out_ptr"].dtype))
-    outputs.append(kwargs["dq_out_ptr"])
+                    persistent=kwargs["PERSISTENT"], counter_zeroed=counter.numel() == 1
+                    and not counter.any(), counter_is_counts=counter is lists.counts)
 gluon_bwd.launch_kernel = fake_launch
 gluon_bwd.sm_count = lambda device: 132
-b, s, h, hk, d = 2, 4096, 8, 4, 128
+b, s, h, hk, d = 2, 1024, 8, 4, 128
 q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
 k = torch.zeros(b, s, hk, d, dtype=torch.bfloat16)
 lse = torch.zeros(b, h, s)
 tn, tm = s // 128, s // 64
 lists = tiles.TileLists(torch.zeros(b, 1, tn, tm, dtype=torch.int32),
                         torch.zeros(b, 1, tn, dtype=torch.int32), None)
-order = torch.arange(b * hk * tn, dtype=torch.int32)
-for persistent, max_programs, dq_tma in ((0, 0, 1), (1, 0, 1), (1, 3, 1), (1, 1000, 1),
-                                         (2, 0, 1), (2, 3, 1), (2, 0, 0)):
+for persistent, max_programs in ((0, 0), (1, 0), (1, 3), (1, 1000)):
     gluon_bwd.PERSISTENT, gluon_bwd.MAX_PROGRAMS = persistent, max_programs
-    gluon_bwd.DQ_TMA = bool(dq_tma)
-    seen.append({"form": [persistent, max_programs, dq_tma]})
-    outputs = []
-    dq = gluon_bwd.backward(q, q, k, k, lse, lse, None, lists, 1, True, 0.125, order=order)[0]
-    seen[-1].update(dq_is_kernel_output=dq is outputs[0], dq_dtype=str(dq.dtype))
+    seen.append({"form": [persistent, max_programs]})
+    gluon_bwd.backward(q, q, k, k, lse, lse, None, lists, 1, True, 0.125)
 print(json.dumps({"seen": seen}))
 """
 
 
 def test_persistent_backward_runs_one_program_per_sm_taking_items_from_a_zeroed_counter():
-    """``gluon_bwd.PERSISTENT``: the grid ``(key tiles, kv heads, batch)`` = (32, 4, 2), 256
-    work items, becomes 1-D with ``min(items, SMs or MAX_PROGRAMS)`` programs, and where that is
+    """``gluon_bwd.PERSISTENT``: the grid ``(key tiles, kv heads, batch)`` = (8, 4, 2), 64 work
+    items, becomes 1-D with ``min(items, SMs or MAX_PROGRAMS)`` programs, and where that is
     fewer than the items the kernel gets a zeroed int32 counter to take the rest from (else the
-    counts tensor, a pointer it does not read); off, the 3-D grid of one program per item.
-    ``PERSISTENT = 2`` adds 8 groups of 4 query heads x 2 conversion units (4096 rows, 2048 per
-    unit): 320 slots, all taken from the counter, which also holds a zeroed count per group;
-    the launch order is dropped for the natural one, and the dQ returned is the bf16 tensor the
-    kernel converts into (not the accumulator). Without dQ's TMA adds it is form 1."""
+    counts tensor, a pointer it does not read); off, the 3-D grid of one program per item."""
     (result,) = json_lines(["-c", _PERSISTENT_LAUNCHES])
-    by_form = {tuple(launch["form"]): launch for launch in result["seen"]}
-    assert by_form[0, 0, 1]["grid"] == [32, 4, 2] and not by_form[0, 0, 1]["persistent"]
-    assert by_form[1, 0, 1]["grid"] == [132] and by_form[1, 0, 1]["counter_size"] == 1
-    assert by_form[1, 3, 1]["grid"] == [3] and by_form[1, 3, 1]["counter_zeroed"]
-    assert by_form[1, 1000, 1]["grid"] == [256] and by_form[1, 1000, 1]["counter_is_counts"]
-    for form in ((2, 0, 1), (2, 3, 1)):
-        launch = by_form[form]
-        assert launch["persistent"] and launch["convert"] and not launch["ordered"], launch
-        assert launch["counter_size"] == 1 + 8 and launch["counter_zeroed"], launch
-        assert launch["dq_out_dtype"] == "torch.bfloat16" and launch["dq_is_kernel_output"]
-    assert by_form[2, 0, 1]["grid"] == [132] and by_form[2, 3, 1]["grid"] == [3]
-    assert by_form[2, 0, 0] == {**by_form[1, 0, 1], "form": [2, 0, 0]}
-    for form, launch in by_form.items():
-        assert launch["num_items"] == 256 and launch["dq_dtype"] == "torch.bfloat16"
-        assert launch["persistent"] == bool(form[0])
-        assert launch["convert"] == (form[0] == 2 and bool(form[2]))
-        assert launch["ordered"] == (not launch["convert"])
-        assert launch["dq_is_kernel_output"] == launch["convert"]
+    seen = result["seen"]
+    by_form = {tuple(launch["form"]): launch for launch in seen}
+    assert by_form[0, 0]["grid"] == [8, 4, 2] and not by_form[0, 0]["persistent"]
+    assert by_form[1, 0]["grid"] == [64] and by_form[1, 0]["counter_is_counts"]  # 64 < 132 SMs
+    assert by_form[1, 3]["grid"] == [3] and by_form[1, 3]["counter_zeroed"]
+    assert by_form[1, 1000]["grid"] == [64] and by_form[1, 1000]["counter_is_counts"]
+    assert all(launch["num_items"] == 64 for launch in seen)
+    assert all(launch["persistent"] for form, launch in by_form.items() if form[0])

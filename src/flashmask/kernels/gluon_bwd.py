@@ -59,7 +59,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
-from flashmask.kernels.dq_conversion import CONVERT_ROWS, units_per_group
 from flashmask.kernels.gluon_fwd import (
     LOG2E,
     LOG2E_VALUE,
@@ -188,14 +187,11 @@ DKDV_TMA = 2
 # ``results/gluon_backward_persistent_hd64_s25.log``): the ~6 us an item costs
 # beyond its tiles is its serial fill and drain, which this form still serialises, not the
 # launch. Off; kept as the base for overlapping the next item's K/V where shared memory allows.
-# 2: persistent, and dQ converted to the inputs' dtype in the kernel instead of by a separate
-# kernel after it (``kernels.dq_conversion``: conversion units as slots of their own among the
-# work items, in the natural order, each waiting for its group's items to count their
-# completed adds); where dQ goes through TMA and one launch covers all rows, else as 1.
+# A form 2 that also converted dQ in the kernel (conversion units as slots among the items,
+# each waiting on its kv head's count of finished items) was correct but 1-12% slower than this
+# one on the sparse masks at 8K (twenty-ninth session, ``results/gluon_backward_convert*_s29``):
+# removed, last version in commit 89db9b2.
 PERSISTENT = 0
-# With PERSISTENT = 2, a group's conversion units come after this many items per program
-# (``dq_conversion.conversion_lag``).
-CONVERT_LAG_PROGRAMS = 2
 # With PERSISTENT, at most this many programs (0: one per SM). For checks: the GPU check's
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
 # (``benchmarks/gpu_check.py --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3``).
@@ -853,265 +849,6 @@ def _bwd_compute_item(
     return it
 
 
-# --- dQ converted in the kernel (``PERSISTENT = 2``; the schedule: ``kernels.dq_conversion``)
-
-
-@gluon.jit
-def _slot(s, items_per_group, units, groups, lag):
-    """``dq_conversion.conversion_slot`` in the kernel: ``(is_item, item or group, unit)``."""
-    head = items_per_group * gl.minimum(lag, groups)
-    middle = gl.maximum(groups - lag, 0)
-    block = items_per_group + units
-    is_item = s < head
-    first = s
-    unit = s * 0 - 1
-    if s >= head:
-        if s < head + middle * block:
-            k = (s - head) // block
-            r = (s - head) % block
-            if r < items_per_group:
-                is_item = True
-                first = head + k * items_per_group + r
-            else:
-                c = k * units + r - items_per_group
-                first = c // units
-                unit = c % units
-        else:
-            c = middle * units + s - head - middle * block
-            first = c // units
-            unit = c % units
-    return is_item, first, unit
-
-
-@gluon.jit
-def _bulk_writes_done(token):
-    """Wait until this thread's bulk asynchronous copies (the writer's TMA reduce-adds) have
-    completed their global writes, not only read their shared memory (``tma.store_wait``
-    waits for the reads), then order those async-proxy writes before this thread's later
-    generic-proxy accesses; ``token`` (any int32 scalar) gives the asm an operand and comes back
-    unchanged, so that what uses the result comes after."""
-    return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0;\nfence.proxy.async.global;\nmov.b32 $0, $1;",
-        "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _count_finished_item(arrivals_ptr, group, token):
-    """The dQ writer, at a work item's end: once its reduce-adds have completed
-    (:func:`_bulk_writes_done`, then a barrier of the writer warps: the thread that issued
-    them may not be the one Triton lowers the atomic to), one acquire-release count of the
-    item into its group's ``arrivals_ptr`` entry."""
-    _bulk_writes_done(token)
-    _partition_barrier()
-    gl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel", scope="gpu")
-
-
-@gluon.jit
-def _acquire_load(ptr):
-    """``*ptr`` (int32) by an acquire load at GPU scope: what the releasing thread wrote before
-    its release is visible after it."""
-    return gl.inline_asm_elementwise(
-        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr.to(gl.int64)], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _convert_dq_unit(
-    dq_ptr, dq_out_ptr, arrivals_ptr, group, unit, expected, seqlen_q, num_kv_heads,
-    heads_per_kv, stride_dqb, stride_dqs, stride_dqh,
-    HEAD_DIM: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-):  # fmt: skip
-    """Consumers: conversion unit ``unit`` of ``group`` (batch ``group // num_kv_heads``, kv
-    head ``group % num_kv_heads``): once all ``expected`` work items of the group have counted
-    their completed dQ adds (:func:`_count_finished_item`), rows ``CONVERT_ROWS * chunk ...``
-    of query head ``h`` of the fp32 sums (``dq_ptr``, read from L2) stored in ``dq_out_ptr``'s
-    dtype (the same strides); ``unit`` is ``(h - kv head * heads_per_kv) * chunks + chunk``."""
-    # Two 128-row halves per step, both loaded before either is stored (the compiler may not
-    # move a load above a store that could alias it): 128 values per thread at D = 128 in
-    # flight. Lengths are multiples of 128 (``kernels.gluon_forward_eligible``), so a half is
-    # all in or all out.
-    half: gl.constexpr = 128
-    layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
-    chunks = gl.cdiv(seqlen_q, CONVERT_ROWS)
-    b = group // num_kv_heads
-    h = (group % num_kv_heads) * heads_per_kv + unit // chunks
-    row0 = (unit % chunks) * CONVERT_ROWS
-    row_end = gl.minimum(row0 + CONVERT_ROWS, seqlen_q)
-    done = _acquire_load(arrivals_ptr + group)
-    while done < expected:
-        done = _acquire_load(arrivals_ptr + group)
-    head = b.to(gl.int64) * stride_dqb + h * stride_dqh
-    rows = gl.arange(0, half, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-    dtype: gl.constexpr = dq_out_ptr.dtype.element_ty
-    for r in range(row0, row_end, 2 * half):
-        first = head + (r + rows)[:, None].to(gl.int64) * stride_dqs + cols[None, :]
-        second = first + half * stride_dqs
-        in_second = (r + half + rows < row_end)[:, None]
-        low = gl.load(dq_ptr + first, cache_modifier=".cg")
-        high = gl.load(dq_ptr + second, mask=in_second, cache_modifier=".cg")
-        gl.store(dq_out_ptr + first, low.to(dtype))
-        gl.store(dq_out_ptr + second, high.to(dtype), mask=in_second)
-
-
-@gluon.jit
-def _conversion_plan(programs, num_n_tiles, num_items, heads_per_kv, seqlen_q,
-                     CONVERT_ROWS: gl.constexpr, LAG_PROGRAMS: gl.constexpr):  # fmt: skip
-    """``(items per group, units per group, groups, lag, slots)`` of a converting launch over
-    ``num_items`` work items (``kernels.dq_conversion``: the lag as ``conversion_lag`` with
-    ``LAG_PROGRAMS`` items per program, the units as ``units_per_group``)."""
-    units = heads_per_kv * gl.cdiv(seqlen_q, CONVERT_ROWS)
-    groups = num_items // num_n_tiles
-    lag = gl.maximum(1, gl.cdiv(LAG_PROGRAMS * programs, num_n_tiles))
-    return num_n_tiles, units, groups, lag, groups * (num_n_tiles + units)
-
-
-@gluon.jit
-def _bwd_load_partition_converting(
-    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, kv_empty, ready,
-    empty, items, item_ready, item_empty, next_item_ptr, num_items, entries_ptr, counts_ptr,
-    seqlen_q, seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-    LAG_PROGRAMS: gl.constexpr,
-):  # fmt: skip
-    """Producer warp of a converting program (``PERSISTENT = 2``): every slot from the
-    launch's counter ``next_item_ptr``, its first too (so that a slot is only ever held by a
-    running program: a unit waits only for items of earlier slots, which therefore finish),
-    handed to the consumers and the dQ writer through the item ring; for a work item its K/V
-    (once the previous item's are released) and its Q/dO tiles, as
-    :func:`_bwd_load_partition_persistent`; nothing for a conversion unit."""
-    num_kv_heads = num_heads_q // heads_per_kv
-    per_group, units, groups, lag, slots = _conversion_plan(
-        gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
-        LAG_PROGRAMS,
-    )  # fmt: skip
-    s = gl.atomic_add(next_item_ptr, 1, sem="relaxed")
-    publish_item(items, item_ready, item_empty, s, 0)
-    t = 1
-    kt = 0
-    it = 0
-    while s < slots:
-        is_item, w, _ = _slot(s, per_group, units, groups, lag)
-        if is_item:
-            n_tile, h_kv, b = work_item(w, next_item_ptr, num_n_tiles, num_kv_heads, False)
-            mbarrier.wait(kv_empty, (kt & 1) ^ 1)
-            it = _bwd_load_item(
-                q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, it, seqlen_q, seqlen_k,
-                heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N,
-                HEAD_DIM, ROW_TERMS_SMEM,
-            )  # fmt: skip
-            kt += 1
-        s = gl.atomic_add(next_item_ptr, 1, sem="relaxed")
-        publish_item(items, item_ready, item_empty, s, t)
-        t += 1
-
-
-@gluon.jit
-def _bwd_dq_writer_partition_converting(
-    dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, next_item_ptr, num_items,
-    entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q, num_heads_q, heads_per_kv,
-    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
-    stride_dqh,
-    BLOCK_M: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-    LAG_PROGRAMS: gl.constexpr,
-):  # fmt: skip
-    """dQ writer warps of a converting program: :func:`_bwd_dq_writer_item` (TMA reduce-adds)
-    for each work item of the producer's slots, then the item counted in its group
-    (:func:`_count_finished_item`, entry ``1 + group`` of ``next_item_ptr``); conversion units
-    have nothing for it."""
-    num_kv_heads = num_heads_q // heads_per_kv
-    per_group, units, groups, lag, slots = _conversion_plan(
-        gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
-        LAG_PROGRAMS,
-    )  # fmt: skip
-    s = receive_item(items, item_ready, item_empty, 0)
-    t = 1
-    it = 0
-    while s < slots:
-        is_item, w, _ = _slot(s, per_group, units, groups, lag)
-        if is_item:
-            n_tile, h_kv, b = work_item(w, next_item_ptr, num_n_tiles, num_kv_heads, False)
-            it = _bwd_dq_writer_item(
-                dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv,
-                n_tile, it, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
-                True,
-            )  # fmt: skip
-            _count_finished_item(next_item_ptr + 1, w // num_n_tiles, it)
-        s = receive_item(items, item_ready, item_empty, t)
-        t += 1
-
-
-@gluon.jit
-def _bwd_compute_partition_converting(
-    k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, kv_empty, ready, empty, dq_full,
-    dq_empty, items, item_ready, item_empty, next_item_ptr, num_items, entries_ptr, counts_ptr,
-    bounds_ptr, lse_ptr, delta_ptr, dq_ptr, dq_out_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
-    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, stride_kb, stride_ks,
-    stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-    CAUSAL: gl.constexpr,
-    HAS_MASK: gl.constexpr,
-    HAS_UPPER: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
-    LATE_DQ: gl.constexpr,
-    DQ_BEFORE_DK: gl.constexpr,
-    DKDV_TMA: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-    LAG_PROGRAMS: gl.constexpr,
-):  # fmt: skip
-    """Consumer warpgroups of a converting program: :func:`_bwd_compute_item` for each work
-    item of the producer's slots (the ``kt``-th waiting for phase ``kt & 1`` of the K/V
-    barrier), :func:`_convert_dq_unit` for each conversion unit."""
-    num_kv_heads = num_heads_q // heads_per_kv
-    per_group, units, groups, lag, slots = _conversion_plan(
-        gl.num_programs(0), num_n_tiles, num_items, heads_per_kv, seqlen_q, CONVERT_ROWS,
-        LAG_PROGRAMS,
-    )  # fmt: skip
-    s = receive_item(items, item_ready, item_empty, 0)
-    t = 1
-    kt = 0
-    it = 0
-    while s < slots:
-        is_item, first, unit = _slot(s, per_group, units, groups, lag)
-        if is_item:
-            n_tile, h_kv, b = work_item(first, next_item_ptr, num_n_tiles, num_kv_heads, False)
-            it = _bwd_compute_item(
-                k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr,
-                dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k,
-                num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
-                lse_bufs, delta_bufs, it, kt & 1, kv_empty, CAUSAL, HAS_MASK, HAS_UPPER,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, ROW_TERMS_SMEM, False, LATE_DQ, DQ_BEFORE_DK,
-                DKDV_TMA, True,
-            )  # fmt: skip
-            kt += 1
-        else:
-            _convert_dq_unit(
-                dq_ptr, dq_out_ptr, next_item_ptr + 1, first, unit, per_group, seqlen_q,
-                num_kv_heads, heads_per_kv, stride_dqb, stride_dqs, stride_dqh, HEAD_DIM,
-                CONVERT_ROWS,
-            )  # fmt: skip
-        s = receive_item(items, item_ready, item_empty, t)
-        t += 1
-
-
 @gluon.jit
 def allocate_operands(q_desc, k_desc, v_desc, do_desc, BLOCK_N: gl.constexpr,
                       NUM_BUFFERS: gl.constexpr):  # fmt: skip
@@ -1190,7 +927,7 @@ def gluon_bwd_kernel(
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr, dq_out_ptr,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -1209,9 +946,6 @@ def gluon_bwd_kernel(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
     PERSISTENT: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
-    CONVERT_ROWS: gl.constexpr,
-    LAG_PROGRAMS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -1220,11 +954,7 @@ def gluon_bwd_kernel(
     the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer;
     ``None`` without). With ``PERSISTENT`` the grid is 1-D and its programs loop over the
     ``num_items`` work items ``(key tiles, kv heads, batch)`` in that order, taking each next
-    one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item).
-    With ``CONVERT_DQ`` too (``PERSISTENT = 2``; natural order, dQ through TMA) the counter
-    hands out every slot of :func:`conversion_slot`, ``next_item_ptr[1 + group]`` counts each
-    group's finished items (zeroed) and the conversion units store dQ in ``dq_out_ptr`` (the
-    inputs' dtype, the accumulator's strides)."""
+    one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -1249,50 +979,6 @@ def gluon_bwd_kernel(
         for i in gl.static_range(2):
             mbarrier.init(item_ready.index(i), count=1)
             mbarrier.init(item_empty.index(i), count=2)
-    if PERSISTENT and CONVERT_DQ:
-        gl.warp_specialize(
-            [
-                (
-                    _bwd_compute_partition_converting,
-                    (
-                        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, kv_empty,
-                        ready, empty, dq_full, dq_empty, items, item_ready, item_empty,
-                        next_item_ptr, num_items, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                        delta_ptr, dq_ptr, dq_out_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
-                        seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
-                        num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
-                        stride_dqh, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale,
-                        lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, ROW_TERMS_SMEM, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, CONVERT_ROWS,
-                        LAG_PROGRAMS,
-                    ),
-                ),
-                (
-                    _bwd_load_partition_converting,
-                    (
-                        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                        kv_empty, ready, empty, items, item_ready, item_empty, next_item_ptr,
-                        num_items, entries_ptr, counts_ptr, seqlen_q, seqlen_k, heads_per_kv,
-                        heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs,
-                        delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        ROW_TERMS_SMEM, CONVERT_ROWS, LAG_PROGRAMS,
-                    ),
-                ),
-                (
-                    _bwd_dq_writer_partition_converting,
-                    (
-                        dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, next_item_ptr,
-                        num_items, entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q,
-                        num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                        HEAD_DIM, CONVERT_ROWS, LAG_PROGRAMS,
-                    ),
-                ),
-            ],
-            [1, WRITER_WARPS],
-            [24, WRITER_REGISTERS],
-        )  # fmt: skip
-    elif PERSISTENT:
         gl.warp_specialize(
             [
                 (
@@ -1421,8 +1107,8 @@ def backward(
     require_form("gluon_bwd.ROW_TERMS_SMEM", ROW_TERMS_SMEM)
     require_form("gluon_bwd.LATE_DQ_HANDOFF", LATE_DQ_HANDOFF)
     require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
-    if PERSISTENT not in (0, 1, 2):
-        raise ValueError(f"gluon_bwd.PERSISTENT must be 0, 1 or 2, got {PERSISTENT}")
+    if PERSISTENT not in (0, 1):
+        raise ValueError(f"gluon_bwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
     if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
         raise ValueError(f"gluon_bwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
     return launch(
@@ -1431,7 +1117,7 @@ def backward(
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
-        PERSISTENT=PERSISTENT,
+        PERSISTENT=bool(PERSISTENT),
     )  # fmt: skip
 
 
@@ -1583,35 +1269,17 @@ def _launch_once(
             for x in (dk, dv)
         )
     grid = (tn, hk, b)
-    dq_out = None  # converted in the kernel (PERSISTENT = 2)
     if "PERSISTENT" in constants:  # gluon_bwd_kernel's 1-D grid and item counter
         num_items = tn * hk * b
         programs = num_items
-        mode = constants["PERSISTENT"]
-        # Converting needs dQ's TMA adds (their completion is what each item counts) and one
-        # accumulator over all the rows (not a query chunk's fp32 partial sums).
-        convert = mode == 2 and dq_tma and dkdv_dtype is None
-        slots = num_items
-        if convert:
-            order = None  # the natural order: a group's items are consecutive slots
-            slots = num_items + (num_items // tn) * units_per_group(hq // hk, sq)
-            dq_out = torch.empty_like(q)
-        if mode:
-            programs = min(slots, MAX_PROGRAMS or sm_count(q.device))
+        if constants["PERSISTENT"]:
+            programs = min(num_items, MAX_PROGRAMS or sm_count(q.device))
             grid = (programs,)
-        # Items past the first ``programs`` (converting: every slot, then each group's count of
-        # finished items) are taken from this counter, one at a time.
+        # Items past the first ``programs`` are taken from this counter, one at a time.
         next_item = lists.counts  # not read with one program per item
-        if convert:
-            next_item = torch.zeros(1 + num_items // tn, dtype=torch.int32, device=q.device)
-        elif programs < num_items:
+        if programs < num_items:
             next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
-        constants = {
-            **constants, "PERSISTENT": bool(mode), "CONVERT_DQ": convert,
-            "CONVERT_ROWS": CONVERT_ROWS, "LAG_PROGRAMS": CONVERT_LAG_PROGRAMS,
-            "num_items": num_items, "next_item_ptr": next_item,
-            "dq_out_ptr": dq_accum if dq_out is None else dq_out,
-        }  # fmt: skip
+        constants = {**constants, "num_items": num_items, "next_item_ptr": next_item}
     launch_kernel(
         kernel, grid,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv, dk_desc, dv_desc,
@@ -1627,4 +1295,4 @@ def _launch_once(
         DQ_BUFFERS=dq_buffers, ORDERED=order is not None, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    return (dq_accum.to(q.dtype) if dq_out is None else dq_out), dk, dv
+    return dq_accum.to(q.dtype), dk, dv
