@@ -189,10 +189,10 @@ DKDV_TMA = 2
 # launch. Off; kept as the base for overlapping the next item's K/V where shared memory allows.
 # A form 2 that also converted dQ in the kernel (conversion units as slots among the items,
 # each waiting on its kv head's count of finished items) was correct but, at its best lag,
-# 3-7% slower than this one at 8K on sliding_window, share_question, causal_document and
-# document and 12% on global_sliding_window (47-59% at the shortest lag), level on full and the
-# dense masks (twenty-ninth session, ``results/gluon_backward_convert*_s29.log``): removed,
-# last version in commit 89db9b2.
+# 3-7% slower than this one at 8K on sliding_window, share_question and causal_document, 12%
+# on global_sliding_window (47-59% at the shortest lag), -1% to +6% on document between two
+# runs, level on full and the dense masks (twenty-ninth session,
+# ``results/gluon_backward_convert*_s29.log``): removed, last version in commit 89db9b2.
 PERSISTENT = 0
 # With PERSISTENT, at most this many programs (0: one per SM). For checks: the GPU check's
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
