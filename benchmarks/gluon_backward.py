@@ -53,7 +53,7 @@ def compile_only(
     head_dim: int, causal: bool, has_mask: bool, dtype: torch.dtype = torch.bfloat16,
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
-    dkdv_tma: bool | None = None, persistent: bool | None = None,
+    dkdv_tma: bool | None = None, persistent: bool | None = None, timeline: bool = False,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -61,8 +61,9 @@ def compile_only(
     ``late_dq``: ``gluon_bwd.LATE_DQ_HANDOFF`` unless given, D = 64/128; ``dq_before_dk``:
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as the module's
     ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it;
-    ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128); registers, spills, shared
-    memory and key instructions."""
+    ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128; ``timeline``: with
+    ``gluon_bwd.TIMELINE``'s stamps, D = 64/128); registers, spills, shared memory and key
+    instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -102,6 +103,7 @@ def compile_only(
         "heads_per_mask_head": "i32", "num_mask_heads": "i32", "num_m_tiles": "i32",
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
         **({"num_items": "i32", "next_item_ptr": "*i32"} if module is gluon_bwd else {}),
+        **({"timeline_ptr": "*i64"} if module is gluon_bwd and timeline else {}),
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -110,6 +112,7 @@ def compile_only(
               "DQ_BUFFERS": module.DQ_BUFFERS,
               **({} if dq_tma else {"dq_desc": None}),
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
+              **({"timeline_ptr": None} if module is gluon_bwd and not timeline else {}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
@@ -131,6 +134,7 @@ def compile_only(
         "dq_before_dk": bool(dq_before_dk) if module is gluon_bwd else False,
         "dkdv_tma": dkdv_tma,
         "persistent": persistent,
+        "timeline": timeline and module is gluon_bwd,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -365,6 +369,11 @@ def main() -> None:
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, False), (True, True)):
                 report = compile_only(d, causal, has_mask, persistent=not gluon_bwd.PERSISTENT)
+                print(json.dumps(report), flush=True)
+        # With gluon_bwd.TIMELINE's stamps (a diagnostic, bwd_timeline.py), both forms
+        for persistent in (False, True):
+            for causal, has_mask in ((False, False), (True, True)):
+                report = compile_only(128, causal, has_mask, persistent=persistent, timeline=True)
                 print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
         for d in kernels.GLUON_BWD_HEAD_DIMS:

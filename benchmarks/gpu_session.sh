@@ -13,6 +13,9 @@
 #   gluon-dq-before-dk gluon_backward.py timing dK's product after dQ's (DQ_BEFORE_DK=1,
 #                 FlashAttention-3/4's order) against the shipped order at 8K and 32K on six
 #                 masks; its GPU check: GLUON_BWD=DQ_BEFORE_DK=1 ... check-dq-tma
+#   bwd-timeline  bwd_timeline.py: where the Gluon backward's items spend their time (phase
+#                 stamps, gluon_bwd.TIMELINE), per item and persistent, 8K on four masks and 32K
+#                 on two
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
@@ -268,6 +271,21 @@ for step in "$@"; do
     gluon-dq-before-dk)
         run_step gluon_backward_dq_before_dk python benchmarks/gluon_backward.py \
             --seqlens 8192,32768 --variant DQ_BEFORE_DK=1
+        ;;
+    bwd-timeline)
+        # Compile first, one process per kernel form at once (stamps and none, both program
+        # forms), so that the timed run finds them in the cache.
+        for masks in full sliding_window; do
+            timeout "$limit" python benchmarks/bwd_timeline.py --seqlens 8192 --masks $masks \
+                --variant PERSISTENT=1 --rep-ms 1 >/dev/null 2>&1 &
+        done
+        wait
+        run_step bwd_timeline python benchmarks/bwd_timeline.py --seqlens 8192 \
+            --masks sliding_window,share_question,causal_document,full --variant PERSISTENT=1 \
+            --rep-ms 50 --out "$OUT/bwd_timeline_8k.json"
+        run_step bwd_timeline_32k python benchmarks/bwd_timeline.py --seqlens 32768 \
+            --masks sliding_window,full --variant PERSISTENT=1 --rep-ms 50 \
+            --out "$OUT/bwd_timeline_32k.json"
         ;;
     cached-launch)
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4

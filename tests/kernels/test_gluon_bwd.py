@@ -9,11 +9,13 @@ results; here the routing rules and an sm_90 compile of every variant.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import types
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # before anything imports triton
@@ -155,6 +157,7 @@ def _shipped(report: dict) -> bool:
         and report["dq_before_dk"] == (module == "gluon_bwd")
         and report["dkdv_tma"] == _ships_tma_dkdv(report)
         and report["persistent"] == (SHIPS_PERSISTENT and module == "gluon_bwd")
+        and not report["timeline"]
     )
 
 
@@ -349,7 +352,7 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
     by_form = {
         (form(r), r["dkdv_tma"]): r
         for r in sm90_reports
-        if r["head_dim"] != 256 and r["persistent"] == SHIPS_PERSISTENT
+        if r["head_dim"] != 256 and r["persistent"] == SHIPS_PERSISTENT and not r["timeline"]
     }
     pairs = [
         (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
@@ -386,6 +389,36 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
         assert looping["shared_kb"] <= 227, looping
         assert looping["warps"] == 12 and looping["UTMALDG"] > 0, looping
         assert looping["spill_bytes"] <= per_item["spill_bytes"] + 128, (looping, per_item)
+
+
+def test_timeline_stamps_add_nine_stores_and_nothing_else(sm90_reports):
+    """``gluon_bwd.TIMELINE`` (a diagnostic, ``benchmarks/bwd_timeline.py``): with a tensor to
+    stamp into, each item's consumers store its nine stamps and nothing else changes: the same
+    products, waits, shared memory and barriers (one more under Triton 3.9, none under 3.6) and
+    spills (up to 64 bytes more under 3.9) as the form without them, in
+    both the per-item and the persistent form (full and masked causal, D = 128). Without one
+    (``None``) the stamps are not compiled: the shipped reports have no ``STG`` at all where
+    dK/dV leave through TMA."""
+    stamped = [r for r in sm90_reports if r["timeline"]]
+    assert {(r["causal"], r["has_mask"], r["persistent"]) for r in stamped} == {
+        (c, m, p) for c, m in ((False, False), (True, True)) for p in (False, True)
+    }
+    for report in stamped:
+        twin = next(
+            r for r in sm90_reports
+            if not r["timeline"] and r["persistent"] == report["persistent"]
+            and r["row_terms_smem"] == report["row_terms_smem"]
+            and r["late_dq"] == report["late_dq"] and r["dkdv_tma"] == report["dkdv_tma"]
+            and r["dq_before_dk"] == report["dq_before_dk"]
+            and not r["dkdv_fp32"] and _compiled_for(r) == _compiled_for(report)
+        )  # fmt: skip
+        assert twin["STG"] == 0 and report["STG"] == 9, (report, twin)
+        for key in ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMASTG", "shared_kb"):
+            assert report[key] == twin[key], (key, report, twin)
+        # Under Triton 3.6 (the H200's) the same barriers; 3.9 puts one more beside them.
+        assert 0 <= report["BAR"] - twin["BAR"] <= 1, (report, twin)
+        # The stamps' registers: none spilled under 3.6; 3.9 spills a few more bytes.
+        assert report["spill_bytes"] <= twin["spill_bytes"] + 64, (report, twin)
 
 
 def test_hd256_tma_dk_dv_form_stores_without_stg(sm90_reports):
@@ -620,3 +653,101 @@ def test_persistent_backward_runs_one_program_per_sm_taking_items_from_a_zeroed_
     assert by_form[1, 1000]["grid"] == [64] and by_form[1, 1000]["counter_is_counts"]
     assert all(launch["num_items"] == 64 for launch in seen)
     assert all(launch["persistent"] for form, launch in by_form.items() if form[0])
+
+
+# Runs in a process of its own (gluon_bwd imports Gluon): the timeline tensor the launcher hands
+# the kernel, with the kernel launch replaced by a stand-in.
+_TIMELINE_LAUNCHES = """
+import json, torch
+from flashmask.kernels import gluon_bwd, tiles
+seen = {}
+gluon_bwd.launch_kernel = lambda kernel, grid, *args, **kwargs: seen.update(
+    given=kwargs["timeline_ptr"])
+b, s, h, d = 1, 1024, 2, 128
+q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
+lse = torch.zeros(b, h, s)
+lists = tiles.TileLists(torch.zeros(b, 1, s // 128, s // 64, dtype=torch.int32),
+                        torch.zeros(b, 1, s // 128, dtype=torch.int32), None)
+result = {}
+for name, timeline in (("none", None), ("fits", torch.zeros(16, 9, dtype=torch.int64)),
+                       ("short", torch.zeros(15, 9, dtype=torch.int64)),
+                       ("int32", torch.zeros(16, 9, dtype=torch.int32))):
+    gluon_bwd.TIMELINE = timeline
+    seen.clear()
+    try:
+        gluon_bwd.backward(q, q, q, q, lse, lse, None, lists, 1, True, 0.125)
+        result[name] = "none" if seen["given"] is None else (
+            "same" if seen["given"] is timeline else "other")
+    except ValueError as error:
+        result[name] = str(error)
+print(json.dumps(result))
+"""
+
+
+def test_launcher_hands_the_timeline_over_or_refuses_it_by_name():
+    """``gluon_bwd.TIMELINE``: ``None`` launches without stamps (``timeline_ptr`` ``None``); an
+    int64 tensor on the inputs' device with room for every work item's row (2 kv heads x 8 key
+    tiles = 16 items of ``TIMELINE_FIELDS`` = 9 here) is handed to the kernel as it is; a
+    shorter one or another dtype is refused, naming the constant and what it needs."""
+    (result,) = json_lines(["-c", _TIMELINE_LAUNCHES])
+    assert result["none"] == "none" and result["fits"] == "same"
+    for name in ("short", "int32"):
+        assert "gluon_bwd.TIMELINE must be an int64 tensor" in result[name], result
+        assert "16 x 9" in result[name], result
+
+
+def _timeline_module():
+    spec = importlib.util.spec_from_file_location(
+        "bwd_timeline", ROOT / "benchmarks" / "bwd_timeline.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stamped_item(sm: int, start_ns: int, phases_ns: tuple[int, int, int, int], tiles: int):
+    """A timeline row of an item on ``sm`` starting at ``start_ns`` with its kv, first-tile,
+    loop and drain phases, on a 2 GHz clock (and the global timer in nanoseconds)."""
+    kv, first, loop, drain = phases_ns
+    marks = np.cumsum([start_ns, kv, first, loop, drain])
+    return [*(2 * marks), sm, tiles, marks[0], marks[-1]]
+
+
+def test_timeline_summary_splits_the_sm_time_into_its_phases():
+    """``benchmarks/bwd_timeline.summarize``: three items on two SMs (2 GHz clock). SM 0 runs
+    items of 10 and 5 tiles with 1 us between them, SM 1 one of 15 tiles from 0.5 us, every
+    tile 1 us, every item 1 us for K/V, 0.5 for its first tile and 1 for its drain: of the 2 SMs
+    x 21 us, the loops are 30 us, the waits 3 + 1.5, the drains 3, the gap 1, SM 1's ramp 0.5
+    and tail 3; the loop fit is 0 + 1 us per tile. A third, idle SM adds its whole span, half
+    to the ramp and half to the tail."""
+    timeline = _timeline_module()
+    rows = np.array(
+        [
+            _stamped_item(0, 0, (1000, 500, 10_000, 1000), 10),
+            _stamped_item(0, 13_500, (1000, 500, 5_000, 1000), 5),
+            _stamped_item(1, 500, (1000, 500, 15_000, 1000), 15),
+        ]
+    )
+    summary = timeline.summarize(rows, num_sms=2)
+    assert summary["clock_ghz"] == pytest.approx(2.0)
+    assert summary["span_us"] == pytest.approx(21.0)
+    expected_us = {"kv": 3, "first": 1.5, "loop": 30, "drain": 3, "gap": 1, "ramp": 0.5,
+                   "tail": 3}  # fmt: skip
+    for phase, us in expected_us.items():
+        assert summary["share"][phase] == pytest.approx(us / 42), phase
+    assert summary["loop_fixed_us"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["loop_per_tile_us"] == pytest.approx(1.0)
+    assert summary["median_us"]["per_tile"] == pytest.approx(1.0)
+    assert summary["median_us"]["gap"] == pytest.approx(1.0)
+    with_idle = timeline.summarize(rows, num_sms=3)
+    assert sum(with_idle["share"].values()) == pytest.approx(1.0)
+    assert with_idle["share"]["ramp"] * 63 == pytest.approx(0.5 + 10.5)
+
+
+def test_timeline_summary_refuses_rows_an_item_left_unstamped():
+    """An item whose end was never stamped (a launch that did not run it, or the wrong rows)
+    is an error naming the timeline, not a silently short split."""
+    timeline = _timeline_module()
+    rows = np.array([_stamped_item(0, 0, (1000, 500, 1000, 1000), 1), [0] * 9])
+    with pytest.raises(ValueError, match="timeline"):
+        timeline.summarize(rows, num_sms=1)

@@ -198,6 +198,65 @@ PERSISTENT = 0
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
 # (``benchmarks/gpu_check.py --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3``).
 MAX_PROGRAMS = 0
+# A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
+# TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
+# :func:`_stamp`); ``None`` (the default) compiles none of it, so the kernel is the same.
+TIMELINE: torch.Tensor | None = None
+# Per item: SM clock (``%clock64``) at the item's start, once its K/V are in, once its first
+# Q/dO tile is in, after its last tile's products, after its dK/dV stores; the SM's index; the
+# item's tile count; the global nanosecond timer (``%globaltimer``) at its start and its end.
+TIMELINE_FIELDS = 9
+_TIMELINE_FIELDS = gl.constexpr(TIMELINE_FIELDS)
+
+
+@gluon.jit
+def _stamp(record, field: gl.constexpr, value):
+    """With ``TIMELINE``: ``value`` (a ``[1]`` tensor of :func:`_clock` and kin) into
+    ``record[field]``, the item's row of the timeline."""
+    layout: gl.constexpr = value.type.layout
+    gl.store(record + field + gl.arange(0, 1, layout), value)
+
+
+@gluon.jit
+def _stamp_operand():
+    """A ``[1]`` int32 zero, the operand the special-register reads below take (inline PTX is
+    elementwise over its operands' shape)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.zeros([1], gl.int32, layout)
+
+
+@gluon.jit
+def _as_row(x):
+    """The scalar ``x`` as a ``[1]`` int64 tensor for :func:`_stamp`."""
+    return _stamp_operand().to(gl.int64) + x.to(gl.int64)
+
+
+# The reads are not pure, so that each stays where it is written.
+@gluon.jit
+def _clock():
+    """The SM's cycle counter (``%clock64``; comparable within one SM only), ``[1]`` int64."""
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l,r", [_stamp_operand()], dtype=gl.int64, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _global_time():
+    """The GPU's nanosecond timer (``%globaltimer``; comparable across SMs), ``[1]`` int64."""
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [_stamp_operand()], dtype=gl.int64, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _sm_index():
+    """The index of the SM the program runs on (``%smid``), ``[1]`` int64."""
+    smid = gl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r,r", [_stamp_operand()], dtype=gl.int32, is_pure=False, pack=1
+    )
+    return smid.to(gl.int64)
 
 
 @gluon.jit
@@ -624,7 +683,7 @@ def _bwd_compute_partition(
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
     b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale, lse_bufs, delta_bufs,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs, timeline_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -639,14 +698,20 @@ def _bwd_compute_partition(
     DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups of a program that owns one key tile: :func:`_bwd_compute_item`
-    once."""
+    once (with a ``timeline_ptr``, its row is the program's launch index)."""
+    record = timeline_ptr
+    if timeline_ptr is not None:
+        launch_index = gl.program_id(0) + gl.num_programs(0) * (
+            gl.program_id(1) + gl.num_programs(1) * gl.program_id(2)
+        )
+        record = timeline_ptr + launch_index.to(gl.int64) * _TIMELINE_FIELDS
     _bwd_compute_item(
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
         dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
         stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-        0, 0, kv_bar, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+        0, 0, kv_bar, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
         ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False,
     )  # fmt: skip
 
@@ -658,6 +723,7 @@ def _bwd_compute_partition_persistent(
     bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
     num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
+    timeline_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -674,20 +740,24 @@ def _bwd_compute_partition_persistent(
 ):  # fmt: skip
     """Consumer warpgroups of a persistent program: :func:`_bwd_compute_item` for each of its
     work items (its own first, each next one from the producer's item ring), the ``t``-th
-    waiting for phase ``t & 1`` of the K/V barrier."""
+    waiting for phase ``t & 1`` of the K/V barrier (with a ``timeline_ptr``, item ``w``'s row
+    is ``w``)."""
     num_kv_heads = num_heads_q // heads_per_kv
     w = gl.program_id(0)
     t = 0
     it = 0
     while w < num_items:
         n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
+        record = timeline_ptr
+        if timeline_ptr is not None:
+            record = timeline_ptr + w.to(gl.int64) * _TIMELINE_FIELDS
         it = _bwd_compute_item(
             k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
             dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
             dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
             heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
             stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-            it, t & 1, kv_empty, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+            it, t & 1, kv_empty, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
             DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True,
         )  # fmt: skip
         w = receive_item(items, item_ready, item_empty, t)
@@ -700,7 +770,7 @@ def _bwd_compute_item(
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
     b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale, lse_bufs, delta_bufs, it, kv_phase, kv_empty,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs, it, kv_phase, kv_empty, record,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -725,8 +795,9 @@ def _bwd_compute_item(
     into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
     stored dQ is handed over only once the next tile's score products are issued (see
     ``LATE_DQ_HANDOFF``). With ``PERSISTENT`` the item's last Q/dO slot is released too and, once
-    dK/dV are stored, its K/V buffers (``kv_empty``), for the next item. Returns the next item's
-    first step."""
+    dK/dV are stored, its K/V buffers (``kv_empty``), for the next item. With a ``record``
+    (``TIMELINE``'s row of the item) the item's phases are stamped there. Returns the next
+    item's first step."""
     warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_smem.dtype
     # Transposed scores [BLOCK_N keys, BLOCK_M queries]; the keys split over the warpgroups.
@@ -748,7 +819,12 @@ def _bwd_compute_item(
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
 
+    if record is not None:
+        _stamp(record, 0, _clock())
+        _stamp(record, 7, _global_time())
     mbarrier.wait(kv_bar, kv_phase)
+    if record is not None:
+        _stamp(record, 1, _clock())
     it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
     first = it  # the item's first tile: no previous tile of its own to hand over
     for g in range(heads_per_kv):
@@ -765,6 +841,10 @@ def _bwd_compute_item(
             entry, m_tile, slot, q_smem, do_smem = await_tile(
                 entries, j, it, q_bufs, do_bufs, ready
             )
+            # Two tests: the first is decided at compile time, the second at run time.
+            if record is not None:  # noqa: SIM102
+                if it == first:
+                    _stamp(record, 2, _clock())
             if ROW_TERMS_SMEM == 2:
                 # Read before the tile's products are issued (the form gluon_bwd256 uses).
                 lse = lse_bufs.index(slot).load(query_layout)
@@ -832,6 +912,8 @@ def _bwd_compute_item(
                 else:
                     hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
             it += 1
+    if record is not None:
+        _stamp(record, 3, _clock())
     if LATE_DQ:
         # The last tile's dQ; its Q/dO slot only where another item's tiles load after it.
         publish_dq(dq_full, it + dq_full.type.shape[0] - 1, DQ_TMA, pred=it > first)
@@ -848,6 +930,11 @@ def _bwd_compute_item(
         # and dV in their buffers have read them (lowered as a barrier of the consumer warps,
         # then one arrive): the producer may load the next item's.
         mbarrier.arrive(kv_empty, count=1)
+    if record is not None:
+        _stamp(record, 4, _clock())
+        _stamp(record, 8, _global_time())
+        _stamp(record, 5, _sm_index())
+        _stamp(record, 6, _as_row(it - first))
     return it
 
 
@@ -929,7 +1016,7 @@ def gluon_bwd_kernel(
     entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr,
+    num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr, timeline_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -956,7 +1043,8 @@ def gluon_bwd_kernel(
     the fp32 ``dq_ptr`` (with ``DQ_TMA`` through ``dq_desc``, a descriptor of the same buffer;
     ``None`` without). With ``PERSISTENT`` the grid is 1-D and its programs loop over the
     ``num_items`` work items ``(key tiles, kv heads, batch)`` in that order, taking each next
-    one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item)."""
+    one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item).
+    ``timeline_ptr``: ``TIMELINE``'s tensor, or ``None`` (no stamps compiled)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -992,9 +1080,9 @@ def gluon_bwd_kernel(
                         delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
                         num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
                         num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
-                        softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ,
-                        DQ_BEFORE_DK, DKDV_TMA, ORDERED,
+                        softmax_scale, lse_bufs, delta_bufs, timeline_ptr, CAUSAL, HAS_MASK,
+                        HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV,
+                        LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, ORDERED,
                     ),
                 ),
                 (
@@ -1037,9 +1125,9 @@ def gluon_bwd_kernel(
                         delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q,
                         seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
                         num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
-                        softmax_scale, lse_bufs, delta_bufs, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
-                        DKDV_TMA,
+                        softmax_scale, lse_bufs, delta_bufs, timeline_ptr, CAUSAL, HAS_MASK,
+                        HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV,
+                        LATE_DQ, DQ_BEFORE_DK, DKDV_TMA,
                     ),
                 ),
                 (
@@ -1281,7 +1369,21 @@ def _launch_once(
         next_item = lists.counts  # not read with one program per item
         if programs < num_items:
             next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
-        constants = {**constants, "num_items": num_items, "next_item_ptr": next_item}
+        timeline = TIMELINE
+        if timeline is not None and (
+            timeline.dtype != torch.int64
+            or timeline.device != q.device
+            or timeline.numel() < num_items * TIMELINE_FIELDS
+        ):
+            raise ValueError(
+                f"gluon_bwd.TIMELINE must be an int64 tensor on {q.device} of at least "
+                f"{num_items} x {TIMELINE_FIELDS} elements, got {timeline.dtype} "
+                f"{tuple(timeline.shape)} on {timeline.device}"
+            )
+        constants = {
+            **constants, "num_items": num_items, "next_item_ptr": next_item,
+            "timeline_ptr": timeline,
+        }  # fmt: skip
     launch_kernel(
         kernel, grid,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_accum, dq_desc, dk, dv, dk_desc, dv_desc,
