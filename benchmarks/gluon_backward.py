@@ -54,6 +54,7 @@ def compile_only(
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
     dkdv_tma: bool | None = None, persistent: bool | None = None, timeline: bool = False,
+    early_kv: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -62,8 +63,8 @@ def compile_only(
     ``gluon_bwd.DQ_BEFORE_DK`` unless given, D = 64/128; ``dkdv_tma``: as the module's
     ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it;
     ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128; ``timeline``: with
-    ``gluon_bwd.TIMELINE``'s stamps, D = 64/128); registers, spills, shared memory and key
-    instructions."""
+    ``gluon_bwd.TIMELINE``'s stamps, D = 64/128; ``early_kv``: ``gluon_bwd.EARLY_KV_RELEASE``
+    unless given, persistent only); registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -78,6 +79,9 @@ def compile_only(
     if persistent is None:
         persistent = bool(gluon_bwd.PERSISTENT)
     persistent = persistent and module is gluon_bwd
+    if early_kv is None:
+        early_kv = bool(gluon_bwd.EARLY_KV_RELEASE)
+    early_kv = early_kv and persistent
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -116,7 +120,8 @@ def compile_only(
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
-                  "PERSISTENT": persistent} if module is gluon_bwd else {})}  # fmt: skip
+                  "PERSISTENT": persistent, "EARLY_KV": early_kv}
+                 if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
         {"num_warps": gluon_bwd.NUM_WARPS, "maxnreg": gluon_bwd.MAX_REGISTERS},
@@ -135,6 +140,7 @@ def compile_only(
         "dkdv_tma": dkdv_tma,
         "persistent": persistent,
         "timeline": timeline and module is gluon_bwd,
+        "early_kv": early_kv,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -369,6 +375,11 @@ def main() -> None:
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, False), (True, True)):
                 report = compile_only(d, causal, has_mask, persistent=not gluon_bwd.PERSISTENT)
+                print(json.dumps(report), flush=True)
+        # Persistent with the K/V buffers released before the drain (EARLY_KV_RELEASE)
+        for d in (64, 128):
+            for causal, has_mask in ((False, False), (True, False), (True, True)):
+                report = compile_only(d, causal, has_mask, persistent=True, early_kv=True)
                 print(json.dumps(report), flush=True)
         # With gluon_bwd.TIMELINE's stamps (a diagnostic, bwd_timeline.py), both forms
         for persistent in (False, True):

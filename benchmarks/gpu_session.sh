@@ -16,6 +16,10 @@
 #   bwd-timeline  bwd_timeline.py: where the Gluon backward's items spend their time (phase
 #                 stamps, gluon_bwd.TIMELINE), per item and persistent, 8K on four masks and 32K
 #                 on two
+#   gluon-early-kv gluon_backward.py at 8K and 32K: the persistent backward with its K/V
+#                 released before the drain (gluon_bwd.EARLY_KV_RELEASE) against the persistent
+#                 form and the shipped one; then bwd_timeline.py of both persistent forms; its
+#                 check: GLUON_BWD=PERSISTENT=1,MAX_PROGRAMS=3,EARLY_KV_RELEASE=1 check-gluon-bwd
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
@@ -286,6 +290,17 @@ for step in "$@"; do
         run_step bwd_timeline_32k python benchmarks/bwd_timeline.py --seqlens 32768 \
             --masks sliding_window,full --variant PERSISTENT=1 --rep-ms 50 \
             --out "$OUT/bwd_timeline_32k.json"
+        ;;
+    gluon-early-kv)
+        # gluon_bwd.EARLY_KV_RELEASE against the persistent form it changes and the shipped
+        # one, then the phase stamps of both persistent forms.
+        run_step gluon_backward_early_kv python benchmarks/gluon_backward.py \
+            --seqlens 8192,32768 --variant PERSISTENT=1 \
+            --variant PERSISTENT=1,EARLY_KV_RELEASE=1
+        run_step bwd_timeline_early_kv python benchmarks/bwd_timeline.py --seqlens 8192 \
+            --masks sliding_window,share_question,causal_document --variant PERSISTENT=1 \
+            --variant PERSISTENT=1,EARLY_KV_RELEASE=1 --rep-ms 50 \
+            --out "$OUT/bwd_timeline_early_kv.json"
         ;;
     cached-launch)
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4

@@ -198,6 +198,12 @@ PERSISTENT = 0
 # cases have fewer key tiles than the H200 has SMs, so only a smaller grid makes them loop
 # (``benchmarks/gpu_check.py --gluon-bwd PERSISTENT=1,MAX_PROGRAMS=3``).
 MAX_PROGRAMS = 0
+# With PERSISTENT: release an item's K/V buffers as soon as its last products are in, and stage
+# its dK/dV for their TMA stores in the dQ buffer the writer has freed and the dS^T buffers
+# instead of in the K/V buffers, so that the next item's K/V load during this item's drain. The
+# phase stamps (TIMELINE, ``results/bwd_timeline_s30.log``) put an 8K sliding-window item's
+# K/V wait, after the drain, at ~1.2 us of ~29.5 (5% of the SM time). Needs two dQ buffers.
+EARLY_KV_RELEASE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
 # :func:`_stamp`); ``None`` (the default) compiles none of it, so the kernel is the same.
@@ -656,6 +662,33 @@ def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_
 
 
 @gluon.jit
+def stage_dk_dv_for_tma(
+    dk, dv, dq_bufs, dq_empty, ds_bufs, k_smem, dk_desc, dv_desc, it, row, col, softmax_scale,
+):  # fmt: skip
+    """``EARLY_KV_RELEASE``'s :func:`store_dk_dv_tma`: the consumers' scaled ``dk`` and ``dv``
+    staged, in the layout of K's tile ``k_smem``, in the dQ ring's buffer of step ``it`` (the next
+    item's first: not the one holding this item's last dQ, and once the writer has read what it
+    held, as that step's :func:`stage_dq` waits) and in the two dS^T buffers (free: every dQ
+    product of the item is in), then one TMA store each to ``[row, col]``. Not awaited here: the
+    next item waits for the copies to read the buffers before its first tile writes them."""
+    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+    block_n: gl.constexpr = dk.type.shape[0]
+    head_dim: gl.constexpr = dk.type.shape[1]
+    dtype: gl.constexpr = ds_bufs.dtype
+    kv_layout: gl.constexpr = k_smem.type.layout
+    slot = it % num_dq_buffers
+    mbarrier.wait(dq_empty.index(slot), ((it // num_dq_buffers) & 1) ^ 1)
+    dk_smem = dq_bufs.index(slot)._reinterpret(dtype, [block_n, head_dim], kv_layout)
+    dv_smem = ds_bufs._reinterpret(dtype, [block_n, head_dim], kv_layout)
+    dk_smem.store((dk * softmax_scale).to(dtype))
+    dv_smem.store(dv.to(dtype))
+    fence_async_shared()
+    _partition_barrier()  # every thread's rows are in place before the copies read them
+    tma_store(dk_desc, [row, col], dk_smem)
+    tma_store(dv_desc, [row, col], dv_smem)
+
+
+@gluon.jit
 def write_dk_dv(
     dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
     stride_kb, stride_ks, stride_kh, softmax_scale,
@@ -712,7 +745,7 @@ def _bwd_compute_partition(
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
         stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
         0, 0, kv_bar, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
-        ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False,
+        ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False, False,
     )  # fmt: skip
 
 
@@ -737,6 +770,7 @@ def _bwd_compute_partition_persistent(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
     ORDERED: gl.constexpr,
+    EARLY_KV: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups of a persistent program: :func:`_bwd_compute_item` for each of its
     work items (its own first, each next one from the producer's item ring), the ``t``-th
@@ -758,10 +792,12 @@ def _bwd_compute_partition_persistent(
             heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
             stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
             it, t & 1, kv_empty, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
-            DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True,
+            DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True, EARLY_KV,
         )  # fmt: skip
         w = receive_item(items, item_ready, item_empty, t)
         t += 1
+    if EARLY_KV and DKDV_TMA:
+        tma.store_wait(0)  # the last item's dK/dV stores have read their buffers
 
 
 @gluon.jit
@@ -784,6 +820,7 @@ def _bwd_compute_item(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    EARLY_KV: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups, one work item (key tile ``n_tile`` of kv head ``h_kv``, batch
     ``b``; its K/V barrier's phase ``kv_phase``; its first tile's ring step ``it``): dK and dV
@@ -795,7 +832,8 @@ def _bwd_compute_item(
     into the next tile lost on the H200 (benchmarks/NOTES.md, change 16). With ``LATE_DQ`` the
     stored dQ is handed over only once the next tile's score products are issued (see
     ``LATE_DQ_HANDOFF``). With ``PERSISTENT`` the item's last Q/dO slot is released too and, once
-    dK/dV are stored, its K/V buffers (``kv_empty``), for the next item. With a ``record``
+    dK/dV are stored, its K/V buffers (``kv_empty``), for the next item; with ``EARLY_KV`` as
+    soon as its products are in (:func:`stage_dk_dv_for_tma`). With a ``record``
     (``TIMELINE``'s row of the item) the item's phases are stamped there. Returns the next
     item's first step."""
     warps: gl.constexpr = gl.num_warps()
@@ -823,6 +861,11 @@ def _bwd_compute_item(
         _stamp(record, 0, _clock())
         _stamp(record, 7, _global_time())
     mbarrier.wait(kv_bar, kv_phase)
+    if EARLY_KV and DKDV_TMA:
+        # The previous item's dK/dV stores have read the dQ and dS^T buffers they were staged
+        # in (long since: the K/V load took longer) before this item's first tile writes them.
+        tma.store_wait(0)
+        _partition_barrier()
     if record is not None:
         _stamp(record, 1, _clock())
     it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
@@ -921,11 +964,25 @@ def _bwd_compute_item(
             last_slots: gl.constexpr = q_bufs.type.shape[0]
             mbarrier.arrive(empty.index((it + last_slots - 1) % last_slots), pred=it > first)
 
-    write_dk_dv(
-        dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
-        stride_kb, stride_ks, stride_kh, softmax_scale, ADD_DKDV, DKDV_TMA,
-    )  # fmt: skip
-    if PERSISTENT:
+    if EARLY_KV:
+        # Every product that read K and V is in (each tile's are awaited within it), in both
+        # warpgroups (lowered as a barrier of the consumer warps, then one arrive): the producer
+        # may load the next item's K/V while dK/dV leave.
+        mbarrier.arrive(kv_empty, count=1)
+        if DKDV_TMA:
+            stage_dk_dv_for_tma(
+                dk, dv, dq_bufs, dq_empty, ds_bufs, k_smem, dk_desc, dv_desc, it,
+                b * seqlen_k + n_tile * BLOCK_N, h_kv * HEAD_DIM, softmax_scale,
+            )  # fmt: skip
+        else:
+            store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
+                        softmax_scale, ADD_DKDV)  # fmt: skip
+    else:
+        write_dk_dv(
+            dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
+            stride_kb, stride_ks, stride_kh, softmax_scale, ADD_DKDV, DKDV_TMA,
+        )  # fmt: skip
+    if PERSISTENT and not EARLY_KV:
         # Every product that read K and V is in and, with DKDV_TMA, the stores that staged dK
         # and dV in their buffers have read them (lowered as a barrier of the consumer warps,
         # then one arrive): the producer may load the next item's.
@@ -1035,6 +1092,7 @@ def gluon_bwd_kernel(
     DQ_BEFORE_DK: gl.constexpr,
     DKDV_TMA: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    EARLY_KV: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -1082,7 +1140,7 @@ def gluon_bwd_kernel(
                         num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
                         softmax_scale, lse_bufs, delta_bufs, timeline_ptr, CAUSAL, HAS_MASK,
                         HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV,
-                        LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, ORDERED,
+                        LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, ORDERED, EARLY_KV,
                     ),
                 ),
                 (
@@ -1199,6 +1257,13 @@ def backward(
     require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
     if PERSISTENT not in (0, 1):
         raise ValueError(f"gluon_bwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
+    if EARLY_KV_RELEASE not in (0, 1):
+        raise ValueError(f"gluon_bwd.EARLY_KV_RELEASE must be 0 or 1, got {EARLY_KV_RELEASE}")
+    if EARLY_KV_RELEASE and DQ_BUFFERS != 2:
+        raise ValueError(
+            f"gluon_bwd.EARLY_KV_RELEASE stages dK in the dQ buffer the next tile takes: it "
+            f"needs DQ_BUFFERS = 2, got {DQ_BUFFERS}"
+        )
     if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
         raise ValueError(f"gluon_bwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
     return launch(
@@ -1207,7 +1272,7 @@ def backward(
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
-        PERSISTENT=bool(PERSISTENT),
+        PERSISTENT=bool(PERSISTENT), EARLY_KV=bool(PERSISTENT and EARLY_KV_RELEASE),
     )  # fmt: skip
 
 
