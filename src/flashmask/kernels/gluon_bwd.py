@@ -324,7 +324,8 @@ def _bwd_load_partition(
         q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
         entries_ptr, counts_ptr, b, h_kv, n_tile, 0, seqlen_q, seqlen_k, heads_per_kv,
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs,
-        lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+        lse_ptr, delta_ptr, num_heads_q, kv_bar, 0, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+        False,
     )  # fmt: skip
 
 
@@ -339,6 +340,7 @@ def _bwd_load_partition_persistent(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    EARLY_KV: gl.constexpr,
 ):  # fmt: skip
     """Producer warp of a persistent program (``PERSISTENT``): :func:`_bwd_load_item` for each
     of its work items (its own first, then each next one from the launch's counter
@@ -355,13 +357,14 @@ def _bwd_load_partition_persistent(
     it = 0
     while w < num_items:
         n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
-        mbarrier.wait(kv_empty, (t & 1) ^ 1)
+        if not EARLY_KV:
+            mbarrier.wait(kv_empty, (t & 1) ^ 1)
         it = _bwd_load_item(
             q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
             empty, entries_ptr, counts_ptr, b, h_kv, n_tile, it, seqlen_q, seqlen_k,
             heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-            lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N, HEAD_DIM,
-            ROW_TERMS_SMEM,
+            lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, kv_empty, (t & 1) ^ 1, BLOCK_M,
+            BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM, EARLY_KV,
         )  # fmt: skip
         # The next item once this one's loads are issued (the last of them waited for a slot
         # the consumers release two tiles before the item's end, so the atomic's round trip
@@ -379,25 +382,31 @@ def _bwd_load_item(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
     entries_ptr, counts_ptr, b, h_kv, n_tile, it, seqlen_q, seqlen_k, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, lse_bufs, delta_bufs, lse_ptr,
-    delta_ptr, num_heads_q,
+    delta_ptr, num_heads_q, kv_empty, kv_empty_phase,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     ROW_TERMS_SMEM: gl.constexpr,
+    FIRST_TILE_BEFORE_KV: gl.constexpr,
 ):  # fmt: skip
     """Producer, one work item (key tile ``n_tile`` of kv head ``h_kv``, batch ``b``): K and V
     (``kv_bar``), then Q and dO of every listed query tile of every head sharing the kv head,
     the first into ring step ``it`` (with ``ROW_TERMS_SMEM`` also the tile's lse and delta rows
     into ``lse_bufs[slot]`` and ``delta_bufs[slot]``, loaded while the tile's copies run and
-    released by a second arrival on its "ready" barrier). Returns the next item's first step."""
+    released by a second arrival on its "ready" barrier). With ``FIRST_TILE_BEFORE_KV``
+    (``EARLY_KV_RELEASE``) the first tile's Q/dO load first (its slot frees a tile before the
+    previous item ends), then K and V once the consumers release their buffers (phase
+    ``kv_empty_phase`` of ``kv_empty``). Returns the next item's first step."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    kv_row = b * seqlen_k + n_tile * BLOCK_N
-    tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
-    tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
+    if not FIRST_TILE_BEFORE_KV:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        kv_row = b * seqlen_k + n_tile * BLOCK_N
+        tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
+        tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
+    first = it
     for g in range(heads_per_kv):
         h, _, count, entries = _head_list(
             g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
@@ -427,8 +436,42 @@ def _bwd_load_item(
                 lse_bufs.index(slot).store(lse)
                 delta_bufs.index(slot).store(gl.load(delta_ptr + offs))
                 mbarrier.arrive(bar, count=1)
+            # Two tests: the first is decided at compile time, the second at run time.
+            if FIRST_TILE_BEFORE_KV:  # noqa: SIM102
+                if it == first:
+                    mbarrier.wait(kv_empty, kv_empty_phase)
+                    _load_kv_tiles(
+                        k_desc,
+                        v_desc,
+                        k_smem,
+                        v_smem,
+                        kv_bar,
+                        b * seqlen_k + n_tile * BLOCK_N,
+                        h_kv * HEAD_DIM,
+                    )
             it += 1
+    if FIRST_TILE_BEFORE_KV:  # noqa: SIM102
+        if it == first:  # an item without tiles: its K/V only
+            mbarrier.wait(kv_empty, kv_empty_phase)
+            _load_kv_tiles(
+                k_desc,
+                v_desc,
+                k_smem,
+                v_smem,
+                kv_bar,
+                b * seqlen_k + n_tile * BLOCK_N,
+                h_kv * HEAD_DIM,
+            )
     return it
+
+
+@gluon.jit
+def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, kv_bar, row, col):
+    """The work item's K and V tiles (rows ``row ...``, columns ``col ...`` of the 2-D views)
+    into their buffers, completing ``kv_bar``."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [row, col], kv_bar, k_smem)
+    tma_load(v_desc, [row, col], kv_bar, v_smem)
 
 
 @gluon.jit
@@ -1151,7 +1194,7 @@ def gluon_bwd_kernel(
                         order_ptr, num_items, entries_ptr, counts_ptr, seqlen_q, seqlen_k,
                         heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
                         num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q,
-                        ORDERED, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+                        ORDERED, BLOCK_M, BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM, EARLY_KV,
                     ),
                 ),
                 (
