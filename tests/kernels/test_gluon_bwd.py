@@ -158,6 +158,7 @@ def _shipped(report: dict) -> bool:
         and report["dkdv_tma"] == _ships_tma_dkdv(report)
         and report["persistent"] == (SHIPS_PERSISTENT and module == "gluon_bwd")
         and not report["timeline"]
+        and not report["early_kv"]
     )
 
 
@@ -375,7 +376,10 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
     memory more (the item ring and the K/V buffers' "empty" barrier), and spills bounded (under
     Triton 3.6, the H200's: none but 56 bytes for plain causal at D = 128, in the consumers'
     loop-carried values)."""
-    persistent = [r for r in sm90_reports if r["persistent"] != SHIPS_PERSISTENT]
+    persistent = [
+        r for r in sm90_reports
+        if r["persistent"] != SHIPS_PERSISTENT and not r["early_kv"] and not r["timeline"]
+    ]  # fmt: skip
     assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in persistent} == {
         (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
     }
@@ -389,6 +393,30 @@ def test_persistent_programs_loop_with_the_same_products(sm90_reports):
         assert looping["shared_kb"] <= 227, looping
         assert looping["warps"] == 12 and looping["UTMALDG"] > 0, looping
         assert looping["spill_bytes"] <= per_item["spill_bytes"] + 128, (looping, per_item)
+
+
+def test_early_kv_release_keeps_the_products_and_shared_memory(sm90_reports):
+    """``gluon_bwd.EARLY_KV_RELEASE`` (persistent only): dK/dV staged in the dQ and dS^T
+    buffers, the producer's next item taken before its loads and the item's first Q/dO tile
+    loaded before its K/V. Against the persistent form without it (full, plain causal, masked
+    causal; D = 64/128): the same products, waits, TMA stores, atomics and shared memory (no
+    buffer is added), at most two barriers more (the wait for the previous item's stores; under
+    3.9 one more) and spills bounded (under 3.6: 8 bytes more for full attention at D = 128)."""
+    early = [r for r in sm90_reports if r["early_kv"]]
+    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in early} == {
+        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, False), (True, True))
+    }
+    for report in early:
+        twin = next(
+            r for r in sm90_reports
+            if r["persistent"] and not r["early_kv"] and not r["timeline"]
+            and _compiled_for(r) == _compiled_for(report)
+        )  # fmt: skip
+        for key in ("HGMMA", "WARPGROUP.DEPBAR", "UTMASTG", "STG", "ATOMG", "shared_kb"):
+            assert report[key] == twin[key], (key, report, twin)
+        assert 0 <= report["BAR"] - twin["BAR"] <= 2, (report, twin)
+        assert report["UTMALDG"] >= twin["UTMALDG"], (report, twin)
+        assert report["spill_bytes"] <= twin["spill_bytes"] + 64, (report, twin)
 
 
 def test_timeline_stamps_add_nine_stores_and_nothing_else(sm90_reports):
@@ -406,7 +434,7 @@ def test_timeline_stamps_add_nine_stores_and_nothing_else(sm90_reports):
     for report in stamped:
         twin = next(
             r for r in sm90_reports
-            if not r["timeline"] and r["persistent"] == report["persistent"]
+            if not r["timeline"] and not r["early_kv"] and r["persistent"] == report["persistent"]
             and r["row_terms_smem"] == report["row_terms_smem"]
             and r["late_dq"] == report["late_dq"] and r["dkdv_tma"] == report["dkdv_tma"]
             and r["dq_before_dk"] == report["dq_before_dk"]
@@ -548,7 +576,8 @@ from flashmask.kernels import gluon_bwd, gluon_bwd256
 errors = {}
 for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE_DQ_HANDOFF", -1),
                             (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3),
-                            (gluon_bwd, "PERSISTENT", 2), (gluon_bwd, "MAX_PROGRAMS", -1)):
+                            (gluon_bwd, "PERSISTENT", 2), (gluon_bwd, "MAX_PROGRAMS", -1),
+                            (gluon_bwd, "EARLY_KV_RELEASE", 2)):
     saved = getattr(module, name)
     setattr(module, name, value)
     try:
@@ -556,6 +585,11 @@ for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE
     except ValueError as error:
         errors[f"{module.__name__.split('.')[-1]}.{name}={value}"] = str(error)
     setattr(module, name, saved)
+gluon_bwd.EARLY_KV_RELEASE, gluon_bwd.DQ_BUFFERS = 1, 1
+try:
+    gluon_bwd.backward(*[None] * 11)
+except ValueError as error:
+    errors["gluon_bwd.EARLY_KV_RELEASE=1,DQ_BUFFERS=1"] = str(error)
 print(json.dumps(errors))
 """
 
@@ -598,7 +632,8 @@ def test_constant_options_set_the_named_module_or_refuse_by_name():
 def test_launcher_refuses_kernel_forms_it_does_not_have():
     """``gluon_bwd.LATE_DQ_HANDOFF`` and ``DKDV_TMA`` (and ``gluon_bwd256.DKDV_TMA``) are 0, 1
     or 2; anything else (such as the nineteenth session's measured and removed slot-release
-    forms 3 and 4) is refused, naming the constant, before a launch."""
+    forms 3 and 4) is refused, naming the constant, before a launch; so is
+    ``EARLY_KV_RELEASE`` but 0 or 1, and 1 with one dQ buffer (it stages dK in the second)."""
     (errors,) = json_lines(["-c", _CONSTANT_CHECKS])
     assert set(errors) == {
         "gluon_bwd.LATE_DQ_HANDOFF=3",
@@ -607,6 +642,8 @@ def test_launcher_refuses_kernel_forms_it_does_not_have():
         "gluon_bwd256.DKDV_TMA=3",
         "gluon_bwd.PERSISTENT=2",
         "gluon_bwd.MAX_PROGRAMS=-1",
+        "gluon_bwd.EARLY_KV_RELEASE=2",
+        "gluon_bwd.EARLY_KV_RELEASE=1,DQ_BUFFERS=1",
     }
     assert all(key.split("=")[0] in message for key, message in errors.items())
 

@@ -200,9 +200,17 @@ PERSISTENT = 0
 MAX_PROGRAMS = 0
 # With PERSISTENT: release an item's K/V buffers as soon as its last products are in, and stage
 # its dK/dV for their TMA stores in the dQ buffer the writer has freed and the dS^T buffers
-# instead of in the K/V buffers, so that the next item's K/V load during this item's drain. The
-# phase stamps (TIMELINE, ``results/bwd_timeline_s30.log``) put an 8K sliding-window item's
-# K/V wait, after the drain, at ~1.2 us of ~29.5 (5% of the SM time). Needs two dQ buffers.
+# instead of in the K/V buffers, so that the next item's K/V load during this item's drain; the
+# producer also loads the next item's first Q/dO tile before its K/V and takes the next item
+# before an item's loads. The phase stamps (TIMELINE, ``results/bwd_timeline_s30.log``) put an
+# 8K sliding-window item's K/V wait, after the drain, at ~1.2 us of ~29.5. Measured on the H200
+# (thirtieth session, ``results/gluon_backward_early_kv*_s30.log``, dK/dV bitwise equal;
+# ``results/gpu_check_gluon_bwd_early_kv_s30.json``: 243/243): the K/V wait went (1.08 ->
+# 0.33 us) and the drain shortened (2.15 -> 1.28), but the gap before the next item grew (0.34
+# -> 0.90), so the time outside an item's loop fell from 4.2 to 3.0 us and the backward only
+# 1.5-2.5% on 8K sliding_window, within the A/B noise elsewhere. Off (it needs PERSISTENT);
+# kept as the base for loading the next item's list and bounds during the drain. Needs two
+# dQ buffers.
 EARLY_KV_RELEASE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
@@ -715,6 +723,14 @@ def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_
     tma.store_wait(0)  # the copies have read the buffers before the program exits
 
 
+@builtin
+def _reinterpret(buffer, dtype, shape, layout, _semantic=None):
+    """``buffer``'s shared memory seen as ``dtype`` ``shape`` in ``layout``: ``_reinterpret`` in
+    Triton 3.6 (the H200's), ``reinterpret`` in later versions (what CI installs)."""
+    method = getattr(buffer, "reinterpret", None) or buffer._reinterpret
+    return method(dtype, shape, layout, _semantic=_semantic)
+
+
 @gluon.jit
 def stage_dk_dv_for_tma(
     dk, dv, dq_bufs, dq_empty, ds_bufs, k_smem, dk_desc, dv_desc, it, row, col, softmax_scale,
@@ -732,8 +748,8 @@ def stage_dk_dv_for_tma(
     kv_layout: gl.constexpr = k_smem.type.layout
     slot = it % num_dq_buffers
     mbarrier.wait(dq_empty.index(slot), ((it // num_dq_buffers) & 1) ^ 1)
-    dk_smem = dq_bufs.index(slot)._reinterpret(dtype, [block_n, head_dim], kv_layout)
-    dv_smem = ds_bufs._reinterpret(dtype, [block_n, head_dim], kv_layout)
+    dk_smem = _reinterpret(dq_bufs.index(slot), dtype, [block_n, head_dim], kv_layout)
+    dv_smem = _reinterpret(ds_bufs, dtype, [block_n, head_dim], kv_layout)
     dk_smem.store((dk * softmax_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
