@@ -5,7 +5,8 @@ An item (128 keys of one kv head) is, as its consumer warpgroups see it: waiting
 tiles (``kv``), then for its first Q/dO tile (``first``), its tile loop (``loop``, from the
 first tile's data to the last tile's products), then the last dQ hand-off and the dK/dV stores
 (``drain``); between two items on one SM, the time no item's consumers run (``gap``: a
-program's exit, the next one's launch and set-up, or the persistent loop's item hand-over);
+program's exit, the next one's launch and set-up, or the persistent loop's item hand-over, of
+which the part until the consumers hold the next item is stamped too);
 before an SM's first and after its last item, ``ramp`` and ``tail``. Each is given as a share
 of the launch's SM time (SMs x the launch's span), and the loop is fitted as ``a + b * tiles``
 over the items, so ``a`` is what a loop costs beyond its tiles (the first tile's products with
@@ -24,7 +25,8 @@ from dataclasses import replace
 import numpy as np
 
 # Columns of a timeline row (gluon_bwd.TIMELINE_FIELDS of them).
-START, KV_READY, FIRST_TILE, LOOP_END, END, SM, TILES, GLOBAL_START, GLOBAL_END = range(9)
+(START, KV_READY, FIRST_TILE, LOOP_END, END, SM, TILES, GLOBAL_START, GLOBAL_END,
+ RECEIVED) = range(10)  # fmt: skip
 PHASES = ("kv", "first", "loop", "drain", "gap", "ramp", "tail")
 
 
@@ -55,21 +57,26 @@ def item_phases(rows: np.ndarray, ghz: float) -> dict[str, np.ndarray]:
     }
 
 
-def sm_gaps(rows: np.ndarray, ghz: float) -> np.ndarray:
+def sm_gaps(rows: np.ndarray, ghz: float) -> tuple[np.ndarray, np.ndarray]:
     """The time between consecutive items on each SM (microseconds; SM clocks, which are
-    comparable within an SM), over all SMs."""
-    gaps = []
+    comparable within an SM), over all SMs, and of it the part until the consumers had the next
+    item (``RECEIVED``, stamped by the persistent form; zeros without it)."""
+    gaps, waits = [], []
     for sm in np.unique(rows[:, SM]):
         on_sm = rows[rows[:, SM] == sm]
         on_sm = on_sm[np.argsort(on_sm[:, START])]
         gaps.append((on_sm[1:, START] - on_sm[:-1, END]) * (1e-3 / ghz))
-    return np.concatenate(gaps) if gaps else np.zeros(0)
+        received = on_sm[:-1, RECEIVED] if rows.shape[1] > RECEIVED else np.zeros(len(on_sm) - 1)
+        waits.append(np.where(received > 0, received - on_sm[:-1, END], 0) * (1e-3 / ghz))
+    if not gaps:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(gaps), np.concatenate(waits)
 
 
 def summarize(rows: np.ndarray, num_sms: int) -> dict:
     """The launch's time split by phase (:data:`PHASES`, shares of ``num_sms`` x its span,
     which sum to 1 up to the clocks' disagreement) and per item (medians, microseconds), with
-    the loop's fit ``a + b * tiles``. ``rows``: the timeline ``[items, 9]`` of one launch."""
+    the loop's fit ``a + b * tiles``. ``rows``: the timeline ``[items, 9 or 10]`` of one launch."""
     rows = np.asarray(rows, dtype=np.int64)
     if rows.ndim != 2 or rows.shape[1] < 9:
         raise ValueError(f"timeline: expected rows of 9 stamps, got shape {rows.shape}")
@@ -77,7 +84,7 @@ def summarize(rows: np.ndarray, num_sms: int) -> dict:
         raise ValueError("timeline: some items were not stamped (did the launch run them all?)")
     ghz = clock_rate_ghz(rows)
     phases = item_phases(rows, ghz)
-    gaps = sm_gaps(rows, ghz)
+    gaps, receive_waits = sm_gaps(rows, ghz)
     begin, finish = rows[:, GLOBAL_START].min(), rows[:, GLOBAL_END].max()
     span_us = (finish - begin) * 1e-3
     ramp = tail = 0.0
@@ -106,6 +113,7 @@ def summarize(rows: np.ndarray, num_sms: int) -> dict:
         "median_us": {
             **{name: float(np.median(values)) for name, values in phases.items()},
             "gap": float(np.median(gaps)) if len(gaps) else 0.0,
+            "gap_until_received": float(np.median(receive_waits)) if len(gaps) else 0.0,
             "per_tile": float(np.median(phases["loop"][busy] / tiles[busy])) if busy.any() else 0.0,
         },
         "tiles_per_item": float(tiles.mean()),
@@ -120,7 +128,8 @@ def _format(label: str, summary: dict, ms: float, stamped_ms: float) -> str:
         f"{label}: {ms:.3f} ms ({stamped_ms:.3f} stamped), span {summary['span_us'] / 1e3:.3f} ms"
         f", {summary['items']} items of {summary['tiles_per_item']:.1f} tiles | {share} | "
         f"median us: kv {med['kv']:.2f} first {med['first']:.2f} loop {med['loop']:.2f} "
-        f"drain {med['drain']:.2f} gap {med['gap']:.2f} per tile {med['per_tile']:.3f} | loop "
+        f"drain {med['drain']:.2f} gap {med['gap']:.2f} (received after "
+        f"{med['gap_until_received']:.2f}) per tile {med['per_tile']:.3f} | loop "
         f"fit {summary['loop_fixed_us']:.2f} + {summary['loop_per_tile_us']:.3f} x tiles us"
     )
 

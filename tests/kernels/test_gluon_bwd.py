@@ -419,9 +419,10 @@ def test_early_kv_release_keeps_the_products_and_shared_memory(sm90_reports):
         assert report["spill_bytes"] <= twin["spill_bytes"] + 64, (report, twin)
 
 
-def test_timeline_stamps_add_nine_stores_and_nothing_else(sm90_reports):
+def test_timeline_stamps_add_their_stores_and_nothing_else(sm90_reports):
     """``gluon_bwd.TIMELINE`` (a diagnostic, ``benchmarks/bwd_timeline.py``): with a tensor to
-    stamp into, each item's consumers store its nine stamps and nothing else changes: the same
+    stamp into, each item's consumers store its nine stamps (ten in the persistent form) and
+    nothing else changes: the same
     products, waits, shared memory and barriers (one more under Triton 3.9, none under 3.6) and
     spills (up to 64 bytes more under 3.9) as the form without them, in
     both the per-item and the persistent form (full and masked causal, D = 128). Without one
@@ -440,7 +441,8 @@ def test_timeline_stamps_add_nine_stores_and_nothing_else(sm90_reports):
             and r["dq_before_dk"] == report["dq_before_dk"]
             and not r["dkdv_fp32"] and _compiled_for(r) == _compiled_for(report)
         )  # fmt: skip
-        assert twin["STG"] == 0 and report["STG"] == 9, (report, twin)
+        # The persistent form also stamps when the consumers have the next item.
+        assert twin["STG"] == 0 and report["STG"] == 9 + report["persistent"], (report, twin)
         for key in ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMASTG", "shared_kb"):
             assert report[key] == twin[key], (key, report, twin)
         # Under Triton 3.6 (the H200's) the same barriers; 3.9 puts one more beside them.
@@ -706,9 +708,9 @@ lse = torch.zeros(b, h, s)
 lists = tiles.TileLists(torch.zeros(b, 1, s // 128, s // 64, dtype=torch.int32),
                         torch.zeros(b, 1, s // 128, dtype=torch.int32), None)
 result = {}
-for name, timeline in (("none", None), ("fits", torch.zeros(16, 9, dtype=torch.int64)),
-                       ("short", torch.zeros(15, 9, dtype=torch.int64)),
-                       ("int32", torch.zeros(16, 9, dtype=torch.int32))):
+for name, timeline in (("none", None), ("fits", torch.zeros(16, 10, dtype=torch.int64)),
+                       ("short", torch.zeros(15, 10, dtype=torch.int64)),
+                       ("int32", torch.zeros(16, 10, dtype=torch.int32))):
     gluon_bwd.TIMELINE = timeline
     seen.clear()
     try:
@@ -724,13 +726,13 @@ print(json.dumps(result))
 def test_launcher_hands_the_timeline_over_or_refuses_it_by_name():
     """``gluon_bwd.TIMELINE``: ``None`` launches without stamps (``timeline_ptr`` ``None``); an
     int64 tensor on the inputs' device with room for every work item's row (2 kv heads x 8 key
-    tiles = 16 items of ``TIMELINE_FIELDS`` = 9 here) is handed to the kernel as it is; a
+    tiles = 16 items of ``TIMELINE_FIELDS`` = 10 here) is handed to the kernel as it is; a
     shorter one or another dtype is refused, naming the constant and what it needs."""
     (result,) = json_lines(["-c", _TIMELINE_LAUNCHES])
     assert result["none"] == "none" and result["fits"] == "same"
     for name in ("short", "int32"):
         assert "gluon_bwd.TIMELINE must be an int64 tensor" in result[name], result
-        assert "16 x 9" in result[name], result
+        assert "16 x 10" in result[name], result
 
 
 def _timeline_module():
@@ -742,12 +744,16 @@ def _timeline_module():
     return module
 
 
-def _stamped_item(sm: int, start_ns: int, phases_ns: tuple[int, int, int, int], tiles: int):
+def _stamped_item(
+    sm: int, start_ns: int, phases_ns: tuple[int, int, int, int], tiles: int, received_ns: int = 0
+):
     """A timeline row of an item on ``sm`` starting at ``start_ns`` with its kv, first-tile,
-    loop and drain phases, on a 2 GHz clock (and the global timer in nanoseconds)."""
+    loop and drain phases, on a 2 GHz clock (and the global timer in nanoseconds); the next
+    item received ``received_ns`` after its end (0: not stamped)."""
     kv, first, loop, drain = phases_ns
     marks = np.cumsum([start_ns, kv, first, loop, drain])
-    return [*(2 * marks), sm, tiles, marks[0], marks[-1]]
+    received = 2 * (marks[-1] + received_ns) if received_ns else 0
+    return [*(2 * marks), sm, tiles, marks[0], marks[-1], received]
 
 
 def test_timeline_summary_splits_the_sm_time_into_its_phases():
@@ -776,6 +782,10 @@ def test_timeline_summary_splits_the_sm_time_into_its_phases():
     assert summary["loop_per_tile_us"] == pytest.approx(1.0)
     assert summary["median_us"]["per_tile"] == pytest.approx(1.0)
     assert summary["median_us"]["gap"] == pytest.approx(1.0)
+    assert summary["median_us"]["gap_until_received"] == 0.0  # not stamped
+    rows[0] = _stamped_item(0, 0, (1000, 500, 10_000, 1000), 10, received_ns=400)
+    received = timeline.summarize(rows, num_sms=2)["median_us"]["gap_until_received"]
+    assert received == pytest.approx(0.4)  # of the 1 us before SM 0's second item
     with_idle = timeline.summarize(rows, num_sms=3)
     assert sum(with_idle["share"].values()) == pytest.approx(1.0)
     assert with_idle["share"]["ramp"] * 63 == pytest.approx(0.5 + 10.5)
@@ -785,6 +795,6 @@ def test_timeline_summary_refuses_rows_an_item_left_unstamped():
     """An item whose end was never stamped (a launch that did not run it, or the wrong rows)
     is an error naming the timeline, not a silently short split."""
     timeline = _timeline_module()
-    rows = np.array([_stamped_item(0, 0, (1000, 500, 1000, 1000), 1), [0] * 9])
+    rows = np.array([_stamped_item(0, 0, (1000, 500, 1000, 1000), 1), [0] * 10])
     with pytest.raises(ValueError, match="timeline"):
         timeline.summarize(rows, num_sms=1)

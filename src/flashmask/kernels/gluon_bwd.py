@@ -218,8 +218,9 @@ EARLY_KV_RELEASE = 0
 TIMELINE: torch.Tensor | None = None
 # Per item: SM clock (``%clock64``) at the item's start, once its K/V are in, once its first
 # Q/dO tile is in, after its last tile's products, after its dK/dV stores; the SM's index; the
-# item's tile count; the global nanosecond timer (``%globaltimer``) at its start and its end.
-TIMELINE_FIELDS = 9
+# item's tile count; the global nanosecond timer (``%globaltimer``) at its start and its end;
+# with PERSISTENT, the SM clock once the consumers have the program's next item (0 without).
+TIMELINE_FIELDS = 10
 _TIMELINE_FIELDS = gl.constexpr(TIMELINE_FIELDS)
 
 
@@ -865,6 +866,8 @@ def _bwd_compute_partition_persistent(
             DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True, EARLY_KV,
         )  # fmt: skip
         w = receive_item(items, item_ready, item_empty, t)
+        if record is not None:
+            _stamp(record, 9, _clock())
         t += 1
     if EARLY_KV and DKDV_TMA:
         tma.store_wait(0)  # the last item's dK/dV stores have read their buffers
