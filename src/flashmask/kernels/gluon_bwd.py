@@ -367,11 +367,12 @@ def _bwd_load_partition_persistent(
     while w < num_items:
         n_tile, h_kv, b = work_item(w, order_ptr, num_n_tiles, num_kv_heads, ORDERED)
         if EARLY_KV:
-            # The next item first: with the K/V buffers released before the drain, the
-            # consumers reach the item's end sooner than the atomic's round trip after its
-            # last load (measured: their wait for it grew from 0.35 to 1 us). The producer
-            # then waits for the atomic before this item's first load, which waits for a slot
-            # the previous item frees a tile before its end.
+            # The next item first, published before this item's loads (the consumers, done
+            # sooner with the K/V buffers released before the drain, had begun to wait ~1 us
+            # before their next item; the later split, NOTES thirtieth session section 4,
+            # showed that wait is not for this publication, which this order rules out). The
+            # producer waits for the atomic before this item's first load, which waits for a
+            # slot the previous item frees a tile before its end anyway.
             nxt = w + programs
             if dynamic:
                 nxt = gl.atomic_add(next_item_ptr, 1, sem="relaxed") + programs
