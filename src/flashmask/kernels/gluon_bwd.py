@@ -209,8 +209,10 @@ MAX_PROGRAMS = 0
 # 0.33 us) and the drain shortened (2.15 -> 1.28), but the gap before the next item grew (0.34
 # -> 0.90), so the time outside an item's loop fell from 4.2 to 3.0 us and the backward only
 # 1.5-2.5% on 8K sliding_window, within the A/B noise elsewhere. Off (it needs PERSISTENT);
-# kept as the base for loading the next item's list and bounds during the drain. Needs two
-# dQ buffers.
+# kept as the base for loading the next item's list and bounds during the drain. 2: the same,
+# with the dQ writer warps issuing the dK/dV stores (the consumers' wait before their next item
+# was in the barrier behind the warp that issued them, ``results/bwd_timeline_received_s30.log``);
+# built and compile-tested, not yet run on the H200. Both need two dQ buffers.
 EARLY_KV_RELEASE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
