@@ -248,23 +248,25 @@ def _as_row(x):
     return _stamp_operand().to(gl.int64) + x.to(gl.int64)
 
 
-# The reads are not pure, so that each stays where it is written.
+@gluon.jit
+def _special_register_u64(ASM: gl.constexpr):
+    """A 64-bit special register read by the inline PTX ``ASM`` (a ``mov``), ``[1]`` int64;
+    not pure, so that each read stays where it is written."""
+    return gl.inline_asm_elementwise(
+        ASM, "=l,r", [_stamp_operand()], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
 @gluon.jit
 def _clock():
     """The SM's cycle counter (``%clock64``; comparable within one SM only), ``[1]`` int64."""
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %clock64;", "=l,r", [_stamp_operand()], dtype=gl.int64, is_pure=False,
-        pack=1,
-    )  # fmt: skip
+    return _special_register_u64("mov.u64 $0, %clock64;")
 
 
 @gluon.jit
 def _global_time():
     """The GPU's nanosecond timer (``%globaltimer``; comparable across SMs), ``[1]`` int64."""
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l,r", [_stamp_operand()], dtype=gl.int64, is_pure=False,
-        pack=1,
-    )  # fmt: skip
+    return _special_register_u64("mov.u64 $0, %globaltimer;")
 
 
 @gluon.jit
@@ -423,6 +425,8 @@ def _bwd_load_item(
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     if not FIRST_TILE_BEFORE_KV:
+        # :func:`_load_kv_tiles`'s work, written out: calling it computes the row before the
+        # expect, which reorders the shipped kernel's SASS (checked on the H200 as it is).
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         kv_row = b * seqlen_k + n_tile * BLOCK_N
         tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
