@@ -54,7 +54,7 @@ def compile_only(
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
     dkdv_tma: bool | None = None, persistent: bool | None = None, timeline: bool = False,
-    early_kv: int | None = None,
+    early_kv: bool | None = None,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -80,8 +80,8 @@ def compile_only(
         persistent = bool(gluon_bwd.PERSISTENT)
     persistent = persistent and module is gluon_bwd
     if early_kv is None:
-        early_kv = gluon_bwd.EARLY_KV_RELEASE
-    early_kv = int(early_kv) if persistent else 0
+        early_kv = bool(gluon_bwd.EARLY_KV_RELEASE)
+    early_kv = early_kv and persistent
     dkdv_tma = dkdv_tma and not dkdv_fp32
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
@@ -378,12 +378,10 @@ def main() -> None:
                 report = compile_only(d, causal, has_mask, persistent=not gluon_bwd.PERSISTENT)
                 print(json.dumps(report), flush=True)
         # Persistent with the K/V buffers released before the drain (EARLY_KV_RELEASE)
-        # (1: the consumers issue the dK/dV stores; 2: the dQ writer warps do)
         for d in (64, 128):
             for causal, has_mask in ((False, False), (True, False), (True, True)):
-                for form in (1, 2):
-                    report = compile_only(d, causal, has_mask, persistent=True, early_kv=form)
-                    print(json.dumps(report), flush=True)
+                report = compile_only(d, causal, has_mask, persistent=True, early_kv=True)
+                print(json.dumps(report), flush=True)
         # With gluon_bwd.TIMELINE's stamps (a diagnostic, bwd_timeline.py), both forms
         for persistent in (False, True):
             for causal, has_mask in ((False, False), (True, True)):

@@ -208,11 +208,12 @@ MAX_PROGRAMS = 0
 # ``results/gpu_check_gluon_bwd_early_kv_s30.json``: 243/243): the K/V wait went (1.08 ->
 # 0.33 us) and the drain shortened (2.15 -> 1.28), but the gap before the next item grew (0.34
 # -> 0.90), so the time outside an item's loop fell from 4.2 to 3.0 us and the backward only
-# 1.5-2.5% on 8K sliding_window, within the A/B noise elsewhere. Off (it needs PERSISTENT);
-# kept as the base for loading the next item's list and bounds during the drain. 2: the same,
-# with the dQ writer warps issuing the dK/dV stores (the consumers' wait before their next item
-# was in the barrier behind the warp that issued them, ``results/bwd_timeline_received_s30.log``);
-# built and compile-tested, not yet run on the H200. Both need two dQ buffers.
+# 1.5-2.5% on 8K sliding_window, within the A/B noise elsewhere. Off (it needs PERSISTENT).
+# Needs two dQ buffers. A second form, the dQ writer warps issuing the staged dK/dV stores,
+# took the gap back to 0.35 us but moved the time into the next K/V wait (1.8-2.0 us): from an
+# item's last products to its successor's K/V in stays ~2.6 us whoever issues the stores, and
+# 32K document lost 16-19% in two runs (thirty-first session,
+# ``results/{gluon_backward,bwd_timeline}_early_kv2_s31.log``): removed, last in commit b78e2d4.
 EARLY_KV_RELEASE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
@@ -523,19 +524,14 @@ def _bwd_dq_writer_partition_persistent(
     dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr, num_items,
     entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q, num_heads_q, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
-    stride_dqh, ds_bufs, k_smem, dk_desc, dv_desc, dkdv_full, dkdv_empty, seqlen_k,
+    stride_dqh,
     ORDERED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
-    EARLY_KV: gl.constexpr,
-    DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps of a persistent program: :func:`_bwd_dq_writer_item` for each of its
-    work items (its own first, each next one from the producer's item ring); with
-    ``EARLY_KV_RELEASE = 2`` also each item's dK/dV TMA stores, once the consumers have staged
-    them (``dkdv_full``), handing the buffers back when the stores have read them
-    (``dkdv_empty``)."""
+    work items (its own first, each next one from the producer's item ring)."""
     num_kv_heads = num_heads_q // heads_per_kv
     w = gl.program_id(0)
     t = 0
@@ -548,15 +544,6 @@ def _bwd_dq_writer_partition_persistent(
             num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
             DQ_TMA,
         )  # fmt: skip
-        if EARLY_KV == 2 and DKDV_TMA:
-            block_n: gl.constexpr = k_smem.type.shape[0]
-            mbarrier.wait(dkdv_full, t & 1)
-            dk_smem, dv_smem = dk_dv_staging(dq_bufs, ds_bufs, k_smem, it)
-            row = b * seqlen_k + n_tile * block_n
-            tma_store(dk_desc, [row, h_kv * HEAD_DIM], dk_smem)
-            tma_store(dv_desc, [row, h_kv * HEAD_DIM], dv_smem)
-            tma.store_wait(0)  # read: the consumers may write the buffers again
-            mbarrier.arrive(dkdv_empty, count=1)
         w = receive_item(items, item_ready, item_empty, t)
         t += 1
 
@@ -756,46 +743,28 @@ def _reinterpret(buffer, dtype, shape, layout, _semantic=None):
 @gluon.jit
 def stage_dk_dv_for_tma(
     dk, dv, dq_bufs, dq_empty, ds_bufs, k_smem, dk_desc, dv_desc, it, row, col, softmax_scale,
-    dkdv_full,
-    ISSUE: gl.constexpr,
 ):  # fmt: skip
     """``EARLY_KV_RELEASE``'s :func:`store_dk_dv_tma`: the consumers' scaled ``dk`` and ``dv``
     staged, in the layout of K's tile ``k_smem``, in the dQ ring's buffer of step ``it`` (the next
     item's first: not the one holding this item's last dQ, and once the writer has read what it
     held, as that step's :func:`stage_dq` waits) and in the two dS^T buffers (free: every dQ
-    product of the item is in), then, with ``ISSUE``, one TMA store each to ``[row, col]``, not
-    awaited here (the next item waits for the copies to read the buffers before its first tile
-    writes them); without, handed to the writer warps (``dkdv_full``), which issue them."""
+    product of the item is in), then one TMA store each to ``[row, col]``. Not awaited here: the
+    next item waits for the copies to read the buffers before its first tile writes them."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
+    block_n: gl.constexpr = dk.type.shape[0]
+    head_dim: gl.constexpr = dk.type.shape[1]
     dtype: gl.constexpr = ds_bufs.dtype
+    kv_layout: gl.constexpr = k_smem.type.layout
     slot = it % num_dq_buffers
     mbarrier.wait(dq_empty.index(slot), ((it // num_dq_buffers) & 1) ^ 1)
-    dk_smem, dv_smem = dk_dv_staging(dq_bufs, ds_bufs, k_smem, it)
+    dk_smem = _reinterpret(dq_bufs.index(slot), dtype, [block_n, head_dim], kv_layout)
+    dv_smem = _reinterpret(ds_bufs, dtype, [block_n, head_dim], kv_layout)
     dk_smem.store((dk * softmax_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
-    if ISSUE:
-        _partition_barrier()  # every thread's rows are in place before the copies read them
-        tma_store(dk_desc, [row, col], dk_smem)
-        tma_store(dv_desc, [row, col], dv_smem)
-    else:
-        # To the writer warps, which issue the copies (lowered as a barrier of the consumer
-        # warps, then one arrive: every thread's rows are in place).
-        mbarrier.arrive(dkdv_full, count=1)
-
-
-@gluon.jit
-def dk_dv_staging(dq_bufs, ds_bufs, k_smem, it):
-    """``(dk_smem, dv_smem)``: where ``EARLY_KV_RELEASE`` stages an item's dK/dV, K's tile shape
-    and layout over the dQ ring's buffer of step ``it`` (the next item's first) and over the
-    two dS^T buffers."""
-    num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
-    dtype: gl.constexpr = ds_bufs.dtype
-    kv_layout: gl.constexpr = k_smem.type.layout
-    shape: gl.constexpr = k_smem.type.shape
-    dk_smem = _reinterpret(dq_bufs.index(it % num_dq_buffers), dtype, shape, kv_layout)
-    dv_smem = _reinterpret(ds_bufs, dtype, shape, kv_layout)
-    return dk_smem, dv_smem
+    _partition_barrier()  # every thread's rows are in place before the copies read them
+    tma_store(dk_desc, [row, col], dk_smem)
+    tma_store(dv_desc, [row, col], dv_smem)
 
 
 @gluon.jit
@@ -854,8 +823,8 @@ def _bwd_compute_partition(
         dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
         heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
         stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-        0, 0, kv_bar, record, kv_bar, kv_bar, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N,
-        HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False, 0,
+        0, 0, kv_bar, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA,
+        ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, False, False,
     )  # fmt: skip
 
 
@@ -866,7 +835,7 @@ def _bwd_compute_partition_persistent(
     bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
     num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
     stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-    timeline_ptr, dkdv_full, dkdv_empty,
+    timeline_ptr,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -901,15 +870,14 @@ def _bwd_compute_partition_persistent(
             dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
             heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks,
             stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
-            it, t & 1, kv_empty, record, dkdv_full, dkdv_empty, CAUSAL, HAS_MASK, HAS_UPPER,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK,
-            DKDV_TMA, True, EARLY_KV,
+            it, t & 1, kv_empty, record, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+            DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, True, EARLY_KV,
         )  # fmt: skip
         w = receive_item(items, item_ready, item_empty, t)
         if record is not None:
             _stamp(record, 9, _clock())
         t += 1
-    if EARLY_KV == 1 and DKDV_TMA:
+    if EARLY_KV and DKDV_TMA:
         tma.store_wait(0)  # the last item's dK/dV stores have read their buffers
 
 
@@ -919,8 +887,7 @@ def _bwd_compute_item(
     entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc,
     b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh,
-    qk_scale, softmax_scale, lse_bufs, delta_bufs, it, kv_phase, kv_empty, record, dkdv_full,
-    dkdv_empty,
+    qk_scale, softmax_scale, lse_bufs, delta_bufs, it, kv_phase, kv_empty, record,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -975,14 +942,11 @@ def _bwd_compute_item(
         _stamp(record, 0, _clock())
         _stamp(record, 7, _global_time())
     mbarrier.wait(kv_bar, kv_phase)
-    if EARLY_KV == 1 and DKDV_TMA:
+    if EARLY_KV and DKDV_TMA:
         # The previous item's dK/dV stores have read the dQ and dS^T buffers they were staged
         # in (long since: the K/V load took longer) before this item's first tile writes them.
         tma.store_wait(0)
         _partition_barrier()
-    elif EARLY_KV == 2 and DKDV_TMA:
-        # The same, with the writer warps' copies (the first item's wait passes at once).
-        mbarrier.wait(dkdv_empty, kv_phase ^ 1)
     if record is not None:
         _stamp(record, 1, _clock())
     it = gl.to_tensor(it)  # a loop-carried value, also where the caller passes a literal
@@ -1089,8 +1053,7 @@ def _bwd_compute_item(
         if DKDV_TMA:
             stage_dk_dv_for_tma(
                 dk, dv, dq_bufs, dq_empty, ds_bufs, k_smem, dk_desc, dv_desc, it,
-                b * seqlen_k + n_tile * BLOCK_N, h_kv * HEAD_DIM, softmax_scale, dkdv_full,
-                EARLY_KV == 1,
+                b * seqlen_k + n_tile * BLOCK_N, h_kv * HEAD_DIM, softmax_scale,
             )  # fmt: skip
         else:
             store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
@@ -1237,15 +1200,6 @@ def gluon_bwd_kernel(
         # The K/V buffers free for the next item's (consumers: read, and dK/dV stored).
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=1)
-        # EARLY_KV_RELEASE = 2: an item's dK/dV staged for the writer warps' TMA stores, and
-        # their buffers read by them.
-        dkdv_full = kv_empty  # (not used by the other forms)
-        dkdv_empty = kv_empty
-        if EARLY_KV == 2:
-            dkdv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            dkdv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(dkdv_full, count=1)
-            mbarrier.init(dkdv_empty, count=1)
         # The producer's next work items for the consumers and the dQ writer: two slots, each
         # read by both.
         items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1265,10 +1219,9 @@ def gluon_bwd_kernel(
                         delta_ptr, dk_ptr, dv_ptr, dk_desc, dv_desc, seqlen_q, seqlen_k,
                         num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
                         num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale,
-                        softmax_scale, lse_bufs, delta_bufs, timeline_ptr, dkdv_full,
-                        dkdv_empty, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV, LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, ORDERED,
-                        EARLY_KV,
+                        softmax_scale, lse_bufs, delta_bufs, timeline_ptr, CAUSAL, HAS_MASK,
+                        HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, ADD_DKDV,
+                        LATE_DQ, DQ_BEFORE_DK, DKDV_TMA, ORDERED, EARLY_KV,
                     ),
                 ),
                 (
@@ -1288,9 +1241,8 @@ def gluon_bwd_kernel(
                         dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr,
                         num_items, entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q,
                         num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, ds_bufs,
-                        k_smem, dk_desc, dv_desc, dkdv_full, dkdv_empty, seqlen_k, ORDERED,
-                        BLOCK_M, HEAD_DIM, DQ_TMA, EARLY_KV, DKDV_TMA,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, ORDERED,
+                        BLOCK_M, HEAD_DIM, DQ_TMA,
                     ),
                 ),
             ],
@@ -1386,8 +1338,8 @@ def backward(
     require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
     if PERSISTENT not in (0, 1):
         raise ValueError(f"gluon_bwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
-    if EARLY_KV_RELEASE not in (0, 1, 2):
-        raise ValueError(f"gluon_bwd.EARLY_KV_RELEASE must be 0, 1 or 2, got {EARLY_KV_RELEASE}")
+    if EARLY_KV_RELEASE not in (0, 1):
+        raise ValueError(f"gluon_bwd.EARLY_KV_RELEASE must be 0 or 1, got {EARLY_KV_RELEASE}")
     if EARLY_KV_RELEASE and DQ_BUFFERS != 2:
         raise ValueError(
             f"gluon_bwd.EARLY_KV_RELEASE stages dK in the dQ buffer the next tile takes: it "
@@ -1401,7 +1353,7 @@ def backward(
         order=order, split_queries=True, dq_accumulator=dq_accumulator,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
-        PERSISTENT=bool(PERSISTENT), EARLY_KV=EARLY_KV_RELEASE if PERSISTENT else 0,
+        PERSISTENT=bool(PERSISTENT), EARLY_KV=bool(PERSISTENT and EARLY_KV_RELEASE),
     )  # fmt: skip
 
 
