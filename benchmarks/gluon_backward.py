@@ -54,7 +54,7 @@ def compile_only(
     dq_tma: bool | None = None, row_terms_smem: int | None = None, dkdv_fp32: bool = False,
     add_dkdv: bool = False, late_dq: int | None = None, dq_before_dk: bool | None = None,
     dkdv_tma: bool | None = None, persistent: bool | None = None, timeline: bool = False,
-    early_kv: bool | None = None,
+    early_kv: bool | None = None, first_store: int = 0,
 ) -> dict:  # fmt: skip
     """Compile for sm_90 without a GPU (``dq_tma``, ``row_terms_smem``: the module's ``DQ_TMA``
     and ``ROW_TERMS_SMEM`` unless given; ``dkdv_fp32``: dK/dV stored as fp32, a query chunk's
@@ -64,7 +64,8 @@ def compile_only(
     ``dkdv_by_tma`` unless given, never with fp32 dK/dV, as the launcher takes it;
     ``persistent``: ``gluon_bwd.PERSISTENT`` unless given, D = 64/128; ``timeline``: with
     ``gluon_bwd.TIMELINE``'s stamps, D = 64/128; ``early_kv``: ``gluon_bwd.EARLY_KV_RELEASE``
-    unless given, persistent only); registers, spills, shared memory and key instructions."""
+    unless given, persistent only; ``first_store``: ``gluon_bwd.DQ_FIRST_STORE``'s form, D =
+    64/128); registers, spills, shared memory and key instructions."""
     module = kernels.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
@@ -108,6 +109,7 @@ def compile_only(
         "num_n_tiles": "i32", "qk_scale": "fp32", "softmax_scale": "fp32",
         **({"num_items": "i32", "next_item_ptr": "*i32"} if module is gluon_bwd else {}),
         **({"timeline_ptr": "*i64"} if module is gluon_bwd and timeline else {}),
+        **({"dq_flags": "*i32"} if module is gluon_bwd and first_store else {}),
     }  # fmt: skip
     values = {"CAUSAL": causal, "HAS_MASK": has_mask, "HAS_UPPER": not causal,
               "BLOCK_M": rows_q, "BLOCK_N": rows_k, "HEAD_DIM": head_dim,
@@ -117,10 +119,12 @@ def compile_only(
               **({} if dq_tma else {"dq_desc": None}),
               **({} if dkdv_tma else {"dk_desc": None, "dv_desc": None}),
               **({"timeline_ptr": None} if module is gluon_bwd and not timeline else {}),
+              **({"dq_flags": None} if module is gluon_bwd and not first_store else {}),
               "ROW_TERMS_SMEM": row_terms_smem, "ORDERED": True,
               "DKDV_TMA": dkdv_tma,
               **({"ADD_DKDV": add_dkdv, "LATE_DQ": late_dq, "DQ_BEFORE_DK": dq_before_dk,
-                  "PERSISTENT": persistent, "EARLY_KV": early_kv}
+                  "PERSISTENT": persistent, "EARLY_KV": early_kv,
+                  "FIRST_STORE": first_store}
                  if module is gluon_bwd else {})}  # fmt: skip
     compiled = compile_gluon_sm90(
         _kernel(module), signature, values,
@@ -141,6 +145,7 @@ def compile_only(
         "persistent": persistent,
         "timeline": timeline and module is gluon_bwd,
         "early_kv": early_kv,
+        "first_store": first_store if module is gluon_bwd else 0,
         **warp_specialized_report(compiled, OPCODES),
     }
 
@@ -180,6 +185,7 @@ VARIANT_CONSTANTS = (
     "PERSISTENT",
     "MAX_PROGRAMS",
     "EARLY_KV_RELEASE",
+    "DQ_FIRST_STORE",
 )
 
 
@@ -382,6 +388,12 @@ def main() -> None:
             for causal, has_mask in ((False, False), (True, False), (True, True)):
                 report = compile_only(d, causal, has_mask, persistent=True, early_kv=True)
                 print(json.dumps(report), flush=True)
+        # dQ tiles stored by their first writer, claimed through flags (DQ_FIRST_STORE)
+        for d in (64, 128):
+            for causal, has_mask in ((False, False), (True, True)):
+                for form in (1, 2):
+                    report = compile_only(d, causal, has_mask, first_store=form)
+                    print(json.dumps(report), flush=True)
         # With gluon_bwd.TIMELINE's stamps (a diagnostic, bwd_timeline.py), both forms
         for persistent in (False, True):
             for causal, has_mask in ((False, False), (True, True)):

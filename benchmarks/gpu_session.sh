@@ -20,6 +20,12 @@
 #                 released before the drain (gluon_bwd.EARLY_KV_RELEASE) against the persistent
 #                 form and the shipped one; then bwd_timeline.py of both persistent forms; its
 #                 check: GLUON_BWD=PERSISTENT=1,MAX_PROGRAMS=3,EARLY_KV_RELEASE=1 check-gluon-bwd
+#   dq-first-store gluon_backward.py at 8K and 32K: gluon_bwd.DQ_FIRST_STORE (dQ tiles stored by
+#                 their first writer, no zeroed accumulator) against the shipped backward, then
+#                 dq_first_store_stress.py (20 calls per case against the shipped dQ); its
+#                 check: GLUON_BWD=DQ_FIRST_STORE=1 check-gluon-bwd; dq-first-store-repeat the
+#                 A/B again with a copy of the shipped form as a variant (the run's noise) and
+#                 form 2 (the claim before the hand-over), then form 2's stress run
 #   cached-launch cached_launch.py: kernels.launch's cached launches against Triton's launch path
 #                 (bitwise results, host time per call) at 8K, hd128 with 16 and 4 key/value
 #                 heads on five masks, then hd64 and hd256 on two
@@ -301,6 +307,23 @@ for step in "$@"; do
             --masks sliding_window,share_question,causal_document --variant PERSISTENT=1 \
             --variant PERSISTENT=1,EARLY_KV_RELEASE=1 --rep-ms 50 \
             --out "$OUT/bwd_timeline_early_kv.json"
+        ;;
+    dq-first-store)
+        # gluon_bwd.DQ_FIRST_STORE (no zeroed dQ accumulator: each tile's first writer stores it)
+        # against the shipped backward, then repeated calls checked for lost updates.
+        run_step gluon_backward_first_store python benchmarks/gluon_backward.py \
+            --seqlens 8192,32768 --variant DQ_FIRST_STORE=1
+        run_step dq_first_store_stress python benchmarks/dq_first_store_stress.py \
+            --seqlens 8192,32768 --repeats 20
+        ;;
+    dq-first-store-repeat)
+        # The same A/B again with a copy of the shipped form (DQ_FIRST_STORE=0) as a third
+        # variant: the run's own noise.
+        run_step gluon_backward_first_store_b python benchmarks/gluon_backward.py \
+            --seqlens 8192,32768 --variant DQ_FIRST_STORE=1 --variant DQ_FIRST_STORE=0 \
+            --variant DQ_FIRST_STORE=2
+        run_step dq_first_store_stress_2 python benchmarks/dq_first_store_stress.py \
+            --seqlens 8192,32768 --repeats 20 --form 2
         ;;
     cached-launch)
         run_step cached_launch python benchmarks/cached_launch.py --head-dims 128 --kv-heads 16,4

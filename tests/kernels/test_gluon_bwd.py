@@ -159,6 +159,7 @@ def _shipped(report: dict) -> bool:
         and report["persistent"] == (SHIPS_PERSISTENT and module == "gluon_bwd")
         and not report["timeline"]
         and not report["early_kv"]
+        and not report["first_store"]
     )
 
 
@@ -239,7 +240,9 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
         seen.update(order=order, dq_accumulator=dq_accumulator)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
+    fake = types.SimpleNamespace(
+        backward=fake_backward, one_launch=lambda *args: True, first_store_dq=lambda: False
+    )
     monkeypatch.setitem(sys.modules, f"flashmask.kernels.{module}", fake)
     monkeypatch.setattr(kernels, module, fake, raising=False)
     monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
@@ -268,6 +271,36 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     sri = masks.causal_document([64, 128, 192], seqlen=384).startend_row_indices
     kernels.backward(dout, dlse, q, k, k, out, lse, sri, True, 0.125, False, config=cfg)
     assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 2, False))
+
+
+@pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
+def test_launcher_hands_first_store_backward_zeroed_flags_instead_of_zeros(monkeypatch):
+    """With ``gluon_bwd.DQ_FIRST_STORE`` (the module says so through ``first_store_dq``) the
+    delta kernel zeros one int32 flag per 64-row dQ tile of each query head instead of the fp32
+    accumulator, and the backward gets both; delta is the same."""
+    seen = {}
+
+    def fake_backward(*args, order=None, dq_accumulator=None, dq_flags=None):
+        seen.update(delta=args[5], dq_accumulator=dq_accumulator, dq_flags=dq_flags)
+        q, k, v = args[1:4]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    fake = types.SimpleNamespace(
+        backward=fake_backward, one_launch=lambda *args: True, first_store_dq=lambda: True
+    )
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_bwd", fake)
+    monkeypatch.setattr(kernels, "gluon_bwd", fake, raising=False)
+    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
+    cfg = replace(kernels.tile_config(128), bwd_gluon=True)
+    gen = torch.Generator().manual_seed(1)
+    q, k, out, dout = (torch.randn(2, 200, 3, 128, generator=gen).half() for _ in range(4))
+    lse = torch.randn(2, 3, 200, generator=gen)
+    kernels.backward(dout, None, q, k, k, out, lse, None, True, 0.125, False, config=cfg)
+    flags, accumulator = seen["dq_flags"], seen["dq_accumulator"]
+    assert flags.dtype == torch.int32 and flags.shape == (2, 3, 4)  # 200 rows: 4 tiles of 64
+    assert flags.is_contiguous() and not flags.any()
+    assert accumulator.dtype == torch.float32 and accumulator.shape == q.shape
+    torch.testing.assert_close(seen["delta"], kernels.backward_delta(out, dout, None))
 
 
 def test_row_terms_staged_by_the_producer_replace_the_consumers_global_loads(sm90_reports):
@@ -353,7 +386,10 @@ def test_dk_dv_leave_through_shared_memory_and_two_tma_stores(sm90_reports):
     by_form = {
         (form(r), r["dkdv_tma"]): r
         for r in sm90_reports
-        if r["head_dim"] != 256 and r["persistent"] == SHIPS_PERSISTENT and not r["timeline"]
+        if r["head_dim"] != 256
+        and r["persistent"] == SHIPS_PERSISTENT
+        and not r["timeline"]
+        and not r["first_store"]
     }
     pairs = [
         (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
@@ -419,6 +455,31 @@ def test_early_kv_release_keeps_the_products_and_shared_memory(sm90_reports):
         assert report["spill_bytes"] <= twin["spill_bytes"] + 64, (report, twin)
 
 
+def test_first_store_dq_writes_add_a_claim_and_a_store_and_nothing_else(sm90_reports):
+    """``gluon_bwd.DQ_FIRST_STORE`` (D = 64/128, one program per item): each dQ tile's writer
+    claims it (compare-and-swap; form 2 before the tile is handed over), the first stores it
+    and publishes it (exchange), the others wait for that (an acquiring load) and add; against
+    the shipped form: the same products,
+    registers and spills, TMA loads unchanged, the plain TMA store and the three atomics added,
+    shared memory within 32 bytes (the claim's broadcast)."""
+    claiming = [r for r in sm90_reports if r["first_store"]]
+    assert {(r["head_dim"], r["causal"], r["has_mask"], r["first_store"]) for r in claiming} == {
+        (d, c, m, form)
+        for d in (64, 128)
+        for c, m in ((False, False), (True, True))
+        for form in (1, 2)
+    }
+    for report in claiming:
+        twin = next(
+            r for r in sm90_reports if _shipped(r) and _compiled_for(r) == _compiled_for(report)
+        )
+        for key in ("HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "registers", "spill_bytes"):
+            assert report[key] == twin[key], (key, report, twin)
+        assert report["ATOMG"] == twin["ATOMG"] + 2, (report, twin)  # the CAS and the exchange
+        assert report["UTMASTG"] > twin["UTMASTG"], (report, twin)
+        assert 0 <= report["shared_kb"] - twin["shared_kb"] <= 32 / 1024, (report, twin)
+
+
 def test_timeline_stamps_add_their_stores_and_nothing_else(sm90_reports):
     """``gluon_bwd.TIMELINE`` (a diagnostic, ``benchmarks/bwd_timeline.py``): with a tensor to
     stamp into, each item's consumers store its nine stamps (ten in the persistent form) and
@@ -435,7 +496,8 @@ def test_timeline_stamps_add_their_stores_and_nothing_else(sm90_reports):
     for report in stamped:
         twin = next(
             r for r in sm90_reports
-            if not r["timeline"] and not r["early_kv"] and r["persistent"] == report["persistent"]
+            if not r["timeline"] and not r["early_kv"] and not r["first_store"]
+            and r["persistent"] == report["persistent"]
             and r["row_terms_smem"] == report["row_terms_smem"]
             and r["late_dq"] == report["late_dq"] and r["dkdv_tma"] == report["dkdv_tma"]
             and r["dq_before_dk"] == report["dq_before_dk"]
@@ -573,13 +635,13 @@ def test_chunks_can_add_dk_dv_into_one_fp32_accumulator_in_the_kernel(sm90_repor
 # Runs in a process of its own (gluon_bwd imports Gluon): the launcher's checks of its module
 # constants, before anything is launched.
 _CONSTANT_CHECKS = """
-import json
+import json, torch
 from flashmask.kernels import gluon_bwd, gluon_bwd256
 errors = {}
 for module, name, value in ((gluon_bwd, "LATE_DQ_HANDOFF", 3), (gluon_bwd, "LATE_DQ_HANDOFF", -1),
                             (gluon_bwd, "DKDV_TMA", 3), (gluon_bwd256, "DKDV_TMA", 3),
                             (gluon_bwd, "PERSISTENT", 2), (gluon_bwd, "MAX_PROGRAMS", -1),
-                            (gluon_bwd, "EARLY_KV_RELEASE", 2)):
+                            (gluon_bwd, "EARLY_KV_RELEASE", 2), (gluon_bwd, "DQ_FIRST_STORE", 3)):
     saved = getattr(module, name)
     setattr(module, name, value)
     try:
@@ -592,6 +654,11 @@ try:
     gluon_bwd.backward(*[None] * 11)
 except ValueError as error:
     errors["gluon_bwd.EARLY_KV_RELEASE=1,DQ_BUFFERS=1"] = str(error)
+gluon_bwd.EARLY_KV_RELEASE, gluon_bwd.DQ_BUFFERS = 0, 2
+try:  # per-tile flags while DQ_FIRST_STORE is off
+    gluon_bwd.backward(*[None] * 11, dq_accumulator=torch.zeros(1), dq_flags=torch.zeros(1))
+except ValueError as error:
+    errors["gluon_bwd.DQ_FIRST_STORE=0,dq_flags"] = str(error)
 print(json.dumps(errors))
 """
 
@@ -635,7 +702,8 @@ def test_launcher_refuses_kernel_forms_it_does_not_have():
     """``gluon_bwd.LATE_DQ_HANDOFF`` and ``DKDV_TMA`` (and ``gluon_bwd256.DKDV_TMA``) are 0, 1
     or 2; anything else (such as the nineteenth session's measured and removed slot-release
     forms 3 and 4) is refused, naming the constant, before a launch; so is
-    ``EARLY_KV_RELEASE`` but 0 or 1, and 1 with one dQ buffer (it stages dK in the second)."""
+    ``EARLY_KV_RELEASE`` but 0 or 1, and 1 with one dQ buffer (it stages dK in the second);
+    so is ``DQ_FIRST_STORE`` but 0, 1 or 2, and per-tile dQ flags handed over while it is off."""
     (errors,) = json_lines(["-c", _CONSTANT_CHECKS])
     assert set(errors) == {
         "gluon_bwd.LATE_DQ_HANDOFF=3",
@@ -646,7 +714,11 @@ def test_launcher_refuses_kernel_forms_it_does_not_have():
         "gluon_bwd.MAX_PROGRAMS=-1",
         "gluon_bwd.EARLY_KV_RELEASE=2",
         "gluon_bwd.EARLY_KV_RELEASE=1,DQ_BUFFERS=1",
+        "gluon_bwd.DQ_FIRST_STORE=3",
+        "gluon_bwd.DQ_FIRST_STORE=0,dq_flags",
     }
+    flags_error = errors.pop("gluon_bwd.DQ_FIRST_STORE=0,dq_flags")
+    assert "dq_flags" in flags_error and "DQ_FIRST_STORE" in flags_error
     assert all(key.split("=")[0] in message for key, message in errors.items())
 
 

@@ -1054,6 +1054,47 @@ def test_delta_kernel_zeros_the_dq_accumulator_it_is_given(with_dlse):
     assert torch.equal(delta, kernels.backward_delta(out, dout, dlse))
 
 
+def test_delta_kernel_zeros_the_dq_tile_flags_it_is_given():
+    """``backward_delta`` with ``dq_flags`` (``gluon_bwd.DQ_FIRST_STORE``'s, one int32 per
+    64-row tile of each head, here -1 beforehand) zeros every flag, the partial last tile's
+    too, and returns the same delta as without them."""
+    gen = torch.Generator().manual_seed(4)
+    out, dout = (torch.randn(2, 80, 3, 24, generator=gen).half().to(DEVICE) for _ in range(2))
+    flags = torch.full((2, 3, 2), -1, dtype=torch.int32, device=DEVICE)
+    delta = kernels.backward_delta(out, dout, None, dq_flags=flags)
+    assert torch.equal(flags, torch.zeros_like(flags))
+    assert torch.equal(delta, kernels.backward_delta(out, dout, None))
+    for bad in (torch.zeros(2, 3, 1, dtype=torch.int32), torch.zeros(2, 3, 2)):
+        with pytest.raises(ValueError, match="dq_flags"):
+            kernels.backward_delta(out, dout, None, dq_flags=bad.to(DEVICE))
+
+
+def test_dq_conversion_takes_written_tiles_and_zeros_the_others():
+    """``flashmask_dq_convert_kernel``: dQ in the output's dtype from the fp32 accumulator for
+    every 64-row tile whose flag is set (1 or 2), zeros for a tile nobody wrote (its
+    accumulator rows hold anything, here NaN), the partial last tile (100 rows) included."""
+    from flashmask.kernels.attention_bwd import flashmask_dq_convert_kernel
+    from flashmask.kernels.launch import launch_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    acc = torch.randn(2, 100, 3, 32, generator=gen).to(DEVICE)
+    flags = torch.tensor([[[2, 0], [1, 2], [0, 0]], [[2, 2], [0, 2], [2, 0]]], dtype=torch.int32)
+    unwritten = torch.zeros(2, 100, 3, dtype=torch.bool)
+    for b, h, t in (flags == 0).nonzero().tolist():
+        unwritten[b, t * 64 : (t + 1) * 64, h] = True
+    acc[unwritten.to(DEVICE)] = float("nan")
+    dq = torch.empty(acc.shape, dtype=torch.bfloat16, device=DEVICE)
+    launch_kernel(
+        flashmask_dq_convert_kernel, (2, 3, 2), acc, flags.to(DEVICE), dq, 100, 3,
+        HEAD_DIM=32, BLOCK_M=64,
+    )  # fmt: skip
+    unwritten = unwritten[..., None].expand(acc.shape).to(DEVICE)
+    assert not dq[unwritten].any()
+    # Within a bf16 rounding step (Triton's CPU interpreter truncates where the GPU rounds to
+    # nearest even, as torch does).
+    torch.testing.assert_close(dq[~unwritten].float(), acc[~unwritten], rtol=2**-7, atol=0)
+
+
 def test_delta_kernel_refuses_an_accumulator_unlike_out():
     out = torch.zeros(1, 8, 2, 16, dtype=torch.float16, device=DEVICE)
     for bad in (

@@ -1127,12 +1127,15 @@ def backward_delta(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     dq_accumulator: torch.Tensor | None = None,
+    dq_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``delta = rowsum(dO * O) - dlse``, float32 ``[B, H, Sq]`` (``out``/``dout``
     ``[B, Sq, H, D]``, ``dlse`` ``[B, H, Sq]`` or ``None``): the backward's per-row term.
 
     ``dq_accumulator`` (float32, contiguous, shaped like ``out``), where given, is zeroed in the
-    same launch: the Gluon backward adds dQ into it."""
+    same launch: the Gluon backward adds dQ into it. ``dq_flags`` (int32, contiguous, ``[B, H,
+    cdiv(Sq, 64)]``), where given, is zeroed instead: the Gluon backward's per-tile flags
+    (``gluon_bwd.DQ_FIRST_STORE``)."""
     from flashmask.kernels.attention_bwd import flashmask_bwd_delta_kernel
 
     out = _last_dim_contiguous(out)
@@ -1146,15 +1149,26 @@ def backward_delta(
             "dq_accumulator must be a contiguous float32 tensor shaped like out "
             f"{tuple(out.shape)}, got {dq_accumulator.dtype} {tuple(dq_accumulator.shape)}"
         )
+    tiles = triton_cdiv(sq, 64)
+    if dq_flags is not None and (
+        dq_flags.shape != (b, hq, tiles)
+        or dq_flags.dtype != torch.int32
+        or not dq_flags.is_contiguous()
+    ):
+        raise ValueError(
+            f"dq_flags must be a contiguous int32 tensor of shape {(b, hq, tiles)}, got "
+            f"{dq_flags.dtype} {tuple(dq_flags.shape)}"
+        )
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=out.device)
     dlse_arg = delta if dlse is None else dlse.float().contiguous()
     zero = delta if dq_accumulator is None else dq_accumulator  # unread without ZERO_DQ
     zero_strides = (0, 0, 0) if dq_accumulator is None else _s3(dq_accumulator)
+    flags = delta if dq_flags is None else dq_flags  # unread without ZERO_FLAGS
     launch_kernel(
-        flashmask_bwd_delta_kernel, (triton_cdiv(sq, 64), hq, b),
-        out, dout, dlse_arg, delta, zero, *_s3(out), *_s3(dout), *zero_strides, sq, hq, d,
-        HAS_DLSE=dlse is not None, ZERO_DQ=dq_accumulator is not None, BLOCK_M=64,
-        BLOCK_D=_block_d(d),
+        flashmask_bwd_delta_kernel, (tiles, hq, b),
+        out, dout, dlse_arg, delta, zero, flags, *_s3(out), *_s3(dout), *zero_strides, sq, hq, d,
+        HAS_DLSE=dlse is not None, ZERO_DQ=dq_accumulator is not None,
+        ZERO_FLAGS=dq_flags is not None, BLOCK_M=64, BLOCK_D=_block_d(d),
     )  # fmt: skip
     return delta
 
@@ -1212,16 +1226,24 @@ def backward(
         bounds, (lists,) = prepare_cached(startend_row_indices, causal, sq, sk, b, q.device, shapes)
         q, k, v, dout = (tma_ready(x) for x in (q, k, v, dout))
         module = gluon_backward_module(d)
-        dq_accumulator = None
+        dq_accumulator = dq_flags = None
+        extra = {}
         if module.one_launch(q, k, masked, causal):
             # Zeroed by the delta kernel (one launch fewer than ``torch.zeros``); a backward in
-            # query chunks zeros one per chunk.
+            # query chunks zeros one per chunk. With the first-store writes only the per-tile
+            # flags are zeroed.
             dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        delta = backward_delta(out, dout, dlse, dq_accumulator)
+            if module.first_store_dq():
+                tiles_q = triton_cdiv(sq, 64)
+                dq_flags = torch.empty(b, hq, tiles_q, dtype=torch.int32, device=q.device)
+                extra["dq_flags"] = dq_flags
+        delta = backward_delta(
+            out, dout, dlse, None if dq_flags is not None else dq_accumulator, dq_flags
+        )
         order = None if bounds is None else program_order(lists, hk, False)
         return module.backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
-            softmax_scale, order=order, dq_accumulator=dq_accumulator,
+            softmax_scale, order=order, dq_accumulator=dq_accumulator, **extra,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     bounds, lists = prepare_cached(

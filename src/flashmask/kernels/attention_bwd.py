@@ -468,19 +468,22 @@ def flashmask_bwd_fused_kernel(
 
 @triton.jit
 def flashmask_bwd_delta_kernel(
-    Out, DO, DLse, Delta, DQZero,
+    Out, DO, DLse, Delta, DQZero, DQFlags,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_zb, stride_zs, stride_zh,
     seqlen_q, num_heads_q, head_dim,
     HAS_DLSE: tl.constexpr,
     ZERO_DQ: tl.constexpr,
+    ZERO_FLAGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term); with
     ``ZERO_DQ`` also zeros the same rows of the fp32 dQ accumulator ``DQZero`` (``[B, Sq, H,
-    D]``), which saves the atomic-dQ backward a launch of its own for that."""
+    D]``), which saves the atomic-dQ backward a launch of its own for that; with ``ZERO_FLAGS``
+    zeros the rows' entry of the int32 ``DQFlags`` (``[B, H, cdiv(Sq, BLOCK_M)]``: the Gluon
+    backward's per-tile flags, ``gluon_bwd.DQ_FIRST_STORE``)."""
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -509,3 +512,31 @@ def flashmask_bwd_delta_kernel(
             DQZero + b * stride_zb + h * stride_zh + offs_m[:, None] * stride_zs + offs_d[None, :]
         )
         tl.store(zero_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
+    if ZERO_FLAGS:
+        tl.store(DQFlags + bh * tl.num_programs(0) + m_tile, 0)
+
+
+@triton.jit
+def flashmask_dq_convert_kernel(
+    DQAcc, DQFlags, DQ,
+    seqlen_q, num_heads_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """``DQ`` (``[B, Sq, H, D]``, contiguous, in its own dtype) from the fp32 accumulator
+    ``DQAcc`` (same shape), one program per ``BLOCK_M`` rows of one head: where the tile's flag
+    in ``DQFlags`` (``[B, H, cdiv(Sq, BLOCK_M)]``, ``gluon_bwd.DQ_FIRST_STORE``) is 0 no key tile
+    wrote it, and its rows are zeros (the accumulator holds whatever was there)."""
+    m_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    flag = tl.load(DQFlags + (b * num_heads_q + h) * tl.num_programs(0) + m_tile)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    offs = ((b * seqlen_q + rows[:, None]) * num_heads_q + h) * HEAD_DIM + cols[None, :]
+    in_rows = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
+    # An unwritten tile's loads are masked off: its zeros come from ``other``.
+    written = (tl.zeros([BLOCK_M, HEAD_DIM], tl.int32) + flag) != 0
+    values = tl.load(DQAcc + offs, mask=in_rows & written, other=0.0)
+    # Round to nearest even, as torch's conversion does.
+    tl.store(DQ + offs, values.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne"), mask=in_rows)

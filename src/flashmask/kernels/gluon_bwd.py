@@ -215,6 +215,15 @@ MAX_PROGRAMS = 0
 # 32K document lost 16-19% in two runs (thirty-first session,
 # ``results/{gluon_backward,bwd_timeline}_early_kv2_s31.log``): removed, last in commit b78e2d4.
 EARLY_KV_RELEASE = 0
+# 1: no zeroed fp32 dQ accumulator. Each dQ tile's first writer claims it (a compare-and-swap
+# on a per-tile flag, ``[B, H, query tiles]`` int32, which the row-term kernel zeroes instead of
+# the accumulator's 268 MB at 8K x 16 heads x batch 4) and stores its tile; the others wait for
+# that store to complete (flag 2) and add theirs; the conversion writes zeros for tiles nobody
+# wrote (flag 0). The row-term kernel was 135 us of an 8K sliding-window call's 1.55 ms against
+# flex's 65 (``results/kernel_times_s31.log``). Only where one launch covers all query rows
+# (:func:`one_launch`) and dQ goes through TMA (``DQ_TMA``). 2: the same, each tile claimed
+# before the consumers hand it to the writer (the claim's round trip under their compute).
+DQ_FIRST_STORE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
 # :func:`_stamp`); ``None`` (the default) compiles none of it, so the kernel is the same.
@@ -503,19 +512,61 @@ def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, kv_bar, row, col):
 
 
 @gluon.jit
+def _ptx_fence(ASM: gl.constexpr):
+    """Run the fence or wait ``ASM`` (inline PTX without operands) in every thread of the
+    partition (inline PTX in Triton is elementwise: a ``[1]`` dummy carries it)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    gl.inline_asm_elementwise(
+        ASM + "\n\tmov.u32 $0, 0;", "=r,r", [gl.zeros([1], gl.int32, layout)],
+        dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _claim_dq_tile(flag):
+    """``DQ_FIRST_STORE``'s claim of a dQ tile: its ``flag``'s value before (0: this writer is
+    the tile's first and now holds it, 1)."""
+    return gl.atomic_cas(flag, 0, 1, sem="acq_rel", scope="gpu")
+
+
+@gluon.jit
+def _dq_first_store_or_add(dq_desc, coord, dq_smem, flag, old):
+    """``DQ_FIRST_STORE``'s write of one dQ tile ``dq_smem`` at ``coord``, ``old`` the value
+    :func:`_claim_dq_tile` found in ``flag``: the tile's first writer (0) stores it and, once
+    the store has completed in global memory, publishes it (-> 2, release); every later writer
+    waits for 2 (acquire; bounded: the first writer is running) and adds to it. Only the first
+    writer waits on nothing, so no cycle of waits can form."""
+    if old == 0:
+        tma_store(dq_desc, coord, dq_smem)
+        # Complete, not only read (``store_wait``'s ``.read``): the next writer adds to it.
+        _ptx_fence("cp.async.bulk.wait_group 0;")
+        _ptx_fence("fence.proxy.async.global;")
+        _partition_barrier()  # the issuing thread's wait is behind every thread's release
+        gl.atomic_xchg(flag, 2, sem="release", scope="gpu")
+    else:
+        while old != 2:
+            old = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        # The async proxy's reduce is ordered after the generic acquire.
+        _ptx_fence("fence.proxy.async.global;")
+        tma_reduce_add(dq_desc, coord, dq_smem)
+
+
+@gluon.jit
 def _bwd_dq_writer_partition(
     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile,
     seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh,
+    stride_dqb, stride_dqs, stride_dqh, dq_flags, num_heads_q,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    FIRST_STORE: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps of a program that owns one key tile: :func:`_bwd_dq_writer_item` once."""
     _bwd_dq_writer_item(
         dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile, 0,
         seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-        stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM, DQ_TMA,
+        stride_dqb, stride_dqs, stride_dqh, dq_flags, num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA,
+        FIRST_STORE,
     )  # fmt: skip
 
 
@@ -524,11 +575,12 @@ def _bwd_dq_writer_partition_persistent(
     dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr, num_items,
     entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q, num_heads_q, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_dqb, stride_dqs,
-    stride_dqh,
+    stride_dqh, dq_flags,
     ORDERED: gl.constexpr,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    FIRST_STORE: gl.constexpr,
 ):  # fmt: skip
     """dQ writer warps of a persistent program: :func:`_bwd_dq_writer_item` for each of its
     work items (its own first, each next one from the producer's item ring)."""
@@ -541,8 +593,8 @@ def _bwd_dq_writer_partition_persistent(
         it = _bwd_dq_writer_item(
             dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv,
             n_tile, it, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-            num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M, HEAD_DIM,
-            DQ_TMA,
+            num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_flags, num_heads_q,
+            BLOCK_M, HEAD_DIM, DQ_TMA, FIRST_STORE,
         )  # fmt: skip
         w = receive_item(items, item_ready, item_empty, t)
         t += 1
@@ -552,15 +604,17 @@ def _bwd_dq_writer_partition_persistent(
 def _bwd_dq_writer_item(
     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b, h_kv, n_tile, it,
     seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-    stride_dqb, stride_dqs, stride_dqh,
+    stride_dqb, stride_dqs, stride_dqh, dq_flags, num_heads_q,
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     DQ_TMA: gl.constexpr,
+    FIRST_STORE: gl.constexpr,
 ):  # fmt: skip
     """dQ writer, one work item: walk the producer's tile sequence from ring step ``it`` and add
     each tile's scaled dQ, which the consumers leave in the ``dq_bufs`` ring, to the fp32 buffer
-    (with ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``). Returns the next
-    item's first step."""
+    (with ``DQ_TMA`` through ``dq_desc``, its 2-D view ``[B * Sq, H * D]``; with
+    ``FIRST_STORE`` stored by a tile's first writer, :func:`_dq_first_store_or_add`, its flags
+    ``dq_flags`` ``[B, num_heads_q, num_m_tiles]``). Returns the next item's first step."""
     num_dq_buffers: gl.constexpr = dq_bufs.type.shape[0]
     layout: gl.constexpr = _vec4_layout(HEAD_DIM, gl.num_warps())
     # Eight rows at a time (one period of the buffer's swizzle): few registers per thread.
@@ -577,8 +631,21 @@ def _bwd_dq_writer_item(
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             buf = it % num_dq_buffers
             dq_smem = dq_bufs.index(buf)
+            if FIRST_STORE == 2:
+                # Claimed before the consumers hand the tile over: the atomic's round trip
+                # runs while they compute it.
+                flag = dq_flags + (b * num_heads_q + h) * num_m_tiles + m_tile
+                old = _claim_dq_tile(flag)
             mbarrier.wait(dq_full.index(buf), (it // num_dq_buffers) & 1)
-            if DQ_TMA:
+            if FIRST_STORE:
+                if FIRST_STORE == 1:
+                    flag = dq_flags + (b * num_heads_q + h) * num_m_tiles + m_tile
+                    old = _claim_dq_tile(flag)
+                _dq_first_store_or_add(
+                    dq_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], dq_smem, flag, old
+                )
+                tma.store_wait(0)
+            elif DQ_TMA:
                 tma_reduce_add(dq_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], dq_smem)
                 # The reduce has read the buffer (not necessarily finished adding) before it is
                 # handed back.
@@ -1155,6 +1222,7 @@ def gluon_bwd_kernel(
     stride_ks, stride_kh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
     num_m_tiles, num_n_tiles, qk_scale, softmax_scale, num_items, next_item_ptr, timeline_ptr,
+    dq_flags,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -1174,6 +1242,7 @@ def gluon_bwd_kernel(
     DKDV_TMA: gl.constexpr,
     PERSISTENT: gl.constexpr,
     EARLY_KV: gl.constexpr,
+    FIRST_STORE: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -1183,7 +1252,9 @@ def gluon_bwd_kernel(
     ``None`` without). With ``PERSISTENT`` the grid is 1-D and its programs loop over the
     ``num_items`` work items ``(key tiles, kv heads, batch)`` in that order, taking each next
     one from the counter ``next_item_ptr`` (zeroed; not read when the grid has every item).
-    ``timeline_ptr``: ``TIMELINE``'s tensor, or ``None`` (no stamps compiled)."""
+    ``timeline_ptr``: ``TIMELINE``'s tensor, or ``None`` (no stamps compiled). With
+    ``FIRST_STORE`` (``DQ_FIRST_STORE``) ``dq_ptr`` is not zeroed: each tile's first writer
+    stores it, claimed through the zeroed int32 flags ``dq_flags`` (``None`` without)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -1241,8 +1312,8 @@ def gluon_bwd_kernel(
                         dq_bufs, dq_full, dq_empty, items, item_ready, item_empty, order_ptr,
                         num_items, entries_ptr, counts_ptr, dq_ptr, dq_desc, seqlen_q,
                         num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, ORDERED,
-                        BLOCK_M, HEAD_DIM, DQ_TMA,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_flags,
+                        ORDERED, BLOCK_M, HEAD_DIM, DQ_TMA, FIRST_STORE,
                     ),
                 ),
             ],
@@ -1284,8 +1355,8 @@ def gluon_bwd_kernel(
                     (
                         dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                         h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                        HEAD_DIM, DQ_TMA,
+                        num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, dq_flags,
+                        num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA, FIRST_STORE,
                     ),
                 ),
             ],
@@ -1322,6 +1393,7 @@ def backward(
     *,
     order: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    dq_flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``kernels.gluon_backward_eligible`` accepts
     at D = 64 or 128, contiguous at 16-byte aligned addresses (``kernels.tma_ready``).
@@ -1332,7 +1404,9 @@ def backward(
     ``kernels.prepare_cached``; ``order`` (``kernels.program_order`` over the grid ``(key
     tiles, kv heads, batch)``, ``None``: the natural order) is the order the programs run in.
     ``dq_accumulator``: where :func:`one_launch` holds, a zeroed float32 tensor like ``q`` that
-    dQ is added into (``None``: zeroed here)."""
+    dQ is added into (``None``: zeroed here). ``dq_flags``: with :func:`first_store_dq`, zeroed
+    int32 ``[B, H, cdiv(Sq, BLOCK_M)]`` flags, and ``dq_accumulator`` then need not be zeroed
+    (``DQ_FIRST_STORE``)."""
     require_form("gluon_bwd.ROW_TERMS_SMEM", ROW_TERMS_SMEM)
     require_form("gluon_bwd.LATE_DQ_HANDOFF", LATE_DQ_HANDOFF)
     require_form("gluon_bwd.DKDV_TMA", DKDV_TMA)
@@ -1345,16 +1419,28 @@ def backward(
             f"gluon_bwd.EARLY_KV_RELEASE stages dK in the dQ buffer the next tile takes: it "
             f"needs DQ_BUFFERS = 2, got {DQ_BUFFERS}"
         )
+    if DQ_FIRST_STORE not in (0, 1, 2):
+        raise ValueError(f"gluon_bwd.DQ_FIRST_STORE must be 0, 1 or 2, got {DQ_FIRST_STORE}")
+    if dq_flags is not None and (dq_accumulator is None or not first_store_dq()):
+        raise ValueError(
+            "dq_flags: only with gluon_bwd.DQ_FIRST_STORE (and DQ_TMA) and a dq_accumulator"
+        )
     if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
         raise ValueError(f"gluon_bwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
     return launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        order=order, split_queries=True, dq_accumulator=dq_accumulator,
+        order=order, split_queries=True, dq_accumulator=dq_accumulator, dq_flags=dq_flags,
         ROW_TERMS_SMEM=ROW_TERMS_SMEM, ADD_DKDV=False, LATE_DQ=LATE_DQ_HANDOFF,
         DQ_BEFORE_DK=DQ_BEFORE_DK, DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
         PERSISTENT=bool(PERSISTENT), EARLY_KV=bool(PERSISTENT and EARLY_KV_RELEASE),
     )  # fmt: skip
+
+
+def first_store_dq() -> bool:
+    """Whether :func:`backward` takes per-tile flags instead of a zeroed dQ accumulator where
+    :func:`one_launch` holds (``DQ_FIRST_STORE``, which needs ``DQ_TMA``)."""
+    return bool(DQ_FIRST_STORE) and bool(DQ_TMA)
 
 
 def one_launch(
@@ -1398,6 +1484,7 @@ def launch(
     order: torch.Tensor | None = None,
     split_queries: bool = False,
     dq_accumulator: torch.Tensor | None = None,
+    dq_flags: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch ``kernel`` (``gluon_bwd_kernel`` or a kernel with its arguments, such as
@@ -1415,7 +1502,7 @@ def launch(
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dq_tma, dout, q, k, v, lse, delta,
             bounds, lists, num_mask_heads, causal, softmax_scale, None, order=order,
-            dq_accumulator=dq_accumulator, **constants,
+            dq_accumulator=dq_accumulator, dq_flags=dq_flags, **constants,
         )  # fmt: skip
     if dq_accumulator is not None:
         raise ValueError("dq_accumulator: a backward in query chunks zeros one per chunk")
@@ -1464,13 +1551,15 @@ def _launch_once(
     *,
     order: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    dq_flags: torch.Tensor | None = None,
     **constants,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows; dK and dV in
     ``dkdv_dtype`` (``None``: K's dtype; float32 for a chunk's partial sums), into ``dk_out``
     and ``dv_out`` where given (the kernel's ``ADD_DKDV`` adds to them); the programs in
     ``order`` (``None``: the grid's); dQ added into ``dq_accumulator`` (zeroed, float32 like
-    ``q``; ``None``: a new zeroed one)."""
+    ``q``; ``None``: a new zeroed one; with ``dq_flags``, the zeroed per-tile flags of
+    ``DQ_FIRST_STORE``, not zeroed)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
@@ -1485,6 +1574,13 @@ def _launch_once(
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
     dk = torch.empty_like(k, dtype=dkdv_dtype) if dk_out is None else dk_out
     dv = torch.empty_like(v, dtype=dkdv_dtype) if dv_out is None else dv_out
+    if dq_flags is not None and (
+        dq_flags.shape != (b, hq, tm) or dq_flags.dtype != torch.int32 or dq_accumulator is None
+    ):
+        raise ValueError(
+            f"dq_flags must be int32 of shape {(b, hq, tm)} (one per {BLOCK_M}-row dQ tile), "
+            f"with a dq_accumulator; got {dq_flags.dtype} {tuple(dq_flags.shape)}"
+        )
     dq_accum = dq_accumulator
     if dq_accum is None:
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -1528,7 +1624,8 @@ def _launch_once(
             )
         constants = {
             **constants, "num_items": num_items, "next_item_ptr": next_item,
-            "timeline_ptr": timeline,
+            "timeline_ptr": timeline, "dq_flags": dq_flags,
+            "FIRST_STORE": DQ_FIRST_STORE if dq_flags is not None else 0,
         }  # fmt: skip
     launch_kernel(
         kernel, grid,
@@ -1545,4 +1642,13 @@ def _launch_once(
         DQ_BUFFERS=dq_buffers, ORDERED=order is not None, **constants,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    return dq_accum.to(q.dtype), dk, dv
+    if dq_flags is None:
+        return dq_accum.to(q.dtype), dk, dv
+    from flashmask.kernels.attention_bwd import flashmask_dq_convert_kernel
+
+    dq = torch.empty_like(q)
+    launch_kernel(
+        flashmask_dq_convert_kernel, (tm, hq, b), dq_accum, dq_flags, dq, sq, hq,
+        HEAD_DIM=d, BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -282,8 +282,8 @@ def gluon_bwd256_kernel(
                 (
                     dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
                     h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, BLOCK_M,
-                    HEAD_DIM, DQ_TMA,
+                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, None,
+                    num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA, False,
                 ),
             ),
         ],
@@ -326,6 +326,12 @@ def dkdv_by_tma(causal: bool, masked: bool) -> bool:
     ``gluon_bwd.dkdv_by_tma``, whose arguments it takes: here the form does not depend on
     ``causal``)."""
     return DKDV_TMA == 1 or (DKDV_TMA == 2 and masked)
+
+
+def first_store_dq() -> bool:
+    """Whether :func:`backward` takes per-tile flags instead of a zeroed dQ accumulator
+    (``gluon_bwd.DQ_FIRST_STORE``): never at head dim 256."""
+    return False
 
 
 def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
