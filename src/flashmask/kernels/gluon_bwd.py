@@ -223,6 +223,11 @@ EARLY_KV_RELEASE = 0
 # flex's 65 (``results/kernel_times_s31.log``). Only where one launch covers all query rows
 # (:func:`one_launch`) and dQ goes through TMA (``DQ_TMA``). 2: the same, each tile claimed
 # before the consumers hand it to the writer (the claim's round trip under their compute).
+# Measured on the H200 (thirty-first session, ``results/gluon_backward_first_store*_s31.log``;
+# GPU check with form 1 243/243, ``results/gpu_check_gluon_bwd_first_store_s31.json``; 240
+# repeated calls per form without a lost update, ``results/dq_first_store_stress*_s31.log``):
+# within the A/B's +-3% on 12 cases in three runs, 8K sliding_window -1.5% (form 1) and -3%
+# (form 2), 32K document +9% once (form 2). Off.
 DQ_FIRST_STORE = 0
 # A diagnostic (``benchmarks/bwd_timeline.py``): an int64 tensor of at least ``[items,
 # TIMELINE_FIELDS]`` into which each work item's consumers write when its phases end (see
