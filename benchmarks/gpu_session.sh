@@ -317,8 +317,8 @@ for step in "$@"; do
             --seqlens 8192,32768 --repeats 20
         ;;
     dq-first-store-repeat)
-        # The same A/B again with a copy of the shipped form (DQ_FIRST_STORE=0) as a third
-        # variant: the run's own noise.
+        # The same A/B again with a copy of the shipped form (DQ_FIRST_STORE=0: the run's own
+        # noise) and form 2 as further variants, then form 2's stress run.
         run_step gluon_backward_first_store_b python benchmarks/gluon_backward.py \
             --seqlens 8192,32768 --variant DQ_FIRST_STORE=1 --variant DQ_FIRST_STORE=0 \
             --variant DQ_FIRST_STORE=2

@@ -1149,14 +1149,14 @@ def backward_delta(
             "dq_accumulator must be a contiguous float32 tensor shaped like out "
             f"{tuple(out.shape)}, got {dq_accumulator.dtype} {tuple(dq_accumulator.shape)}"
         )
-    tiles = triton_cdiv(sq, 64)
+    row_tiles = triton_cdiv(sq, 64)
     if dq_flags is not None and (
-        dq_flags.shape != (b, hq, tiles)
+        dq_flags.shape != (b, hq, row_tiles)
         or dq_flags.dtype != torch.int32
         or not dq_flags.is_contiguous()
     ):
         raise ValueError(
-            f"dq_flags must be a contiguous int32 tensor of shape {(b, hq, tiles)}, got "
+            f"dq_flags must be a contiguous int32 tensor of shape {(b, hq, row_tiles)}, got "
             f"{dq_flags.dtype} {tuple(dq_flags.shape)}"
         )
     delta = torch.empty(b, hq, sq, dtype=torch.float32, device=out.device)
@@ -1165,7 +1165,7 @@ def backward_delta(
     zero_strides = (0, 0, 0) if dq_accumulator is None else _s3(dq_accumulator)
     flags = delta if dq_flags is None else dq_flags  # unread without ZERO_FLAGS
     launch_kernel(
-        flashmask_bwd_delta_kernel, (tiles, hq, b),
+        flashmask_bwd_delta_kernel, (row_tiles, hq, b),
         out, dout, dlse_arg, delta, zero, flags, *_s3(out), *_s3(dout), *zero_strides, sq, hq, d,
         HAS_DLSE=dlse is not None, ZERO_DQ=dq_accumulator is not None,
         ZERO_FLAGS=dq_flags is not None, BLOCK_M=64, BLOCK_D=_block_d(d),

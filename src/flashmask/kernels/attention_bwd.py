@@ -534,9 +534,11 @@ def flashmask_dq_convert_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
     offs = ((b * seqlen_q + rows[:, None]) * num_heads_q + h) * HEAD_DIM + cols[None, :]
-    in_rows = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
+    # Both masks built at the tile's full shape (the CPU interpreter refuses a scalar operand).
+    in_bounds = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
     # An unwritten tile's loads are masked off: its zeros come from ``other``.
     written = (tl.zeros([BLOCK_M, HEAD_DIM], tl.int32) + flag) != 0
-    values = tl.load(DQAcc + offs, mask=in_rows & written, other=0.0)
+    values = tl.load(DQAcc + offs, mask=in_bounds & written, other=0.0)
     # Round to nearest even, as torch's conversion does.
-    tl.store(DQ + offs, values.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne"), mask=in_rows)
+    dq = values.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(DQ + offs, dq, mask=in_bounds)

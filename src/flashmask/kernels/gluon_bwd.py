@@ -636,15 +636,15 @@ def _bwd_dq_writer_item(
             m_tile = gl.where(entry >= 0, entry, -entry - 1)
             buf = it % num_dq_buffers
             dq_smem = dq_bufs.index(buf)
-            if FIRST_STORE == 2:
-                # Claimed before the consumers hand the tile over: the atomic's round trip
-                # runs while they compute it.
+            if FIRST_STORE:
                 flag = dq_flags + (b * num_heads_q + h) * num_m_tiles + m_tile
-                old = _claim_dq_tile(flag)
+                if FIRST_STORE == 2:
+                    # Claimed before the consumers hand the tile over: the atomic's round trip
+                    # runs while they compute it.
+                    old = _claim_dq_tile(flag)
             mbarrier.wait(dq_full.index(buf), (it // num_dq_buffers) & 1)
             if FIRST_STORE:
                 if FIRST_STORE == 1:
-                    flag = dq_flags + (b * num_heads_q + h) * num_m_tiles + m_tile
                     old = _claim_dq_tile(flag)
                 _dq_first_store_or_add(
                     dq_desc, [b * seqlen_q + m_tile * BLOCK_M, h * HEAD_DIM], dq_smem, flag, old
