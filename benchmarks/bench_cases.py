@@ -124,7 +124,7 @@ def apply_o_tma_option(value: str | None) -> str:
     the setting's label for a run's variant text (``"O_TMA=1"``, ``""`` when left)."""
     if value is None:
         return ""
-    from flashmask.kernels import gluon_fwd
+    from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
     gluon_fwd.O_TMA = int(value)
     return f"O_TMA={value}"

@@ -1,5 +1,5 @@
 """Where a Gluon backward work item's time goes: the consumers' phase stamps
-(``flashmask.kernels.gluon_bwd.TIMELINE``) of every item of one launch, summed over the SMs.
+(``flashmask.kernels.gluon_kernels.backward.TIMELINE``) of every item of one launch, summed over the SMs.
 
 An item (128 keys of one kv head) is, as its consumer warpgroups see it: waiting for its K/V
 tiles (``kv``), then for its first Q/dO tile (``first``), its tile loop (``loop``, from the
@@ -141,7 +141,7 @@ def main() -> None:
     from gluon_backward import parse_variant, set_constants
 
     from flashmask import kernels
-    from flashmask.kernels import gluon_bwd
+    from flashmask.kernels.gluon_kernels import backward as gluon_bwd
 
     parser = case_parser(__doc__.split("\n\n")[0], "sliding_window,share_question,full")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--out", default=None, help="write the summaries as JSON here")
     args = parser.parse_args()
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}  # every case on the Gluon backward
+    routing.GLUON_BWD_MIN_MASKED_SEQLEN = {}  # every case on the Gluon backward
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for case in backward_cases(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim):

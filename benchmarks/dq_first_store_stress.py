@@ -21,7 +21,8 @@ from bench_cases import backward_cases, relative_error
 from gluon_backward import set_constants
 
 from flashmask import kernels
-from flashmask.kernels import gluon_bwd
+from flashmask.kernels import routing
+from flashmask.kernels.gluon_kernels import backward as gluon_bwd
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=5e-3)
     parser.add_argument("--form", type=int, choices=(1, 2), default=1, help="DQ_FIRST_STORE")
     args = parser.parse_args()
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
+    routing.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     failed = False
     seqlens = [int(s) for s in args.seqlens.split(",")]
     for case in backward_cases(seqlens, args.masks.split(","), 32768, 2048, 128):

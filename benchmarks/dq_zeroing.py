@@ -17,10 +17,10 @@ import torch
 import triton
 from bench_cases import _comma_list, case_parser, mask_case
 
-from flashmask import bench, flashmask_attention, kernels
-from flashmask.kernels import clear_prepared
+from flashmask import bench, flashmask_attention
+from flashmask.kernels import backward_launcher, clear_prepared
 
-_delta_with_zeros = kernels.backward_delta
+_delta_with_zeros = backward_launcher.backward_delta
 
 
 def _delta_then_zero_launch(out, dout, dlse, dq_accumulator=None):
@@ -63,14 +63,14 @@ def main() -> None:
                 grads = {}
                 for _ in range(args.rounds):
                     for form, delta_fn in forms.items():
-                        kernels.backward_delta = delta_fn
+                        backward_launcher.backward_delta = delta_fn
                         try:
                             grads[form] = call()
                             med = triton.testing.do_bench(call, rep=100, return_mode="median")
                             times[form][0].append(float(med))
                             times[form][1].append(bench._gpu_time(call))
                         finally:
-                            kernels.backward_delta = _delta_with_zeros
+                            backward_launcher.backward_delta = _delta_with_zeros
                 first, second = (grads[form] for form in forms)
                 same = all(torch.equal(a, b) for a, b in zip(first[1:], second[1:], strict=True))
                 dq_err = (first[0].float() - second[0].float()).abs().max().item()

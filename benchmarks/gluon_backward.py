@@ -1,4 +1,4 @@
-"""The Gluon backward (``flashmask.kernels.gluon_bwd``; ``gluon_bwd256`` at head dim 256) against
+"""The Gluon backward (``flashmask.kernels.gluon_kernels.backward``; ``gluon_bwd256`` at head dim 256) against
 the Triton backward.
 
 The kernel began here as an experiment (sixth session) with four ways to add dQ: none (the
@@ -34,8 +34,10 @@ from cubin import compile_gluon_sm90, warp_specialized_report
 from triton.experimental import gluon
 
 from flashmask import kernels
-from flashmask.kernels import gluon_bwd, gluon_bwd256, query_chunks
-from flashmask.kernels.gluon_fwd import shared_layout
+from flashmask.kernels import query_chunks, routing
+from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+from flashmask.kernels.gluon_kernels import backward_hd256 as gluon_bwd256
+from flashmask.kernels.gluon_kernels.forward import shared_layout
 
 OPCODES = (
     "HGMMA", "WARPGROUP.DEPBAR", "UTMALDG", "UTMAREDG", "UTMASTG", "MUFU.EX2", "LDG", "REDG",
@@ -66,7 +68,7 @@ def compile_only(
     ``gluon_bwd.TIMELINE``'s stamps, D = 64/128; ``early_kv``: ``gluon_bwd.EARLY_KV_RELEASE``
     unless given, persistent only; ``first_store``: ``gluon_bwd.DQ_FIRST_STORE``'s form, D =
     64/128); registers, spills, shared memory and key instructions."""
-    module = kernels.gluon_backward_module(head_dim)
+    module = routing.gluon_backward_module(head_dim)
     if row_terms_smem is None:
         row_terms_smem = module.ROW_TERMS_SMEM
     if dq_tma is None:
@@ -241,19 +243,19 @@ def check_and_time(
 ) -> None:  # fmt: skip
     """dQ/dK/dV against the Triton backward and the timings (``do_bench`` over ``rep_ms``), per
     sequence length and mask; each of ``variants`` (constants of
-    ``kernels.gluon_backward_module(d)`` to set, e.g. ``{"DQ_TMA": 0}``) also timed, with its
+    ``routing.gluon_backward_module(d)`` to set, e.g. ``{"DQ_TMA": 0}``) also timed, with its
     dK/dV compared bitwise against the default's (the same products in the same order; where
     they differ, also their error against the Triton backward's, as the default's) and its
     dQ's relative difference (fp32 additions in another order)."""
 
-    module = kernels.gluon_backward_module(d)
+    module = routing.gluon_backward_module(d)
     for settings in variants:
         missing = [name for name in settings if not hasattr(_owner(module, name), name)]
         if missing:
             raise SystemExit(f"--variant: {module.__name__} (D = {d}) has no {missing}")
     # Every case through the Gluon backward: lift the library's routing limit (with a mask it
-    # takes the Gluon backward only from kernels.GLUON_BWD_MIN_MASKED_SEQLEN's keys).
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
+    # takes the Gluon backward only from routing.GLUON_BWD_MIN_MASKED_SEQLEN's keys).
+    routing.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         flop = case.flop
         # The Gluon backward forced on (the defaults use it at D = 128 only).
@@ -311,8 +313,8 @@ def time_without_dq_writes(
     """The Gluon backward timed with its dQ atomics compiled out (``--no-dq-writes``; the
     ``red.global`` writer's, so ``DQ_TMA`` is turned off: the bound of both writers)."""
     gluon_bwd._red_add_v4 = _discard_dq  # before the kernel's first compile in this process
-    kernels.gluon_backward_module(d).DQ_TMA = False
-    kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
+    routing.gluon_backward_module(d).DQ_TMA = False
+    routing.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     for case in backward_cases(seqlens, mask_names, tokens, hidden, d):
         cfg = replace(kernels.tile_config(d, has_mask=case.sri is not None), bwd_gluon=True)
         ms = triton.testing.do_bench(
@@ -328,7 +330,7 @@ def time_without_dq_writes(
 
 def main() -> None:
     parser = case_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dim", type=int, default=128, choices=kernels.GLUON_BWD_HEAD_DIMS)
+    parser.add_argument("--head-dim", type=int, default=128, choices=routing.GLUON_BWD_HEAD_DIMS)
     parser.add_argument(
         "--no-dq-writes",
         action="store_true",
@@ -350,15 +352,15 @@ def main() -> None:
         time_without_dq_writes(args.seqlens, args.masks, args.tokens, args.hidden, args.head_dim)
         return
     if args.compile_only:
-        for d in kernels.GLUON_BWD_HEAD_DIMS:
+        for d in routing.GLUON_BWD_HEAD_DIMS:
             for causal in (False, True):
                 for has_mask in (False, True):
                     print(json.dumps(compile_only(d, causal, has_mask)), flush=True)
         # fp16 (the launcher takes it as well as bf16), one variant
         print(json.dumps(compile_only(128, True, True, torch.float16)), flush=True)
-        for d in kernels.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
+        for d in routing.GLUON_BWD_HEAD_DIMS:  # the red.global writer (DQ_TMA off)
             print(json.dumps(compile_only(d, True, True, dq_tma=False)), flush=True)
-        for d in kernels.GLUON_BWD_HEAD_DIMS:  # full attention's query chunks: fp32 dK/dV
+        for d in routing.GLUON_BWD_HEAD_DIMS:  # full attention's query chunks: fp32 dK/dV
             print(json.dumps(compile_only(d, False, False, dkdv_fp32=True)), flush=True)
         for d in (64, 128):  # ... added in the kernel (CHUNKS_ADD_IN_KERNEL)
             report = compile_only(d, False, False, dkdv_fp32=True, add_dkdv=True)
@@ -400,7 +402,7 @@ def main() -> None:
                 report = compile_only(128, causal, has_mask, persistent=persistent, timeline=True)
                 print(json.dumps(report), flush=True)
         # lse/delta read by the consumers from global memory (ROW_TERMS_SMEM=0, measurement)
-        for d in kernels.GLUON_BWD_HEAD_DIMS:
+        for d in routing.GLUON_BWD_HEAD_DIMS:
             for causal, has_mask in ((False, False), (True, True), (False, True)):
                 report = compile_only(d, causal, has_mask, row_terms_smem=0)
                 print(json.dumps(report), flush=True)

@@ -1,4 +1,4 @@
-"""The Gluon forward (``flashmask.kernels.gluon_fwd``) against the Triton forward.
+"""The Gluon forward (``flashmask.kernels.gluon_kernels.forward``) against the Triton forward.
 
 The kernel began here as an experiment (fifth session) and moved into the library once the H200
 showed it exact and faster without a mask (sixth session, ``benchmarks/NOTES.md``). Its first
@@ -29,7 +29,8 @@ from bench_cases import case_parser, forward_differences, mask_case, visible_flo
 from cubin import compile_gluon_sm90, warp_specialized_report
 
 from flashmask import kernels
-from flashmask.kernels import gluon_fwd
+from flashmask.kernels import preparation, routing
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
 OPCODES = ("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2", "LDG", "STG")
 
@@ -93,13 +94,13 @@ def library_preparation(q, k, sri, causal, block_n):
         sri, causal, sq, k.shape[1], b, q.device, [(gluon_fwd.BLOCK_M, block_n, True)]
     )
     hm = 1 if sri is None else sri.shape[1]
-    order = None if sri is None else kernels.program_order(lists, q.shape[2], True)
+    order = None if sri is None else preparation.program_order(lists, q.shape[2], True)
     return bounds, lists, hm, order
 
 
 def _gluon(q, k, v, sri, causal, scale, block_n, buffers):
     """The Gluon forward on any mask and length, in the library's launch order (the library
-    routes masked calls to it only from ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys; the
+    routes masked calls to it only from ``routing.GLUON_FWD_MIN_MASKED_SEQLEN`` keys; the
     twenty-first session's and earlier logs of this script ran it in the grid's order)."""
     bounds, lists, hm, order = library_preparation(q, k, sri, causal, block_n)
     return gluon_fwd.forward(
@@ -178,7 +179,7 @@ def main() -> None:
         "--head-dim",
         type=int,
         default=128,
-        choices=kernels.GLUON_FWD_HEAD_DIMS,
+        choices=routing.GLUON_FWD_HEAD_DIMS,
         help="256 is not routed to the kernel by default (measured slower than the Triton forward)",
     )
     parser.add_argument(
@@ -215,7 +216,7 @@ def main() -> None:
         report = compile_only(128, True, True, False, num_buffers=2, q_buffers=2)
         print(json.dumps(report), flush=True)
         # head dim 256 at the launcher's tiles for it, with a mask (the variant that spills most)
-        block_n, slots = kernels.gluon_forward_tiles(256)
+        block_n, slots = routing.gluon_forward_tiles(256)
         print(json.dumps(compile_only(256, True, True, False, block_n, num_buffers=slots)))
         # O stored the other way than shipped (TMA stores against stores from registers)
         for d in (64, 128):
@@ -224,7 +225,7 @@ def main() -> None:
                 report = compile_only(d, causal, has_mask, False, o_tma=flipped)
                 print(json.dumps(report), flush=True)
         return
-    default_block_n, default_slots = kernels.gluon_forward_tiles(args.head_dim)
+    default_block_n, default_slots = routing.gluon_forward_tiles(args.head_dim)
     block_ns = [int(x) for x in (args.block_n or str(default_block_n)).split(",")]
     buffer_counts = [int(x) for x in (args.buffers or str(default_slots)).split(",")]
     check_and_time(

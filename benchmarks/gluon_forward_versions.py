@@ -2,7 +2,7 @@
 ``gluon_fwd.py`` files, each loaded as its own module) against a baseline ``gluon_fwd.py`` (an
 earlier commit's), interleaved, on the 12 bench masks at 8K and 32K, hd128, with the library's
 lists and launch order; the Triton forward is timed beside them (the library's route for
-masks below ``kernels.GLUON_FWD_MIN_MASKED_SEQLEN`` keys).
+masks below ``routing.GLUON_FWD_MIN_MASKED_SEQLEN`` keys).
 
 Across device calls the same kernel's time moves by up to ~5% (the twenty-second session's
 runs), more than most kernel changes are worth; timing the versions in one process, in turn,
@@ -33,7 +33,8 @@ from bench_cases import mask_case
 from gluon_forward import library_preparation
 
 from flashmask import kernels, masks
-from flashmask.kernels import gluon_fwd
+from flashmask.kernels import routing
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
 
 def _load(path: str, option: str):
@@ -106,7 +107,7 @@ def main() -> None:
     base = _load(args.baseline, "--baseline")
     forms = _forms([p for p in args.candidates.split(",") if p])
     d, h = 128, 16
-    block_n, slots = kernels.gluon_forward_tiles(d)
+    block_n, slots = routing.gluon_forward_tiles(d)
     for s in (int(x) for x in args.seqlens.split(",")):
         b = max(1, 32768 // s)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in "qkv")

@@ -37,6 +37,7 @@ import torch
 from bench_cases import add_o_tma_option, apply_o_tma_option
 
 from flashmask import kernels, masks
+from flashmask.kernels import routing
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 
@@ -86,7 +87,7 @@ def check_case(name, q, k, v, sri, causal, deterministic=True):
     out, lse = kernels.forward(q, k, v, sri, causal, scale)
     do = torch.randn_like(out)
     # deterministic=False exercises an atomic dQ path: on Hopper at hd64/128/256 the Gluon
-    # backward (without a mask, with one from kernels.GLUON_BWD_MIN_MASKED_SEQLEN's keys, or
+    # backward (without a mask, with one from routing.GLUON_BWD_MIN_MASKED_SEQLEN's keys, or
     # under --gluon-everywhere), else the Triton kernels' fp32-atomic dQ (atomic_dq).
     cfg = replace(kernels.tile_config(d), atomic_dq=not deterministic)
     dq, dk, dv = kernels.backward(
@@ -159,8 +160,8 @@ def _kernel_paths(q, k, v, do, sri, scale, deterministic, bwd_config) -> str:
     launchers' own routing rules, so a check of the Gluon paths shows that it reached them."""
     fwd_config = kernels.tile_config(q.shape[-1], has_mask=sri is not None)
     masked = sri is not None
-    fwd = kernels._use_gluon_forward(q, k, v, scale, masked, fwd_config)
-    bwd = kernels._use_gluon_backward(q, k, v, do, deterministic, True, masked, bwd_config)
+    fwd = routing.use_gluon_forward(q, k, v, scale, masked, fwd_config)
+    bwd = routing.use_gluon_backward(q, k, v, do, deterministic, True, masked, bwd_config)
     return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
 
 
@@ -249,7 +250,7 @@ def main() -> int:
         type=int,
         choices=(2, 3),
         default=None,
-        help="the Gluon forward's K/V slots up to head dim 128 (kernels.GLUON_FWD_SLOTS; 2 with "
+        help="the Gluon forward's K/V slots up to head dim 128 (routing.GLUON_FWD_SLOTS; 2 with "
         "--gluon-fwd Q_BUFFERS=2)",
     )
     add_o_tma_option(parser, "the run")
@@ -269,16 +270,17 @@ def main() -> int:
     if args.variant:
         _override_defaults(args.variant, args.variant_max_head_dim)
     if args.gluon_everywhere:
-        kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0
-        kernels.GLUON_BWD_MIN_MASKED_SEQLEN = {}
+        routing.GLUON_FWD_MIN_MASKED_SEQLEN = 0
+        routing.GLUON_BWD_MIN_MASKED_SEQLEN = {}
     if args.gluon_fwd:
         _apply_gluon_fwd_option(parser, args.gluon_fwd)
     if args.gluon_fwd_slots is not None:
-        kernels.GLUON_FWD_SLOTS = args.gluon_fwd_slots
+        routing.GLUON_FWD_SLOTS = args.gluon_fwd_slots
     if args.gluon_bwd or args.gluon_bwd256:
         from gluon_backward import apply_gluon_bwd_option
 
-        from flashmask.kernels import gluon_bwd, gluon_bwd256
+        from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+        from flashmask.kernels.gluon_kernels import backward_hd256 as gluon_bwd256
 
         for text, module, option in (
             (args.gluon_bwd, gluon_bwd, "--gluon-bwd"),
@@ -407,7 +409,7 @@ GLUON_FWD_CONSTANTS = ("PERSISTENT", "MAX_PROGRAMS", "Q_BUFFERS")
 def _apply_gluon_fwd_option(parser: argparse.ArgumentParser, text: str) -> None:
     """``--gluon-fwd NAME=INT[,...]``: set ``gluon_fwd``'s launch constants (names from
     :data:`GLUON_FWD_CONSTANTS`) for the run; bad text is the parser's error."""
-    from flashmask.kernels import gluon_fwd
+    from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
     for item in text.split(","):
         name, _, value = item.partition("=")

@@ -21,6 +21,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction, compute_cache_key
 
 from flashmask import bench, flashmask_attention, kernels
+from flashmask.kernels import hardware, routing
 
 
 def python_loop_us(n: int = 200_000) -> float:
@@ -203,9 +204,9 @@ def main() -> None:
         )
         sri = mask.startend_row_indices if mask is not None else None
         cfg = kernels.tile_config(
-            d, has_mask=sri is not None, shared_memory=kernels.device_shared_memory(q.device)
+            d, has_mask=sri is not None, shared_memory=hardware.device_shared_memory(q.device)
         )
-        shapes = kernels.backward_list_shapes(q, k, v, do, sri, False, cfg)
+        shapes = routing.backward_list_shapes(q, k, v, do, sri, False, cfg)
         for label, fn in (
             ("torch.empty_like(q)", lambda: torch.empty_like(q)),
             ("torch.zeros like q, fp32", lambda: torch.zeros(q.shape, dtype=torch.float32,

@@ -29,7 +29,10 @@ import triton
 from bench_cases import case_parser, mask_case
 
 from flashmask import bench, flashmask_attention
-from flashmask.kernels import clear_prepared
+from flashmask.kernels import (
+    clear_prepared,
+    routing,
+)
 
 
 def host_ms(fn, repeats: int = 50) -> float:
@@ -73,15 +76,13 @@ def main() -> None:
         "--fwd-masked-limits",
         type=lambda text: [int(x) for x in text.split(",")],
         default=None,
-        help="time FlashMask once per value of kernels.GLUON_FWD_MIN_MASKED_SEQLEN, e.g. "
+        help="time FlashMask once per value of routing.GLUON_FWD_MIN_MASKED_SEQLEN, e.g. "
         "8192,32768 (masked calls on the Gluon forward from that many keys, else the Triton one)",
     )
     args = parser.parse_args()
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flashmask import kernels
-
-    shipped_limit = kernels.GLUON_FWD_MIN_MASKED_SEQLEN
+    shipped_limit = routing.GLUON_FWD_MIN_MASKED_SEQLEN
     limits = args.fwd_masked_limits or [shipped_limit]
 
     # Static shapes, as flashmask bench compiles it (a dynamic-length compile runs slower).
@@ -126,7 +127,7 @@ def main() -> None:
                 ("flashmask cached", "fwd+bwd", fm_total(False)),
             ]
             for limit in limits:
-                kernels.GLUON_FWD_MIN_MASKED_SEQLEN = limit
+                routing.GLUON_FWD_MIN_MASKED_SEQLEN = limit
                 if args.fwd_masked_limits:
                     print(f"== GLUON_FWD_MIN_MASKED_SEQLEN = {limit}")
                 for impl, part, fn in cases:
@@ -138,7 +139,7 @@ def main() -> None:
                         for label, count, us in host_breakdown(qg, kg, vg, do, mask, causal, fresh):
                             print(f"{'':>8}{us:9.1f} us  x{count:<3} {label}")
                 clear_prepared()  # the next limit's route prepares other lists
-            kernels.GLUON_FWD_MIN_MASKED_SEQLEN = shipped_limit
+            routing.GLUON_FWD_MIN_MASKED_SEQLEN = shipped_limit
             for impl, part, fn in (("flex", "fwd", fx_fwd), ("flex", "fwd+bwd", fx_total)):
                 b, h, g = measure(fn, args.rep_ms)
                 print(f"{s:>6} {name:<22} {impl:<18} {part:<8} {b:7.3f} {h:7.3f} {g:7.3f}")
@@ -181,7 +182,8 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
     from triton.runtime.jit import JITFunction
 
     from flashmask import kernels
-    from flashmask.kernels import gluon_bwd, gluon_fwd
+    from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+    from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
     totals: dict[str, list[float]] = {}
     active: set[str] = set()
@@ -206,14 +208,14 @@ def host_breakdown(q, k, v, do, mask, causal, fresh: bool, repeats: int = 50):
         (kernels, "forward", "kernels.forward"),
         (kernels, "backward", "kernels.backward"),
         (kernels, "prepare_cached", "kernels.prepare_cached"),
-        (kernels, "prepare_forward", "kernels.prepare_forward"),
-        (kernels, "program_orders", "kernels.program_orders"),
-        (kernels, "backward_delta", "kernels.backward_delta (incl. launch)"),
+        (kernels, "prepare_forward", "forward_launcher.prepare_plan"),
+        (kernels, "program_orders", "preparation.program_orders"),
+        (kernels, "backward_delta", "backward_launcher.backward_delta (incl. launch)"),
         (gluon_bwd, "launch", "gluon_bwd.launch"),
         (gluon_fwd, "forward", "gluon_fwd.forward"),
-        (kernels, "_summarize", "kernels._summarize"),
-        (kernels, "_build_lists", "kernels._build_lists"),
-        (kernels, "_launch_program_orders", "kernels._launch_program_orders"),
+        (kernels, "_summarize", "preparation._summarize"),
+        (kernels, "_build_lists", "preparation._build_lists"),
+        (kernels, "_launch_program_orders", "preparation._launch_program_orders"),
         # Each launch: kernels.launch's cached path, and Triton's own where it falls back. The
         # modules call launch_kernel through their own global, so each is wrapped there.
         *(

@@ -29,7 +29,9 @@ import torch
 from bench_cases import case_parser, mask_case
 
 from flashmask import bench, flashmask_attention
-from flashmask.kernels import clear_prepared, gluon_bwd, gluon_fwd, launch
+from flashmask.kernels import clear_prepared, launch
+from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 
 
 def per_call_us(fn, repeats: int = 200, rounds: int = 5) -> float:

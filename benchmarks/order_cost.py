@@ -1,6 +1,6 @@
 """What a new mask's preparation costs on the GPU with the kernels' launch orders, as
 ``flashmask bench`` measures it (``bench._gpu_time``: device time with the host queued ahead):
-the lists alone, the lists and both orders in one launch (``kernels.program_orders``, what a
+the lists alone, the lists and both orders in one launch (``preparation.program_orders``, what a
 forward that a Gluon backward follows does), and the lists and the orders in two launches; and
 whether the kernel's orders equal ``tiles.program_order``'s (the oracle) at these sizes.
 Needs a CUDA GPU::
@@ -15,6 +15,7 @@ from bench_cases import case_parser
 
 from flashmask import kernels, masks
 from flashmask.bench import _gpu_time
+from flashmask.kernels import preparation, routing
 
 
 def main() -> None:
@@ -24,8 +25,8 @@ def main() -> None:
     d = 128
     heads = args.hidden // d
     device = torch.device("cuda")
-    fwd_shape = (kernels.GLUON_FWD_TILE, kernels.GLUON_FWD_TILE, True)
-    bwd_shape = (kernels.GLUON_BWD_QUERIES, kernels.gluon_backward_keys(d), False)
+    fwd_shape = (routing.GLUON_FWD_TILE, routing.GLUON_FWD_TILE, True)
+    bwd_shape = (routing.GLUON_BWD_QUERIES, routing.gluon_backward_keys(d), False)
     for seqlen in args.seqlens:
         batch = max(1, args.tokens // seqlen)
         for name in args.masks:
@@ -40,16 +41,16 @@ def main() -> None:
 
             def one_launch():
                 rows, cols = lists()
-                kernels.program_orders([(rows, heads, True), (cols, args.kv_heads, False)])
+                preparation.program_orders([(rows, heads, True), (cols, args.kv_heads, False)])
 
             def two_launches():
                 rows, cols = lists()
-                kernels.program_order(rows, heads, True)
-                kernels.program_order(cols, args.kv_heads, False)
+                preparation.program_order(rows, heads, True)
+                preparation.program_order(cols, args.kv_heads, False)
 
             # The kernel's orders against the oracle's (torch ops) at this size.
             rows, cols = lists()
-            got = kernels.program_orders([(rows, heads, True), (cols, args.kv_heads, False)])
+            got = preparation.program_orders([(rows, heads, True), (cols, args.kv_heads, False)])
             want = [
                 kernels.tiles.program_order(rows.counts, heads, True),
                 kernels.tiles.program_order(cols.counts, args.kv_heads, False),

@@ -1,5 +1,5 @@
-"""The launch order of the attention kernels' programs (``kernels.program_order``: longest
-lists first, by bit length) against the grid's natural order (``kernels.PROGRAM_ORDER`` off),
+"""The launch order of the attention kernels' programs (``preparation.program_order``: longest
+lists first, by bit length) against the grid's natural order (``preparation.PROGRAM_ORDER`` off),
 on the H200, per mask, length and head layout (multi-head and grouped-query).
 
 For each case: the forward and forward+backward of ``flashmask_attention`` with its mask
@@ -21,6 +21,7 @@ from bench_cases import _comma_list, case_parser, mask_case, visible_flop
 from flashmask import kernels, masks
 from flashmask.attention import flashmask_attention
 from flashmask.bench import input_gradients
+from flashmask.kernels import preparation
 
 
 def _run(q, k, v, do, mask, causal):
@@ -63,7 +64,7 @@ def main() -> None:
                 )  # fmt: skip
                 results = {}
                 for ordered in (True, False):
-                    kernels.PROGRAM_ORDER = ordered
+                    preparation.PROGRAM_ORDER = ordered
                     kernels.clear_prepared()
                     got = _run(q, k, v, do, mask, causal)
                     fwd = triton.testing.do_bench(
@@ -73,7 +74,7 @@ def main() -> None:
                         lambda: _run(q, k, v, do, mask, causal), rep=args.rep_ms
                     )
                     results[ordered] = (got, fwd, total)
-                kernels.PROGRAM_ORDER = True
+                preparation.PROGRAM_ORDER = True
                 (a, fwd_a, tot_a), (b, fwd_b, tot_b) = results[True], results[False]
                 pairs = zip((a[0], a[2], a[3]), (b[0], b[2], b[3]), strict=True)
                 same = [torch.equal(x, y) for x, y in pairs]
@@ -86,7 +87,7 @@ def main() -> None:
                 start, end = torch.cuda.Event(True), torch.cuda.Event(True)
                 start.record()
                 for _ in range(10):
-                    kernels._launch_program_orders([(lists_f[0], heads, True)])
+                    preparation._launch_program_orders([(lists_f[0], heads, True)])
                 end.record()
                 torch.cuda.synchronize()
                 order_us = start.elapsed_time(end) / 10 * 1e3

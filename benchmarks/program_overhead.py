@@ -26,6 +26,7 @@ import triton
 from bench_cases import visible_flop
 
 from flashmask import kernels, masks
+from flashmask.kernels import routing
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -56,10 +57,10 @@ def main() -> None:
     scale = d**-0.5
     cfg = kernels.tile_config(d, has_mask=True)
     triton_bwd = replace(cfg, bwd_gluon=False)
-    limit = kernels.GLUON_FWD_MIN_MASKED_SEQLEN
+    limit = routing.GLUON_FWD_MIN_MASKED_SEQLEN
     # Each kernel's own list shape (row lists for a forward, column lists for a backward).
-    gluon_fwd_shape = (kernels.GLUON_FWD_TILE, kernels.gluon_forward_tiles(d)[0], True)
-    gluon_bwd_shape = (kernels.GLUON_BWD_QUERIES, kernels.GLUON_BWD_KEYS, False)
+    gluon_fwd_shape = (routing.GLUON_FWD_TILE, routing.gluon_forward_tiles(d)[0], True)
+    gluon_bwd_shape = (routing.GLUON_BWD_QUERIES, routing.GLUON_BWD_KEYS, False)
     variants = {
         "triton fwd": (cfg.fwd_m, cfg.fwd_n, True),
         "gluon fwd": gluon_fwd_shape,
@@ -73,11 +74,11 @@ def main() -> None:
         sri = mask.startend_row_indices.cuda()
         flop = visible_flop(mask, True, s, d, h, b, 4.0)
         line = f"S={s} window {window + 1:5d}"
-        kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 1 << 30
+        routing.GLUON_FWD_MIN_MASKED_SEQLEN = 1 << 30
         out, lse = kernels.forward(q, k, v, sri, True, scale, config=cfg)
         for name, shape in variants.items():
             tile_rows, tile_cols, _ = shape
-            kernels.GLUON_FWD_MIN_MASKED_SEQLEN = 0 if name == "gluon fwd" else 1 << 30
+            routing.GLUON_FWD_MIN_MASKED_SEQLEN = 0 if name == "gluon fwd" else 1 << 30
             if name.endswith("fwd"):
 
                 def run(sri=sri):
@@ -104,7 +105,7 @@ def main() -> None:
                 f" | {name} {ms:.3f} ms ({pass_flop / ms / 1e9:.0f} TF/s) {programs} programs of "
                 f"{tiles:.1f} {tile_rows}x{tile_cols} tiles"
             )
-        kernels.GLUON_FWD_MIN_MASKED_SEQLEN = limit
+        routing.GLUON_FWD_MIN_MASKED_SEQLEN = limit
         print(line, flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, pts in points.items():

@@ -34,7 +34,9 @@ from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashmask import kernels
-from flashmask.kernels import attention_bwd, attention_fwd, mask_prep
+from flashmask.kernels import mask_prep, tensors
+from flashmask.kernels.triton_kernels import backward as attention_bwd
+from flashmask.kernels.triton_kernels import forward as attention_fwd
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {
@@ -205,7 +207,7 @@ def launches(
     }[variant]
     deterministic = not cfg.atomic_dq
     # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
-    kernels._tma_usable = lambda tensors: True
+    tensors.tma_usable = lambda tensors: True
     # Every variant's own preparation launches (the launchers keep no-mask lists between calls).
     kernels.clear_prepared()
     with Capture() as cap:

@@ -23,6 +23,7 @@ import torch
 import triton
 
 from flashmask import bench, kernels, masks
+from flashmask.kernels import tensors
 
 # (BLOCK_M, BLOCK_N, warps, stages) per head dim: the shipped shapes and the square ones.
 SHAPES = {64: [(128, 64, 8, 3), (64, 64, 4, 3)], 128: [(128, 128, 8, 2), (64, 64, 4, 3)]}
@@ -63,7 +64,7 @@ def main() -> None:
                     "tma 2-D": replace(base, fwd_tma=True, fwd_tma_flat=True),
                 }
                 ref = None
-                if not kernels._tma_tiles_safe(bm, bn, d):
+                if not tensors.tma_tiles_safe(bm, bn, d):
                     del variants["tma 4-D"]  # square tiles: the launcher keeps pointer loads
                 for label, cfg in variants.items():
                     out, lse = kernels.forward(q, k, v, sri, causal, d**-0.5, config=cfg)

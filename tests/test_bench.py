@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from flashmask import masks
 from flashmask.bench import Row, _markdown, input_gradients, visible_flop, visible_pairs
+from flashmask.kernels import hardware
 from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
 
 
@@ -97,12 +98,12 @@ def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
     from flashmask import kernels
     from flashmask.bench import _tile_configs
 
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 99 * 1024)
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    monkeypatch.setattr(hardware, "device_shared_memory", lambda device: 99 * 1024)
     configs = _tile_configs([128])
     assert set(configs) == {"D128/mask", "D128/no mask"}
     assert configs["D128/no mask"]["fwd_m"] == kernels.compact_tile_config(128).fwd_m
-    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 227 * 1024)
+    monkeypatch.setattr(hardware, "device_shared_memory", lambda device: 227 * 1024)
     hopper = _tile_configs([64])["D64/no mask"]
     assert hopper["fwd_m"] == 128  # the H200's no-mask forward at hd64: taller tiles
 

@@ -347,13 +347,8 @@ def run_case(
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def run_flashmask() -> None:
-        from flashmask.kernels import (
-            clear_prepared,
-            device_shared_memory,
-            forward_preparation,
-            prepare_forward,
-            tile_config,
-        )
+        from flashmask.kernels import clear_prepared, device_shared_memory, tile_config
+        from flashmask.kernels.forward_launcher import plan_forward, prepare_plan
 
         sri = mask.startend_row_indices if mask is not None else None
         cfg = tile_config(
@@ -362,11 +357,11 @@ def run_case(
         # What one forward + backward of a new mask prepares, as the launchers do it (the lists
         # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
         # and the backward's in one call, then the launch orders in one launch.
-        shapes, orders = forward_preparation(q, k, v, sri, head_dim**-0.5, False, cfg)
+        plan = plan_forward(q, k, v, sri, head_dim**-0.5, False, cfg)
 
         def prep():
             clear_prepared()
-            prepare_forward(sri, causal, seqlen, seqlen, batch, device, shapes, orders)
+            prepare_plan(plan, sri, causal, seqlen, seqlen, batch, device)
 
         # Each timed call prepares its mask, as a model's first layer does (later layers and
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.

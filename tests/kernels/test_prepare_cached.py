@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # before anything imports triton (tests/conft
 import pytest
 
 from flashmask import kernels
-from flashmask.kernels import TileConfig
+from flashmask.kernels import TileConfig, forward_launcher, preparation, routing
 from tests.kernels.test_tiles import _assert_lists_equal, _count_launches
 
 pytestmark = pytest.mark.filterwarnings(
@@ -70,7 +70,7 @@ def test_layers_sharing_a_mask_prepare_it_once(monkeypatch):
     for _ in range(3):
         again = _layer(sri)
     assert counts == {"summarize_kernel": 1, "tile_list_kernel": 2}
-    kernels._PREPARED.clear()
+    preparation._PREPARED.clear()
     fresh = _layer(sri)
     for a, b in zip(first + again, fresh + fresh, strict=True):
         assert torch.equal(a, b)
@@ -124,16 +124,16 @@ def test_freed_masks_are_forgotten_and_few_are_kept():
     masks are held (a dataset of masks kept on the device must not pin all their lists)."""
     sri = _mask()
     kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
-    assert len(kernels._PREPARED) == 1
+    assert len(preparation._PREPARED) == 1
     del sri
     gc.collect()
-    assert len(kernels._PREPARED) == 0
-    held = [_mask(seed=i) for i in range(kernels.PREPARED_CAPACITY + 3)]
+    assert len(preparation._PREPARED) == 0
+    held = [_mask(seed=i) for i in range(preparation.PREPARED_CAPACITY + 3)]
     for sri in held:
         kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])
-    assert len(kernels._PREPARED) == kernels.PREPARED_CAPACITY
-    assert list(kernels._PREPARED.tensor_ids()) == [
-        id(t) for t in held[-kernels.PREPARED_CAPACITY :]
+    assert len(preparation._PREPARED) == preparation.PREPARED_CAPACITY
+    assert list(preparation._PREPARED.tensor_ids()) == [
+        id(t) for t in held[-preparation.PREPARED_CAPACITY :]
     ]
 
 
@@ -156,7 +156,7 @@ def test_lists_without_a_mask_are_built_once_per_call_parameters(monkeypatch):
 def test_lists_without_a_mask_keep_the_last_few_parameter_sets_and_clear(monkeypatch):
     counts = _count_launches(monkeypatch)
     call = dict(causal=False, seqlen_k=SK, batch=1, device=DEVICE, shapes=[(16, 16, False)])
-    lengths = [16 * (i + 1) for i in range(kernels.UNMASKED_CAPACITY + 1)]
+    lengths = [16 * (i + 1) for i in range(preparation.UNMASKED_CAPACITY + 1)]
     for seqlen_q in lengths:
         kernels.prepare_cached(None, seqlen_q=seqlen_q, **call)
     assert counts["tile_list_kernel"] == len(lengths)
@@ -176,7 +176,7 @@ def test_one_mask_used_with_two_call_parameter_sets_keeps_an_entry_for_each(monk
     call = dict(causal=True, seqlen_q=SQ, seqlen_k=SK, batch=2, device=DEVICE)
     for skip_tiles in (True, False):
         kernels.prepare_cached(sri, shapes=[(16, 16, True)], skip_tiles=skip_tiles, **call)
-    assert len(kernels._PREPARED) == 2
+    assert len(preparation._PREPARED) == 2
     counts = _count_launches(monkeypatch)
     for skip_tiles in (True, False, True):
         kernels.prepare_cached(sri, shapes=[(16, 16, True)], skip_tiles=skip_tiles, **call)
@@ -196,12 +196,12 @@ def test_two_key_tile_widths_are_summarised_in_one_launch(seqlen_k, monkeypatch)
     bounds = torch.empty(2, 1, 4, seqlen_k, dtype=torch.int32, device=DEVICE)
     counts = _count_launches(monkeypatch)
     together: dict[int, torch.Tensor] = {}
-    kernels._summarize(sri, True, SQ, seqlen_k, bounds, together, [16, 32])
+    preparation._summarize(sri, True, SQ, seqlen_k, bounds, together, [16, 32])
     assert counts["summarize_kernel"] == 1
     alone: dict[int, torch.Tensor] = {}
     bounds_alone = torch.empty_like(bounds)
     for width in (16, 32):
-        kernels._summarize(sri, True, SQ, seqlen_k, bounds_alone, alone, [width])
+        preparation._summarize(sri, True, SQ, seqlen_k, bounds_alone, alone, [width])
     assert torch.equal(bounds, bounds_alone)
     for width in (16, 32):
         assert together[width].shape == alone[width].shape
@@ -234,21 +234,21 @@ def test_a_forward_that_a_backward_follows_prepares_the_backwards_lists_too(monk
 
 
 def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations(monkeypatch):
-    """``kernels.program_order`` answers the same tensor for the same lists and grid (every
+    """``preparation.program_order`` answers the same tensor for the same lists and grid (every
     layer's forward shares a mask's lists), another for another grid or another lists, none
     with ``PROGRAM_ORDER`` off; ``clear_prepared`` forgets them."""
     call = dict(causal=True, seqlen_k=SK, batch=2, device=DEVICE, shapes=[(16, 16, True)])
     _, (lists,) = kernels.prepare_cached(None, seqlen_q=SQ, **call)
-    first = kernels.program_order(lists, 4, True)
-    assert kernels.program_order(lists, 4, True) is first
+    first = preparation.program_order(lists, 4, True)
+    assert preparation.program_order(lists, 4, True) is first
     assert torch.equal(first.cpu(), kernels.tiles.program_order(lists.counts, 4, True).cpu())
-    assert kernels.program_order(lists, 2, True) is not first
+    assert preparation.program_order(lists, 2, True) is not first
     _, (shorter,) = kernels.prepare_cached(None, seqlen_q=SQ - 16, **call)
-    assert kernels.program_order(shorter, 4, True).numel() != first.numel()
+    assert preparation.program_order(shorter, 4, True).numel() != first.numel()
     kernels.clear_prepared()
-    assert kernels.program_order(lists, 4, True) is not first
-    monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
-    assert kernels.program_order(lists, 4, True) is None
+    assert preparation.program_order(lists, 4, True) is not first
+    monkeypatch.setattr(preparation, "PROGRAM_ORDER", False)
+    assert preparation.program_order(lists, 4, True) is None
 
 
 def _count_order_launches(monkeypatch) -> list[dict]:
@@ -272,10 +272,10 @@ def test_two_orders_take_one_launch_and_only_the_missing_ones_are_computed(monke
         None, seqlen_q=SQ, shapes=[(16, 16, True), (16, 16, False)], **call
     )
     launches = _count_order_launches(monkeypatch)
-    fwd, bwd = kernels.program_orders([(rows, 4, True), (cols, 2, False)])
+    fwd, bwd = preparation.program_orders([(rows, 4, True), (cols, 2, False)])
     assert len(launches) == 1 and launches[0]["HAS_B"]
-    assert kernels.program_order(cols, 2, False) is bwd and len(launches) == 1
-    again, other = kernels.program_orders([(rows, 4, True), (cols, 4, False)])
+    assert preparation.program_order(cols, 2, False) is bwd and len(launches) == 1
+    again, other = preparation.program_orders([(rows, 4, True), (cols, 4, False)])
     assert again is fwd and len(launches) == 2 and not launches[1]["HAS_B"]
     assert torch.equal(other.cpu(), kernels.tiles.program_order(cols.counts, 4, False).cpu())
 
@@ -284,7 +284,7 @@ def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeyp
     """Inputs that require grad and a backward routed to the Gluon kernel: the forward
     computes its order and the backward's in one launch, which the backward then finds."""
     sri = _mask()
-    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, SQ, 4, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkv")
     k, v = k[:, :SK, :2].contiguous(), v[:, :SK, :2].contiguous()
@@ -292,31 +292,31 @@ def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeyp
     kernels.forward(q.requires_grad_(), k, v, sri, True, 0.25)
     assert len(launches) == 1 and launches[0]["HAS_B"]
     config = kernels.tile_config(16, has_mask=True)
-    shape = kernels._backward_shapes(True, False, 16, config)[0]
+    shape = routing.backward_shapes(True, False, 16, config)[0]
     _, (cols,) = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [shape])
-    bwd = kernels.program_order(cols, 2, False)
+    bwd = preparation.program_order(cols, 2, False)
     assert len(launches) == 1  # found, not computed again
     assert torch.equal(bwd.cpu(), kernels.tiles.program_order(cols.counts.cpu(), 2, False))
 
 
 @pytest.mark.parametrize("gluon_backward", [False, True], ids=["triton-bwd", "gluon-bwd"])
 def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, monkeypatch):
-    """``kernels.forward_preparation`` (what ``flashmask bench`` times as a new mask's
-    preparation, through ``kernels.prepare_forward``) is exactly what a forward with inputs
+    """``forward_launcher.plan_forward`` (what ``flashmask bench`` times as a new mask's
+    preparation, through ``forward_launcher.prepare_plan``) is exactly what a forward with inputs
     requiring grad prepares: after that forward, preparing it launches nothing, and its
     orders are the forward's and, before the Gluon backward only, the backward's."""
     sri = _mask(seed=8)
-    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: gluon_backward)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: gluon_backward)
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, SQ, 4, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkv")
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     q.requires_grad_()
     config = kernels.tile_config(16, has_mask=True)
-    shapes, orders = kernels.forward_preparation(q, k, v, sri, 0.25, False, config)
+    shapes, orders = forward_launcher.plan_forward(q, k, v, sri, 0.25, False, config)
     kernels.forward(q, k, v, sri, True, 0.25, config=config)
     launches = _count_launches(monkeypatch)
     order_launches = _count_order_launches(monkeypatch)
-    kernels.prepare_forward(sri, True, SQ, SK, 2, DEVICE, shapes, orders)
+    forward_launcher.prepare_plan(sri, True, SQ, SK, 2, DEVICE, shapes, orders)
     assert launches == {"summarize_kernel": 0, "tile_list_kernel": 0} and not order_launches
     assert orders[0] == (shapes[0], (4, True))
     assert len(orders) == 1 + gluon_backward

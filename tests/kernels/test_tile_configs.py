@@ -20,7 +20,9 @@ import pytest
 from triton.runtime.errors import OutOfResources
 
 from flashmask import kernels
-from flashmask.kernels import TileConfig, attention_bwd, attention_fwd
+from flashmask.kernels import TileConfig, config, hardware, tensors
+from flashmask.kernels.triton_kernels import backward as attention_bwd
+from flashmask.kernels.triton_kernels import forward as attention_fwd
 
 INTERPRETER_WARNING = "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,7 +32,7 @@ KB = 1024
 @pytest.fixture
 def not_interpreting(monkeypatch):
     """``tile_config`` as on a GPU (under the interpreter it always returns 16x16 tiles)."""
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
@@ -70,9 +72,9 @@ def test_hopper_forward_uses_tma_only_where_measured_faster_and_safe(not_interpr
         cfg = kernels.tile_config(head_dim, has_mask=has_mask)
         assert cfg.fwd_tma == (head_dim == 128)
         assert not cfg.fwd_tma_flat
-        block_d = kernels._block_d(head_dim)
+        block_d = tensors.padded_head_dim(head_dim)
         if cfg.fwd_tma:
-            assert kernels._tma_tiles_safe(cfg.fwd_m, cfg.fwd_n, block_d)
+            assert tensors.tma_tiles_safe(cfg.fwd_m, cfg.fwd_n, block_d)
     assert not kernels.compact_tile_config(head_dim).fwd_tma
 
 
@@ -130,7 +132,7 @@ def limited_gpu(monkeypatch):
         monkeypatch.setattr(module, name, limits[name])
     too_large = TileConfig(32, 32, 4, 2, 32, 32, 4, 2, 32, 32, 4, 2)
     monkeypatch.setattr(kernels, "tile_config", lambda *a, **k: too_large)
-    monkeypatch.setattr(kernels, "_FITTED", {})
+    monkeypatch.setattr(config, "_FITTED", {})
     return limits
 
 
@@ -156,7 +158,7 @@ def test_default_tiles_shrink_until_they_fit_and_are_remembered(limited_gpu):
     # Refused: 32x32 with two stages, then 32x32 with one; 16x16 with one stage ran.
     assert limited_gpu["flashmask_fwd_kernel"].refused == 2
     fitted = TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
-    assert list(kernels._FITTED.values()) == [fitted]
+    assert list(config._FITTED.values()) == [fitted]
     # The same bits as asking for the fitted tiles directly.
     expected = _forward_backward(config=fitted)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results, expected, strict=True):
@@ -171,7 +173,7 @@ def test_default_tiles_shrink_until_they_fit_and_are_remembered(limited_gpu):
 def test_an_explicit_config_is_never_changed(limited_gpu):
     with pytest.raises(OutOfResources):
         _forward_backward(config=TileConfig(32, 32, 4, 1, 32, 32, 4, 1, 32, 32, 4, 1))
-    assert kernels._FITTED == {}
+    assert config._FITTED == {}
 
 
 @pytest.mark.parametrize(
@@ -181,5 +183,5 @@ def test_an_explicit_config_is_never_changed(limited_gpu):
 def test_gpus_older_than_ampere_run_the_reference(monkeypatch, capability, supported):
     """Compute capability < 8.0 (V100, T4): the kernels are not used (the exact reference runs)
     rather than failing inside Triton's compiler."""
-    monkeypatch.setattr(kernels, "_capability_of", lambda index: capability)
+    monkeypatch.setattr(hardware, "capability_of", lambda index: capability)
     assert kernels.device_supported(torch.device("cuda", 0)) is supported

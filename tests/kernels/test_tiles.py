@@ -32,7 +32,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flashmask import kernels
-from flashmask.kernels import mask_prep, tiles
+from flashmask.kernels import mask_prep, preparation, tiles
 from flashmask.mask import ColumnIntervals, FlashMask, TileClass, dense_rows
 from tests.strategies import FORM_IDS, FORMS, Form, flashmasks, random_cases
 
@@ -330,8 +330,8 @@ def test_the_order_kernel_sorts_as_the_oracle(
     :func:`tiles.program_order`'s order, counting and placing in one step or many, with grid
     heads reading one mask head or several each, an empty list and lengths from 0 to past a
     power of two (and around 2**20)."""
-    monkeypatch.setattr(kernels, "ORDER_COUNT_CHUNK", chunks[0])
-    monkeypatch.setattr(kernels, "ORDER_PLACE_CHUNK", chunks[1])
+    monkeypatch.setattr(preparation, "ORDER_COUNT_CHUNK", chunks[0])
+    monkeypatch.setattr(preparation, "ORDER_PLACE_CHUNK", chunks[1])
     gen = torch.Generator().manual_seed(_seed(f"order-kernel-{batch}-{num_tiles}-{chunks}"))
     counts = torch.randint(0, 70, (batch, mask_heads, num_tiles), generator=gen)
     counts[0, 0, 0] = 0
@@ -340,11 +340,11 @@ def test_the_order_kernel_sorts_as_the_oracle(
     counts = counts.to(torch.int32)
     want = tiles.program_order(counts, grid_heads, reverse_tiles)
     lists = tiles.TileLists(counts, counts.to(DEVICE), counts)  # only the counts are read
-    (got,) = kernels._launch_program_orders([(lists, grid_heads, reverse_tiles)])
+    (got,) = preparation._launch_program_orders([(lists, grid_heads, reverse_tiles)])
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
     # Two orders in one launch (a forward's and its backward's): each as alone.
     other = tiles.TileLists(counts, counts[..., :3].contiguous().to(DEVICE), counts)
-    first, second = kernels._launch_program_orders(
+    first, second = preparation._launch_program_orders(
         [(lists, grid_heads, reverse_tiles), (other, 2 * grid_heads, not reverse_tiles)]
     )
     assert torch.equal(first.cpu(), want)

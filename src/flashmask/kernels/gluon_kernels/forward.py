@@ -56,9 +56,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_FWD_TILE
-from flashmask.kernels.attention_fwd import LOG2E_VALUE
+from flashmask.kernels.config import GLUON_FWD_TILE
 from flashmask.kernels.launch import launch_kernel
+from flashmask.kernels.triton_kernels.forward import LOG2E_VALUE
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
 # async_load.

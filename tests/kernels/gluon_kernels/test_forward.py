@@ -1,4 +1,4 @@
-"""The Gluon forward (``flashmask.kernels.gluon_fwd``): where the launcher uses it, and that it
+"""The Gluon forward (``flashmask.kernels.gluon_kernels.forward``): where the launcher uses it, and that it
 compiles for Hopper into a warp-specialised kernel.
 
 Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():  # before anything imports triton
 import pytest
 
 from flashmask import kernels, masks
-from flashmask.kernels import tiles
+from flashmask.kernels import hardware, routing, tensors, tiles
 from tests.kernels.sm90_compile import ROOT, compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
@@ -40,8 +40,8 @@ def _qkv(batch=2, seqlen_q=256, seqlen_k=384, heads=4, kv_heads=2, head_dim=128,
 def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples():
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 128, 256):
-            assert kernels.gluon_forward_eligible(*_qkv(head_dim=head_dim, dtype=dtype), HOPPER)
-    assert kernels.gluon_forward_eligible(*_qkv(), (9, 0))
+            assert routing.gluon_forward_eligible(*_qkv(head_dim=head_dim, dtype=dtype), HOPPER)
+    assert routing.gluon_forward_eligible(*_qkv(), (9, 0))
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_eligible_inputs_hopper_fp16_bf16_head_dims_64_128_tile_multiples():
     ],
 )
 def test_ineligible_inputs(why, args, capability):
-    assert not kernels.gluon_forward_eligible(*args, capability), why
+    assert not routing.gluon_forward_eligible(*args, capability), why
 
 
 def test_any_layout_is_eligible_and_reaches_the_kernel_contiguous_and_aligned():
@@ -67,82 +67,84 @@ def test_any_layout_is_eligible_and_reaches_the_kernel_contiguous_and_aligned():
     q, k, v = _qkv()
     transposed = torch.randn(2, 4, 256, 128).to(q.dtype).transpose(1, 2)  # [B, S, H, D] view
     assert not transposed.is_contiguous()
-    assert kernels.gluon_forward_eligible(transposed, k, v, HOPPER)
-    assert not kernels.gluon_forward_eligible(q, k.half(), v, HOPPER)  # one dtype
-    ready = kernels.tma_ready(transposed)
+    assert routing.gluon_forward_eligible(transposed, k, v, HOPPER)
+    assert not routing.gluon_forward_eligible(q, k.half(), v, HOPPER)  # one dtype
+    ready = tensors.tma_ready(transposed)
     assert ready.is_contiguous() and ready.data_ptr() % 16 == 0
     assert torch.equal(ready, transposed)
-    assert kernels.tma_ready(q) is q  # already contiguous and aligned: no copy
+    assert tensors.tma_ready(q) is q  # already contiguous and aligned: no copy
     # A contiguous tensor starting 2 bytes into its storage: TMA needs 16-byte aligned bases.
     shifted = torch.arange(q.numel() + 1, dtype=torch.float32).to(q.dtype)[1:].view(q.shape)
     assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
-    ready = kernels.tma_ready(shifted)
+    ready = tensors.tma_ready(shifted)
     assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)
 
 
 def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeypatch):
     q, k, v = _qkv()
     cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    assert not kernels._use_gluon_forward(q, k, v, 0.1, False, cfg)  # CPU tensors
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    assert not routing.use_gluon_forward(q, k, v, 0.1, False, cfg)  # CPU tensors
     # As if on an H200: the device test is the only thing standing between CPU and the kernel.
-    monkeypatch.setattr(kernels, "_capability_of", lambda index: HOPPER)
-    monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
-    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
+    monkeypatch.setattr(hardware, "capability_of", lambda index: HOPPER)
+    monkeypatch.setattr(hardware, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
     on_gpu = [x.to("meta") for x in (q, k, v)]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
-    assert kernels._use_gluon_forward(*on_gpu, 0.1, False, cfg)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.0, False, cfg)  # row max over unscaled scores
-    assert not kernels._use_gluon_forward(*on_gpu, -0.1, False, cfg)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.1, False, replace(cfg, fwd_gluon=False))
-    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
-    assert not kernels._use_gluon_forward(*on_gpu, 0.1, False, cfg)
+    assert routing.use_gluon_forward(*on_gpu, 0.1, False, cfg)
+    assert not routing.use_gluon_forward(*on_gpu, 0.0, False, cfg)  # row max over unscaled scores
+    assert not routing.use_gluon_forward(*on_gpu, -0.1, False, cfg)
+    assert not routing.use_gluon_forward(*on_gpu, 0.1, False, replace(cfg, fwd_gluon=False))
+    monkeypatch.setattr(hardware, "interpreting", lambda: True)
+    assert not routing.use_gluon_forward(*on_gpu, 0.1, False, cfg)
 
 
 def test_without_the_gluon_api_the_triton_kernels_run_with_one_warning(monkeypatch):
     """An older Triton (no Gluon Hopper API): the modules fail to import; the launchers must
     then take the Triton kernels, not fail."""
-    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_fwd", None)  # import fails
-    kernels.gluon_available.cache_clear()
+    monkeypatch.setitem(
+        sys.modules, "flashmask.kernels.gluon_kernels.forward", None
+    )  # import fails
+    routing.gluon_available.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="Gluon kernels are unavailable"):
-            assert not kernels.gluon_available()
+            assert not routing.gluon_available()
         q, k, v = _qkv()
         cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
-        monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
-        assert kernels.gluon_forward_eligible(q, k, v, HOPPER)
-        assert not kernels._use_gluon_forward(q, k, v, 0.1, False, cfg)
+        monkeypatch.setattr(hardware, "gpu_capability", lambda q: HOPPER)
+        assert routing.gluon_forward_eligible(q, k, v, HOPPER)
+        assert not routing.use_gluon_forward(q, k, v, 0.1, False, cfg)
     finally:
-        kernels.gluon_available.cache_clear()
+        routing.gluon_available.cache_clear()
 
 
 def test_with_a_mask_only_from_8k_keys(monkeypatch):
     """At 4K its 128x128 tiles lost to the Triton forward's 64x64 ones on four sparse masks of
     ten; from 8K keys (one program per SM taking the tiles) it won on seven to nine of ten and
     took 11-13% less time over the ten. Without a mask it is used at every length."""
-    assert kernels.GLUON_FWD_MIN_MASKED_SEQLEN == 8192
+    assert routing.GLUON_FWD_MIN_MASKED_SEQLEN == 8192
     cfg = replace(kernels.tile_config(128), fwd_gluon=True)
-    monkeypatch.setattr(kernels, "_gpu_capability", lambda q: HOPPER)
-    monkeypatch.setattr(kernels, "gluon_available", lambda: True)
+    monkeypatch.setattr(hardware, "gpu_capability", lambda q: HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
     short = _qkv(seqlen_q=8192, seqlen_k=4096)
-    long = _qkv(seqlen_q=256, seqlen_k=kernels.GLUON_FWD_MIN_MASKED_SEQLEN)
-    assert kernels._use_gluon_forward(*short, 0.1, False, cfg)  # no mask: any length
-    assert not kernels._use_gluon_forward(*short, 0.1, True, cfg)
-    assert kernels._use_gluon_forward(*long, 0.1, True, cfg)
+    long = _qkv(seqlen_q=256, seqlen_k=routing.GLUON_FWD_MIN_MASKED_SEQLEN)
+    assert routing.use_gluon_forward(*short, 0.1, False, cfg)  # no mask: any length
+    assert not routing.use_gluon_forward(*short, 0.1, True, cfg)
+    assert routing.use_gluon_forward(*long, 0.1, True, cfg)
     # gpu_check --gluon-everywhere:
-    monkeypatch.setattr(kernels, "GLUON_FWD_MIN_MASKED_SEQLEN", 0)
-    assert kernels._use_gluon_forward(*short, 0.1, True, cfg)
+    monkeypatch.setattr(routing, "GLUON_FWD_MIN_MASKED_SEQLEN", 0)
+    assert routing.use_gluon_forward(*short, 0.1, True, cfg)
 
 
 def test_key_tiles_and_slots_per_head_dim(monkeypatch):
     """128-key tiles in three K/V slots up to D = 128 (``GLUON_FWD_SLOTS``, which a check of the
     two-Q-buffer form sets to 2), 64-key tiles in two at D = 256."""
-    assert [kernels.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
+    assert [routing.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
         (128, 3), (128, 3), (64, 2)
     ]  # fmt: skip
-    monkeypatch.setattr(kernels, "GLUON_FWD_SLOTS", 2)
-    assert [kernels.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
+    monkeypatch.setattr(routing, "GLUON_FWD_SLOTS", 2)
+    assert [routing.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
         (128, 2), (128, 2), (64, 2)
     ]  # fmt: skip
 
@@ -151,11 +153,11 @@ def test_key_tiles_and_slots_per_head_dim(monkeypatch):
 def test_default_tiles_use_it_at_head_dim_128_and_without_a_mask_at_64(monkeypatch, head_dim):
     """Measured faster on the H200 at hd128 (with a mask from 8K keys, the launcher's rule)
     and at hd64 on full and causal attention; at hd64 it lost on masks, at hd256 everywhere."""
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
     assert kernels.tile_config(head_dim, has_mask=True).fwd_gluon == (head_dim == 128)
     assert kernels.tile_config(head_dim, has_mask=False).fwd_gluon == (head_dim in (64, 128))
     assert not kernels.compact_tile_config(head_dim).fwd_gluon
-    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
+    monkeypatch.setattr(hardware, "interpreting", lambda: True)
     assert not kernels.tile_config(head_dim, has_mask=False).fwd_gluon
 
 
@@ -173,7 +175,7 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
     }  # fmt: skip
     assert len(variants) == 24
     assert {v[7] for v in variants} == {1, 2}  # two Q buffers: prepared, off
-    assert {v[0] for v in variants} == set(kernels.GLUON_FWD_HEAD_DIMS)
+    assert {v[0] for v in variants} == set(routing.GLUON_FWD_HEAD_DIMS)
     assert {v[4] for v in variants} == {64, 128}
     assert {v[5] for v in variants} == {"bf16", "fp16"}
     assert {v[6] for v in variants} == {2, 3}
@@ -203,7 +205,7 @@ def _ships_tma_o(report: dict) -> bool:
 # before anything is launched.
 _O_TMA_CHECK = """
 import json
-from flashmask.kernels import gluon_fwd
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 errors = {}
 for value in (3, -1):
     gluon_fwd.O_TMA = value
@@ -227,7 +229,7 @@ def test_launcher_refuses_an_o_store_form_it_does_not_have():
 # persistent form's constants, before anything is launched.
 _PERSISTENT_CHECK = """
 import json, torch
-from flashmask.kernels import gluon_fwd
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 errors = {}
 for name, value in (
     ("PERSISTENT", 2), ("MAX_PROGRAMS", -1), ("MAX_PROGRAMS", 2.5), ("Q_BUFFERS", 3)
@@ -269,7 +271,8 @@ def test_launcher_refuses_persistent_settings_it_does_not_have():
 # launch itself recorded instead of run.
 _GRID_CHECK = """
 import json, torch
-from flashmask.kernels import gluon_fwd, tiles
+from flashmask.kernels import tiles
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 launches = []
 def record(kernel, grid, *args, **kwargs):
     # ..., num_items, next-item counter (the lists' counts stand in where none is read)
@@ -306,7 +309,7 @@ _O_TMA_OPTION = """
 import argparse, json, sys
 sys.path.insert(0, BENCHMARKS)
 from bench_cases import add_o_tma_option, apply_o_tma_option
-from flashmask.kernels import gluon_fwd
+from flashmask.kernels.gluon_kernels import forward as gluon_fwd
 seen = {"shipped": gluon_fwd.O_TMA}
 for argv in ([], ["--gluon-fwd-o-tma", "0"], ["--gluon-fwd-o-tma", "3"]):
     parser = argparse.ArgumentParser()
@@ -372,9 +375,9 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward)
-    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_fwd", fake)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_kernels.forward", fake)
     monkeypatch.setattr(kernels, "gluon_fwd", fake, raising=False)
-    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: True)
+    monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: True)
     cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
     q = torch.randn(1, 4, 256, 128, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
     k = torch.randn(1, 384, 2, 128, dtype=torch.float16)
@@ -383,7 +386,7 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert seen["bounds"] is None and seen["hm"] == 1
     assert seen["lists"].entries.shape[-2:] == (2, 3)  # 256 / 128 query tiles, 384 / 128 keys
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
-    assert seen["tiles"] == kernels.gluon_forward_tiles(128) == (128, 3)
+    assert seen["tiles"] == routing.gluon_forward_tiles(128) == (128, 3)
     assert seen["order"] is None  # no mask: the grid's own order
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
@@ -411,8 +414,8 @@ def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
         seen.append(("bwd", masked))
         return False
 
-    monkeypatch.setattr(kernels, "_use_gluon_forward", record_forward)
-    monkeypatch.setattr(kernels, "_use_gluon_backward", record_backward)
+    monkeypatch.setattr(routing, "use_gluon_forward", record_forward)
+    monkeypatch.setattr(routing, "use_gluon_backward", record_backward)
     q = torch.randn(1, 32, 2, 16)
     mask = masks.causal_document([16, 16])
     for sri in (None, mask.startend_row_indices):
@@ -425,28 +428,28 @@ def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
 def test_list_shapes_follow_the_routing(monkeypatch):
     cfg = kernels.TileConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 16, 4, 2)
     q = torch.zeros(1, 256, 2, 128)
-    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: True)
-    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: True)
-    tile = kernels.GLUON_FWD_TILE
-    assert kernels.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(tile, tile, True)]
-    gluon_bwd_lists = [(kernels.GLUON_BWD_QUERIES, kernels.GLUON_BWD_KEYS, False)]
-    assert kernels.backward_list_shapes(q, q, q, q, None, False, cfg) == gluon_bwd_lists
-    monkeypatch.setattr(kernels, "_use_gluon_forward", lambda *args: False)
-    monkeypatch.setattr(kernels, "_use_gluon_backward", lambda *args: False)
-    assert kernels.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(64, 32, True)]
+    monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: True)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
+    tile = routing.GLUON_FWD_TILE
+    assert routing.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(tile, tile, True)]
+    gluon_bwd_lists = [(routing.GLUON_BWD_QUERIES, routing.GLUON_BWD_KEYS, False)]
+    assert routing.backward_list_shapes(q, q, q, q, None, False, cfg) == gluon_bwd_lists
+    monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: False)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: False)
+    assert routing.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(64, 32, True)]
     # The Triton backward: dK/dV lists, plus the dQ pass's unless dQ goes through atomics.
     both = [(32, 64, False), (64, 16, True)]
-    assert kernels.backward_list_shapes(q, q, q, q, None, True, cfg) == both
+    assert routing.backward_list_shapes(q, q, q, q, None, True, cfg) == both
     atomic = replace(cfg, atomic_dq=True)
-    assert kernels.backward_list_shapes(q, q, q, q, None, False, atomic) == both[:1]
-    assert kernels.backward_list_shapes(q, q, q, q, None, True, atomic) == both
+    assert routing.backward_list_shapes(q, q, q, q, None, False, atomic) == both[:1]
+    assert routing.backward_list_shapes(q, q, q, q, None, True, atomic) == both
 
 
 def test_tiles_per_head_dim_fit_the_h200_shared_memory():
     """Q tile plus the K/V slots, in bf16: at most the 227 KB an H200 block may use."""
-    for head_dim in kernels.GLUON_FWD_HEAD_DIMS:
-        key_tile, slots = kernels.gluon_forward_tiles(head_dim)
-        assert kernels.GLUON_FWD_TILE % key_tile == 0  # key tiles divide the lengths it takes
-        q_bytes = kernels.GLUON_FWD_TILE * head_dim * 2
+    for head_dim in routing.GLUON_FWD_HEAD_DIMS:
+        key_tile, slots = routing.gluon_forward_tiles(head_dim)
+        assert routing.GLUON_FWD_TILE % key_tile == 0  # key tiles divide the lengths it takes
+        q_bytes = routing.GLUON_FWD_TILE * head_dim * 2
         kv_bytes = slots * 2 * key_tile * head_dim * 2
         assert q_bytes + kv_bytes <= 227 * 1024, head_dim

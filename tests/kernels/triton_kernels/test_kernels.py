@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace  # noqa: E402
 import pytest  # noqa: E402
 
 from flashmask import kernels  # noqa: E402
-from flashmask.kernels import TileConfig, tiles  # noqa: E402
+from flashmask.kernels import TileConfig, backward_launcher, hardware, preparation, tensors, tiles  # noqa: E402
 from flashmask.mask import FlashMask, TileClass  # noqa: E402
 from flashmask.reference import reference_backward, reference_forward  # noqa: E402
 from tests.tolerance import (  # noqa: E402
@@ -488,7 +488,7 @@ def test_atomic_dq_forms_agree_with_the_deterministic_pass(per_tile, monkeypatch
         x, case.causal, config=replace(base, atomic_dq=True, atomic_dq_tma=per_tile),
         deterministic=False,
     )  # fmt: skip
-    reduce_runs = per_tile and not kernels._interpreting() and TMA_AVAILABLE
+    reduce_runs = per_tile and not hardware.interpreting() and TMA_AVAILABLE
     assert len(built) == (1 if reduce_runs else 0)
     check_against_reference(atomic, x, case.causal, case.id + "-atomic-dq")
     # Only dQ's summation order changes: everything else is bit for bit the deterministic result.
@@ -668,46 +668,46 @@ def test_launch_layout_and_load_masking_change_no_bit(case):
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
 def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
-    """With a mask, the forward's programs in ``kernels.program_orders`` (longest lists first)
+    """With a mask, the forward's programs in ``preparation.program_orders`` (longest lists first)
     against the grid's natural order (``PROGRAM_ORDER`` off): the same bits, since the order
     only moves programs between SMs. Under a causal mask, whose lists differ in length across
     the tiles of every head, the order does reorder them; without a mask none is made."""
     x = make_inputs(case, torch.float16)
     orders = []
-    real = kernels.program_orders
+    real = preparation.program_orders
 
     def recording(requests):
         computed = real(requests)
         orders.append(computed[0])  # the forward's
         return computed
 
-    monkeypatch.setattr(kernels, "program_orders", recording)
+    monkeypatch.setattr(preparation, "program_orders", recording)
     kernels.clear_prepared()
     ordered = run_kernels(x, case.causal)
     assert len(orders) == (x.sri is not None)  # the forward's; the Triton backward takes none
     if orders and case.causal:
         natural = torch.arange(orders[0].numel(), dtype=torch.int32)
         assert not torch.equal(orders[0].cpu(), natural), "lists alike: nothing reordered"
-    monkeypatch.setattr(kernels, "PROGRAM_ORDER", False)
+    monkeypatch.setattr(preparation, "PROGRAM_ORDER", False)
     kernels.clear_prepared()
     natural_run = run_kernels(x, case.causal)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ordered, natural_run, strict=True):
         assert torch.equal(a, b), f"{name} differs with the natural order ({case.id})"
 
 
-TMA_AVAILABLE = not CUDA or torch.cuda.get_device_capability() >= kernels.TMA_CAPABILITY
+TMA_AVAILABLE = not CUDA or torch.cuda.get_device_capability() >= hardware.TMA_CAPABILITY
 
 
 def _count_descriptors(monkeypatch) -> list:
     """Record every TMA descriptor the launchers build (to prove the TMA path ran)."""
     built: list = []
-    real = kernels._row_descriptor
+    real = tensors.row_descriptor
 
     def counting(*args):
         built.append(args)
         return real(*args)
 
-    monkeypatch.setattr(kernels, "_row_descriptor", counting)
+    monkeypatch.setattr(tensors, "row_descriptor", counting)
     return built
 
 
@@ -766,8 +766,8 @@ def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
         x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(square, fwd_tma=False)
     )
     assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
-    assert not kernels._tma_tiles_safe(32, 16, 32) and not kernels._tma_tiles_safe(64, 64, 64)
-    assert kernels._tma_tiles_safe(64, 64, 128)
+    assert not tensors.tma_tiles_safe(32, 16, 32) and not tensors.tma_tiles_safe(64, 64, 64)
+    assert tensors.tma_tiles_safe(64, 64, 128)
 
 
 @pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
@@ -816,9 +816,9 @@ def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
     shifted.copy_(x.q)
     wide = torch.zeros(*x.k.shape[:-1], 12, dtype=x.k.dtype, device=x.k.device)
     narrow = wide[..., :8]  # head dim 8 inside rows of 12: head stride 24 bytes
-    assert not kernels._tma_usable((shifted,))
-    assert not kernels._tma_usable((narrow,))
-    assert kernels._tma_usable((x.q, x.k, x.v)) == TMA_AVAILABLE
+    assert not tensors.tma_usable((shifted,))
+    assert not tensors.tma_usable((narrow,))
+    assert tensors.tma_usable((x.q, x.k, x.v)) == TMA_AVAILABLE
     built = _count_descriptors(monkeypatch)
     config = replace(_tma_tiles(case.head_dim), fwd_tma=True)
     result = run_kernels(replace(x, q=shifted), case.causal, config=config)
@@ -1049,9 +1049,9 @@ def test_delta_kernel_zeros_the_dq_accumulator_it_is_given(with_dlse):
     out, dout = (torch.randn(2, 80, 3, 24, generator=gen).half().to(DEVICE) for _ in range(2))
     dlse = torch.randn(2, 3, 80, generator=gen).to(DEVICE) if with_dlse else None
     accumulator = torch.full(out.shape, float("nan"), device=DEVICE)
-    delta = kernels.backward_delta(out, dout, dlse, accumulator)
+    delta = backward_launcher.backward_delta(out, dout, dlse, accumulator)
     assert torch.equal(accumulator, torch.zeros_like(accumulator))
-    assert torch.equal(delta, kernels.backward_delta(out, dout, dlse))
+    assert torch.equal(delta, backward_launcher.backward_delta(out, dout, dlse))
 
 
 def test_delta_kernel_zeros_the_dq_tile_flags_it_is_given():
@@ -1061,20 +1061,20 @@ def test_delta_kernel_zeros_the_dq_tile_flags_it_is_given():
     gen = torch.Generator().manual_seed(4)
     out, dout = (torch.randn(2, 80, 3, 24, generator=gen).half().to(DEVICE) for _ in range(2))
     flags = torch.full((2, 3, 2), -1, dtype=torch.int32, device=DEVICE)
-    delta = kernels.backward_delta(out, dout, None, dq_flags=flags)
+    delta = backward_launcher.backward_delta(out, dout, None, dq_flags=flags)
     assert torch.equal(flags, torch.zeros_like(flags))
-    assert torch.equal(delta, kernels.backward_delta(out, dout, None))
+    assert torch.equal(delta, backward_launcher.backward_delta(out, dout, None))
     for bad in (torch.zeros(2, 3, 1, dtype=torch.int32), torch.zeros(2, 3, 2)):
         with pytest.raises(ValueError, match="dq_flags"):
-            kernels.backward_delta(out, dout, None, dq_flags=bad.to(DEVICE))
+            backward_launcher.backward_delta(out, dout, None, dq_flags=bad.to(DEVICE))
 
 
 def test_dq_conversion_takes_written_tiles_and_zeros_the_others():
     """``flashmask_dq_convert_kernel``: dQ in the output's dtype from the fp32 accumulator for
     every 64-row tile whose flag is set (1 or 2), zeros for a tile nobody wrote (its
     accumulator rows hold anything, here NaN), the partial last tile (100 rows) included."""
-    from flashmask.kernels.attention_bwd import flashmask_dq_convert_kernel
     from flashmask.kernels.launch import launch_kernel
+    from flashmask.kernels.triton_kernels.backward import flashmask_dq_convert_kernel
 
     gen = torch.Generator().manual_seed(5)
     acc = torch.randn(2, 100, 3, 32, generator=gen).to(DEVICE)
@@ -1103,4 +1103,4 @@ def test_delta_kernel_refuses_an_accumulator_unlike_out():
         torch.zeros(1, 2, 8, 16, device=DEVICE).transpose(1, 2),
     ):
         with pytest.raises(ValueError, match="dq_accumulator"):
-            kernels.backward_delta(out, out, None, bad)
+            backward_launcher.backward_delta(out, out, None, bad)

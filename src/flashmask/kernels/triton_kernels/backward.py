@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmask.kernels.attention_fwd import (
+from flashmask.kernels.triton_kernels.forward import (
     LOG2E,
     element_mask,
     load_rows_tma,

@@ -40,8 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD256_KEYS, gluon_bwd
-from flashmask.kernels.gluon_bwd import (
+from flashmask.kernels.config import GLUON_BWD256_KEYS
+from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+from flashmask.kernels.gluon_kernels.backward import (
     _bwd_dq_writer_partition,
     _bwd_load_partition,
     _head_list,
@@ -54,7 +55,11 @@ from flashmask.kernels.gluon_bwd import (
     transposed_probabilities,
     write_dk_dv,
 )
-from flashmask.kernels.gluon_fwd import launched_program, load_column_bounds, require_form
+from flashmask.kernels.gluon_kernels.forward import (
+    launched_program,
+    load_column_bounds,
+    require_form,
+)
 
 BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
 BLOCK_N = GLUON_BWD256_KEYS  # keys per program

@@ -58,8 +58,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmask.kernels import GLUON_BWD_KEYS, GLUON_BWD_QUERIES, query_chunks
-from flashmask.kernels.gluon_fwd import (
+from flashmask.kernels import query_chunks
+from flashmask.kernels.config import GLUON_BWD_KEYS, GLUON_BWD_QUERIES
+from flashmask.kernels.gluon_kernels.forward import (
     LOG2E,
     LOG2E_VALUE,
     hide_pairs,
@@ -75,7 +76,7 @@ from flashmask.kernels.gluon_fwd import (
     wgmma_layout,
     work_item,
 )
-from flashmask.kernels.gluon_fwd import partition_barrier as _partition_barrier
+from flashmask.kernels.gluon_kernels.forward import partition_barrier as _partition_barrier
 from flashmask.kernels.launch import launch_kernel
 from flashmask.kernels.tiles import TileLists
 
@@ -1649,7 +1650,7 @@ def _launch_once(
     )  # fmt: skip
     if dq_flags is None:
         return dq_accum.to(q.dtype), dk, dv
-    from flashmask.kernels.attention_bwd import flashmask_dq_convert_kernel
+    from flashmask.kernels.triton_kernels.backward import flashmask_dq_convert_kernel
 
     dq = torch.empty_like(q)
     launch_kernel(

@@ -1,0 +1,208 @@
+"""Tile shapes, warps and pipeline stages of the Triton kernels, per head dim and GPU, and the
+shrinking that keeps a default configuration within a GPU's shared memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+
+from flashmask.kernels import hardware
+
+# The Gluon forward (``kernels.gluon_fwd``): its query tile (which also divides every length
+# it takes) and the head dims it compiles for.
+GLUON_FWD_TILE = 128
+GLUON_FWD_HEAD_DIMS = (64, 128, 256)
+
+
+# The Gluon forward's K/V slots up to D = 128 (a check with ``gluon_fwd.Q_BUFFERS = 2``, which
+# fits beside two at D = 128, sets 2: ``benchmarks/gpu_check.py --gluon-fwd-slots 2``).
+GLUON_FWD_SLOTS = 3
+
+
+# The Gluon backward (``kernels.gluon_bwd``; ``kernels.gluon_bwd256`` at D = 256): its query
+# tiles, its key tiles (per program) at D = 64 and 128, and the head dims it compiles for.
+GLUON_BWD_QUERIES = 64
+GLUON_BWD_KEYS = 128
+GLUON_BWD_HEAD_DIMS = (64, 128, 256)
+# At D = 256 a program owns 64 keys (two 128-key dK/dV accumulators would not fit the registers).
+GLUON_BWD256_KEYS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shapes, warps and pipeline stages of the three kernels.
+
+    ``*_m`` is the query-tile height and ``*_n`` the key-tile width of the forward (``fwd_``),
+    the key-stationary dK/dV pass (``bwd_``) and the query-stationary dQ pass (``dq_``); the
+    mask preparation builds its tile lists at the same shapes.
+    """
+
+    fwd_m: int
+    fwd_n: int
+    fwd_warps: int
+    fwd_stages: int
+    bwd_m: int
+    bwd_n: int
+    bwd_warps: int
+    bwd_stages: int
+    dq_m: int
+    dq_n: int
+    dq_warps: int
+    dq_stages: int
+    # Non-deterministic backward: add dQ with fp32 atomics in the dK/dV pass instead of a
+    # separate dQ pass. Off by default: the separate pass measured faster on the H200.
+    atomic_dq: bool = False
+    # With ``atomic_dq``, on a GPU with TMA: add each tile's dQ through one TMA bulk reduce-add
+    # (``cp.reduce.async.bulk.tensor``) instead of one fp32 atomic per element. Triton's
+    # interpreter has no descriptor reductions, so there the element atomics run.
+    atomic_dq_tma: bool = True
+    # Launch the dK/dV and dQ passes as one grid (when their warp counts agree), so neither
+    # pass's last wave leaves the GPU half idle. False: two launches (kept for measurement).
+    fused_backward: bool = True
+    # Drop the bounds masks of Q/K/V/dO loads and stores along the dimensions that divide the
+    # tile evenly. False: every access masked (kept for measurement).
+    even_fast_path: bool = True
+    # The forward loads its Q/K/V tiles through TMA tensor descriptors on GPUs that have TMA
+    # (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned) and no
+    # tile is square (see ``tma_tiles_safe``). Same values as the pointer loads: rows and
+    # columns past the tensor read as zeros.
+    fwd_tma: bool = False
+    # With ``fwd_tma``: 2-D descriptors over ``[B * S, H * D]`` where no tile crosses a sequence
+    # or head boundary (lengths divisible by the tiles, ``D`` a power of two, dense layout), else
+    # the 4-D ones over ``[B, S, H, D]``. Off by default: measured on the H200 the 2-D loads are
+    # exact even on square tiles (where the 4-D ones are miscompiled) but no faster than pointer
+    # loads there, and 1-5% slower than the 4-D ones elsewhere (benchmarks/NOTES.md, change 13).
+    fwd_tma_flat: bool = False
+    # The dQ pass loads its K/V tiles through 4-D TMA descriptors (same conditions as
+    # ``fwd_tma``: a TMA GPU, aligned strides, no tile side equal to the padded head dim). Off by
+    # default: not yet measured (TMA in both backward passes at once was 1.3x slower, change 9).
+    dq_tma: bool = False
+    # The forward runs the warp-specialised Gluon kernel (``kernels.gluon_fwd``: a TMA producer
+    # warp and two wgmma warpgroups taking turns at the tensor cores over 128x128 tiles) where
+    # it applies: Hopper, a positive scale, inputs ``gluon_forward_eligible`` accepts and, with a
+    # mask, the length limit of ``use_gluon_forward``. On by default at D = 128, where the H200
+    # measured it 1.22-1.31x the Triton forward on full/causal and 1.04-1.28x on 11 of 12 masks
+    # at 32K (benchmarks/NOTES.md, seventh session; from 8K keys since the twenty-third); at
+    # D = 64 without a mask only.
+    fwd_gluon: bool = False
+    # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
+    # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
+    # fp32 TMA reduce-adds; ``kernels.gluon_bwd256`` at D = 256) where it applies (Hopper,
+    # ``gluon_backward_eligible``, and the limits of ``use_gluon_backward``). On by default at
+    # D = 128: on the H200 1.15-1.19x the Triton backward without a mask, 0.98-1.13x with masks
+    # at 32K (benchmarks/NOTES.md, sixth session); at D = 64 (1.03-1.18x at 32K, eighth
+    # session); at D = 256 (1.43-1.69x at 8K and 32K, ninth session).
+    bwd_gluon: bool = False
+
+
+# Shared memory per block from which the H200-tuned tiles fit (Hopper offers 227 KB; the largest
+# forward tile, 128x128 with 3 stages at D = 128, needs 224 KB).
+_HOPPER_SHARED_MEMORY = 200 * 1024
+
+
+def tile_config(
+    head_dim: int, *, has_mask: bool = True, shared_memory: int | None = None
+) -> TileConfig:
+    """The tile configuration for a head dimension (small tiles under the interpreter).
+
+    ``has_mask=False`` (no ``startend_row_indices``: full or causal attention) picks larger
+    forward tiles (except at head dim 128, where TMA-loaded 64x64 tiles are faster): with
+    nothing to skip but the causal triangle, bigger tiles only add matmul efficiency, while with
+    an interval mask they would skip less.
+    Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
+    ``benchmarks/NOTES.md``). ``shared_memory`` (bytes per block the GPU allows) below Hopper's
+    selects :func:`compact_tile_config` instead.
+    """
+    if hardware.interpreting():
+        return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
+    if shared_memory is not None and shared_memory < _HOPPER_SHARED_MEMORY:
+        return compact_tile_config(head_dim)
+    if head_dim <= 64:
+        # At D = 64 the Gluon backward (with a mask from 8K keys) and, without a mask, the
+        # Gluon forward: on the H200 the backward measured 1.03-1.18x the Triton one on full,
+        # causal and four masks at 32K, and the forward 1.15x / 1.07x on full / causal, but
+        # 0.83-1.0x on masks at 32K, where it stays off (benchmarks/NOTES.md, eighth session).
+        gluon = head_dim == 64
+        cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2, bwd_gluon=gluon)
+        return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8, fwd_gluon=gluon)
+    if head_dim <= 128:
+        # At D = 128 the forward's 64x64 tiles load through TMA, with or without a mask (the
+        # measured and GPU-checked case: 7-21% faster on masks at 8K, and 4-11% faster than the
+        # pointer-loaded 128x128 tiles on full/causal at 8K/32K). Padded head dims (80, 96, 112)
+        # keep pointer loads until checked on a GPU, and without a mask the 128x128 tiles.
+        # At D = 128 the Gluon forward and backward where they apply (``use_gluon_forward``,
+        # ``use_gluon_backward``), else these Triton tiles.
+        gluon = head_dim == 128
+        cfg = TileConfig(
+            64, 64, 4, 3, 64, 64, 4, 2, 64, 64, 4, 2,
+            fwd_tma=head_dim == 128, fwd_gluon=gluon, bwd_gluon=gluon,
+        )  # fmt: skip
+        if has_mask or cfg.fwd_tma:
+            return cfg
+        return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
+    # At D = 256 the Gluon backward (``kernels.gluon_bwd256``): 1.43-1.69x the Triton backward
+    # on the H200 on full, causal and four masks at 8K and 32K (benchmarks/NOTES.md, ninth
+    # session).
+    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=head_dim == 256)
+
+
+def compact_tile_config(head_dim: int) -> TileConfig:
+    """Tiles for GPUs with less shared memory per block than Hopper (A100: 163 KB; consumer
+    Ampere/Ada such as the RTX 3090/4090, A10, L4: 99 KB).
+
+    Compiled offline for sm_80 and sm_86 (``benchmarks/sass_report.py``'s machinery, bf16) they
+    need at most 72 KB (D <= 128) and 80 KB (D = 256) of shared memory, where the Hopper tiles
+    need up to 224 KB. Not timed on such GPUs (none was available); correctness does not depend
+    on the tile shapes (the CPU suite runs 16x16 tiles, the H200 check the Hopper ones).
+    """
+    if head_dim <= 128:
+        return TileConfig(64, 64, 4, 2, 64, 64, 4, 2, 64, 64, 4, 2)
+    return TileConfig(64, 32, 4, 2, 32, 32, 4, 1, 32, 32, 4, 1)
+
+
+def shrink_tile_config(cfg: TileConfig) -> TileConfig | None:
+    """The next smaller configuration after a launch ran out of shared memory: one pipeline stage
+    fewer in every kernel first, then (at one stage) every tile halved down to 16 and 4 warps;
+    ``None`` when nothing is left to shrink."""
+    if max(cfg.fwd_stages, cfg.bwd_stages, cfg.dq_stages) > 1:
+        return replace(
+            cfg,
+            fwd_stages=max(1, cfg.fwd_stages - 1),
+            bwd_stages=max(1, cfg.bwd_stages - 1),
+            dq_stages=max(1, cfg.dq_stages - 1),
+        )
+    sizes = ("fwd_m", "fwd_n", "bwd_m", "bwd_n", "dq_m", "dq_n")
+    if max(getattr(cfg, name) for name in sizes) <= 16:
+        return None
+    halved = {name: max(16, getattr(cfg, name) // 2) for name in sizes}
+    return replace(cfg, **halved, fwd_warps=4, bwd_warps=4, dq_warps=4)
+
+
+# Default configurations that had to shrink on a device, so later calls start from them.
+_FITTED: dict[tuple[int, int, bool], TileConfig] = {}
+_Result = TypeVar("_Result")
+
+
+def with_fitting_config(
+    launch: Callable[[TileConfig], _Result], device: torch.device, head_dim: int, has_mask: bool
+) -> _Result:
+    """Run ``launch(cfg)`` with the device's default tile configuration, shrinking it
+    (:func:`shrink_tile_config`) while a kernel needs more shared memory than the GPU has.
+    Only default configurations come here: an explicit ``config`` is never changed."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (hardware.cuda_index(device) if device.type == "cuda" else -1, head_dim, has_mask)
+    cfg = _FITTED.get(key) or tile_config(
+        head_dim, has_mask=has_mask, shared_memory=hardware.device_shared_memory(device)
+    )
+    while True:
+        try:
+            return launch(cfg)
+        except OutOfResources:
+            smaller = shrink_tile_config(cfg)
+            if smaller is None:
+                raise
+            cfg = _FITTED[key] = smaller

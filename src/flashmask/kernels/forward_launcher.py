@@ -1,0 +1,199 @@
+"""The forward launcher: routes a call to the Gluon or the Triton forward, prepares the mask
+(and, when a backward follows, the backward's lists in the same launches) and launches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashmask.kernels import preparation, routing, tensors, tiles
+from flashmask.kernels.config import TileConfig, with_fitting_config
+from flashmask.kernels.launch import launch_kernel
+
+ListShape = tuple[int, int, bool]
+OrderRequest = tuple[ListShape, tuple[int, bool]]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What :func:`forward` prepares for a call before it launches.
+
+    ``use_gluon``: the call runs the Gluon forward. ``shapes``: the ``(tile_m, tile_n,
+    row_major)`` tile lists of its one :func:`~.preparation.prepare_cached` call (its kernel's,
+    then, when a backward follows, the backward's it lacks, so that a new mask's summaries and
+    lists are built in two launches rather than four). ``orders``: the launch orders asked of
+    :func:`~.preparation.program_orders` in one launch, as ``(shape, (grid_heads,
+    reverse_tiles))``: with a mask, the forward's and, before the Gluon backward, that one's,
+    which the backward then finds cached."""
+
+    use_gluon: bool
+    shapes: list[ListShape]
+    orders: list[OrderRequest]
+
+
+def plan_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    softmax_scale: float,
+    deterministic: bool,
+    config: TileConfig,
+    backward_follows: bool = True,
+) -> ForwardPlan:
+    """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
+    bench`` times :func:`prepare_plan` of it as a new mask's preparation)."""
+    masked = startend_row_indices is not None
+    use_gluon = routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    shapes = routing.forward_shapes(use_gluon, q.shape[-1], config)
+    if backward_follows:
+        # The backward's (its dout is shaped and typed like q), to be built in one go.
+        backward_shapes = routing.backward_list_shapes(
+            q, k, v, q, startend_row_indices, deterministic, config
+        )
+        shapes += [shape for shape in backward_shapes if shape not in shapes]
+    # The launch orders, with a mask only: without one the grid's own order stays (full
+    # attention's lists are all alike, and causal's already launch longest first per head;
+    # sorted, it measured 2.8% slower at 32K: docs/performance.md, "Launch order").
+    orders: list[OrderRequest] = []
+    if masked:
+        orders.append((shapes[0], (q.shape[2], True)))
+        if backward_follows and routing.use_gluon_backward(
+            q, k, v, q, deterministic, True, True, config
+        ):
+            # The Gluon backward's order too, in the same launch (the backward then finds it).
+            gluon_shape = routing.backward_shapes(True, deterministic, q.shape[-1], config)[0]
+            orders.append((gluon_shape, (k.shape[2], False)))
+    return ForwardPlan(use_gluon, shapes, orders)
+
+
+def prepare_plan(
+    plan: ForwardPlan,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    device: torch.device,
+    skip_tiles: bool = True,
+) -> tuple[torch.Tensor | None, list[tiles.TileLists], list[torch.Tensor | None]]:
+    """Prepare what ``plan`` names, as :func:`forward` does: ``(bounds, lists, orders)``, the
+    lists of ``plan.shapes`` (one :func:`~.preparation.prepare_cached` call) and the launch
+    orders of ``plan.orders`` (one :func:`~.preparation.program_orders` call; ``[]`` without)."""
+    bounds, lists = preparation.prepare_cached(
+        startend_row_indices, causal, seqlen_q, seqlen_k, batch, device, plan.shapes, skip_tiles
+    )
+    orders: list[torch.Tensor | None] = []
+    if plan.orders:
+        orders = preparation.program_orders(
+            [(lists[plan.shapes.index(shape)], *request) for shape, request in plan.orders]
+        )
+    return bounds, lists, orders
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    *,
+    skip_tiles: bool = True,
+    config: TileConfig | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
+
+    ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
+    Without ``config`` the tiles are :func:`tile_config`'s for the device, made smaller if a
+    kernel needs more shared memory than the GPU has. When ``q``, ``k`` or ``v`` requires grad,
+    the lists of the backward that ``deterministic`` will choose are prepared with the
+    forward's, in the same launches (a new mask's summaries and lists in two launches rather
+    than four), so that its backward finds them prepared.
+    """
+    if config is None:
+        return with_fitting_config(
+            lambda cfg: forward(
+                q, k, v, startend_row_indices, causal, softmax_scale,
+                skip_tiles=skip_tiles, config=cfg, deterministic=deterministic,
+            ),
+            q.device, q.shape[-1], startend_row_indices is not None,
+        )  # fmt: skip
+    from flashmask.kernels.triton_kernels.forward import LOG2E_VALUE, flashmask_fwd_kernel
+
+    backward_follows = skip_tiles and (q.requires_grad or k.requires_grad or v.requires_grad)
+    q, k, v = (tensors.last_dim_contiguous(x) for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
+    plan = plan_forward(
+        q, k, v, startend_row_indices, softmax_scale, deterministic, config, backward_follows
+    )
+    bounds, all_lists, orders = prepare_plan(
+        plan, startend_row_indices, causal, sq, sk, b, q.device, skip_tiles
+    )
+    lists = all_lists[0]
+    order = orders[0] if orders else None
+    if plan.use_gluon:
+        from flashmask.kernels.gluon_kernels import forward as gluon_forward
+
+        q, k, v = (tensors.tma_ready(x) for x in (q, k, v))
+        key_tile, slots = routing.gluon_forward_tiles(d)
+        return gluon_forward.forward(
+            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots,
+            order=order,
+        )  # fmt: skip
+    if bounds is None:
+        bounds = lists.counts  # never read without a mask
+    tm, tn = lists.entries.shape[-2:]
+    block_d = tensors.padded_head_dim(d)
+    even = config.even_fast_path
+    out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    even_m = even and sq % config.fwd_m == 0
+    even_n = even and sk % config.fwd_n == 0
+    even_d = even and d == block_d
+    use_tma = config.fwd_tma and tensors.tma_usable((q, k, v))
+    flat = (
+        use_tma
+        and config.fwd_tma_flat
+        and even_m
+        and even_n
+        and even_d
+        and all(x.is_contiguous() for x in (q, k, v))
+    )
+    use_tma = use_tma and (flat or tensors.tma_tiles_safe(config.fwd_m, config.fwd_n, block_d))
+    descs = (None, None, None)
+    if use_tma:
+        describe = tensors.flat_descriptor if flat else tensors.row_descriptor
+        descs = (
+            describe(q, config.fwd_m, block_d),
+            describe(k, config.fwd_n, block_d),
+            describe(v, config.fwd_n, block_d),
+        )
+    launch_kernel(
+        flashmask_fwd_kernel, (tm, hq, b),
+        q, k, v, out, lse, bounds, lists.entries, lists.counts,
+        lists.counts if order is None else order, *descs,
+        *tensors.strides3(q), *tensors.strides3(k), *tensors.strides3(v), *tensors.strides3(out),
+        sq, sk, hq, hq // hk, hq // hm, hm, tm, tn, d, softmax_scale * LOG2E_VALUE,
+        CAUSAL=causal,
+        HAS_MASK=startend_row_indices is not None,
+        HAS_UPPER=not causal,
+        MASK_FULL_TILES=not skip_tiles,
+        POSITIVE_SCALE=softmax_scale > 0,
+        EVEN_M=even_m,
+        EVEN_N=even_n,
+        EVEN_D=even_d,
+        USE_TMA=use_tma,
+        TMA_FLAT=use_tma and flat,
+        ORDERED=order is not None,
+        BLOCK_M=config.fwd_m,
+        BLOCK_N=config.fwd_n,
+        BLOCK_D=block_d,
+        NUM_STAGES=config.fwd_stages,
+        num_warps=config.fwd_warps,
+    )  # fmt: skip
+    return out, lse
