@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmask.kernels import hardware, preparation, routing
+from flashmask.kernels import hardware, preparation, routing, tensors
 from flashmask.kernels.config import TileConfig, with_fitting_config
 from flashmask.kernels.launch import launch_kernel
 
@@ -118,24 +118,16 @@ def backward(
         )
         q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
         module = routing.gluon_backward_module(d)
-        dq_accumulator = dq_flags = None
-        extra = {}
+        dq_accumulator = None
         if module.one_launch(q, k, masked, causal):
-            # Zeroed by the delta kernel (one launch fewer than ``torch.zeros``); a backward in
-            # query chunks zeros one per chunk. With the first-store writes only the per-tile
-            # flags are zeroed.
+            # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``); a backward
+            # in query chunks zeros one per chunk.
             dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            if module.first_store_dq():
-                tiles_q = tensors.cdiv(sq, 64)
-                dq_flags = torch.empty(b, hq, tiles_q, dtype=torch.int32, device=q.device)
-                extra["dq_flags"] = dq_flags
-        delta = backward_delta(
-            out, dout, dlse, None if dq_flags is not None else dq_accumulator, dq_flags
-        )
+        delta = backward_delta(out, dout, dlse, dq_accumulator)
         order = None if bounds is None else preparation.program_order(lists, hk, False)
         return module.backward(
             dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, hm, causal,
-            softmax_scale, order=order, dq_accumulator=dq_accumulator, **extra,
+            softmax_scale, order=order, dq_accumulator=dq_accumulator,
         )  # fmt: skip
     use_atomics = config.atomic_dq and not deterministic
     bounds, lists = preparation.prepare_cached(
