@@ -1,0 +1,1 @@
+"""Tests that need a CUDA GPU (skipped on CPU-only machines)."""
