@@ -233,7 +233,7 @@ def test_a_forward_that_a_backward_follows_prepares_the_backwards_lists_too(monk
         assert torch.equal(a, b)
 
 
-def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations(monkeypatch):
+def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations():
     """``preparation.program_order`` answers the same tensor for the same lists and grid (every
     layer's forward shares a mask's lists), another for another grid or another lists, none
     with ``PROGRAM_ORDER`` off; ``clear_prepared`` forgets them."""
@@ -247,8 +247,6 @@ def test_a_lists_launch_order_is_computed_once_and_cleared_with_the_preparations
     assert preparation.program_order(shorter, 4, True).numel() != first.numel()
     kernels.clear_prepared()
     assert preparation.program_order(lists, 4, True) is not first
-    monkeypatch.setattr(preparation, "PROGRAM_ORDER", False)
-    assert preparation.program_order(lists, 4, True) is None
 
 
 def _count_order_launches(monkeypatch) -> list[dict]:
@@ -292,7 +290,7 @@ def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeyp
     kernels.forward(q.requires_grad_(), k, v, sri, True, 0.25)
     assert len(launches) == 1 and launches[0]["HAS_B"]
     config = kernels.tile_config(16, has_mask=True)
-    shape = routing.backward_shapes(True, False, 16, config)[0]
+    shape = routing.backward_shapes(True, 16, config)[0]
     _, (cols,) = kernels.prepare_cached(sri, True, SQ, SK, 2, DEVICE, [shape])
     bwd = preparation.program_order(cols, 2, False)
     assert len(launches) == 1  # found, not computed again
@@ -300,7 +298,7 @@ def test_a_forward_before_the_gluon_backward_computes_both_launch_orders(monkeyp
 
 
 @pytest.mark.parametrize("gluon_backward", [False, True], ids=["triton-bwd", "gluon-bwd"])
-def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, monkeypatch):
+def test_the_forward_plan_names_what_the_forward_prepares(gluon_backward, monkeypatch):
     """``forward_launcher.plan_forward`` (what ``flashmask bench`` times as a new mask's
     preparation, through ``forward_launcher.prepare_plan``) is exactly what a forward with inputs
     requiring grad prepares: after that forward, preparing it launches nothing, and its
@@ -312,11 +310,12 @@ def test_forward_preparation_names_what_the_forward_prepares(gluon_backward, mon
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     q.requires_grad_()
     config = kernels.tile_config(16, has_mask=True)
-    shapes, orders = forward_launcher.plan_forward(q, k, v, sri, 0.25, False, config)
+    plan = forward_launcher.plan_forward(q, k, v, sri, 0.25, False, config)
+    shapes, orders = plan.shapes, plan.orders
     kernels.forward(q, k, v, sri, True, 0.25, config=config)
     launches = _count_launches(monkeypatch)
     order_launches = _count_order_launches(monkeypatch)
-    forward_launcher.prepare_plan(sri, True, SQ, SK, 2, DEVICE, shapes, orders)
+    forward_launcher.prepare_plan(plan, sri, True, SQ, SK, 2, DEVICE)
     assert launches == {"summarize_kernel": 0, "tile_list_kernel": 0} and not order_launches
     assert orders[0] == (shapes[0], (4, True))
     assert len(orders) == 1 + gluon_backward

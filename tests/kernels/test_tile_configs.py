@@ -67,11 +67,10 @@ def test_without_a_mask_hopper_forward_tiles_are_larger_where_no_tma(not_interpr
 def test_hopper_forward_uses_tma_only_where_measured_faster_and_safe(not_interpreting, head_dim):
     """TMA loads in the forward at head dim 128 (faster on the H200 with and without a mask,
     checked there); never on square 4-D tiles (miscompiled by Triton 3.6), at hd256 (slower), at
-    head dims not yet checked on a GPU, or in compact tiles; 2-D descriptors only on request."""
+    head dims not yet checked on a GPU, or in compact tiles."""
     for has_mask in (True, False):
         cfg = kernels.tile_config(head_dim, has_mask=has_mask)
         assert cfg.fwd_tma == (head_dim == 128)
-        assert not cfg.fwd_tma_flat
         block_d = tensors.padded_head_dim(head_dim)
         if cfg.fwd_tma:
             assert tensors.tma_tiles_safe(cfg.fwd_m, cfg.fwd_n, block_d)
@@ -131,7 +130,7 @@ def limited_gpu(monkeypatch):
         limits[name] = SharedMemoryLimit(getattr(module, name))
         monkeypatch.setattr(module, name, limits[name])
     too_large = TileConfig(32, 32, 4, 2, 32, 32, 4, 2, 32, 32, 4, 2)
-    monkeypatch.setattr(kernels, "tile_config", lambda *a, **k: too_large)
+    monkeypatch.setattr(config, "tile_config", lambda *a, **k: too_large)
     monkeypatch.setattr(config, "_FITTED", {})
     return limits
 

@@ -11,18 +11,17 @@ import torch
 
 from flashmask.kernels import hardware
 
-# The Gluon forward (``kernels.gluon_fwd``): its query tile (which also divides every length
+# The Gluon forward (``gluon_kernels.forward``): its query tile (which also divides every length
 # it takes) and the head dims it compiles for.
 GLUON_FWD_TILE = 128
 GLUON_FWD_HEAD_DIMS = (64, 128, 256)
 
 
-# The Gluon forward's K/V slots up to D = 128 (a check with ``gluon_fwd.Q_BUFFERS = 2``, which
-# fits beside two at D = 128, sets 2: ``benchmarks/gpu_check.py --gluon-fwd-slots 2``).
+# The Gluon forward's K/V slots up to D = 128 (224 KB of shared memory with its Q tile).
 GLUON_FWD_SLOTS = 3
 
 
-# The Gluon backward (``kernels.gluon_bwd``; ``kernels.gluon_bwd256`` at D = 256): its query
+# The Gluon backward (``gluon_kernels.backward``; ``backward_hd256`` at D = 256): its query
 # tiles, its key tiles (per program) at D = 64 and 128, and the head dims it compiles for.
 GLUON_BWD_QUERIES = 64
 GLUON_BWD_KEYS = 128
@@ -52,49 +51,15 @@ class TileConfig:
     dq_n: int
     dq_warps: int
     dq_stages: int
-    # Non-deterministic backward: add dQ with fp32 atomics in the dK/dV pass instead of a
-    # separate dQ pass. Off by default: the separate pass measured faster on the H200.
-    atomic_dq: bool = False
-    # With ``atomic_dq``, on a GPU with TMA: add each tile's dQ through one TMA bulk reduce-add
-    # (``cp.reduce.async.bulk.tensor``) instead of one fp32 atomic per element. Triton's
-    # interpreter has no descriptor reductions, so there the element atomics run.
-    atomic_dq_tma: bool = True
-    # Launch the dK/dV and dQ passes as one grid (when their warp counts agree), so neither
-    # pass's last wave leaves the GPU half idle. False: two launches (kept for measurement).
-    fused_backward: bool = True
-    # Drop the bounds masks of Q/K/V/dO loads and stores along the dimensions that divide the
-    # tile evenly. False: every access masked (kept for measurement).
-    even_fast_path: bool = True
-    # The forward loads its Q/K/V tiles through TMA tensor descriptors on GPUs that have TMA
-    # (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned) and no
-    # tile is square (see ``tma_tiles_safe``). Same values as the pointer loads: rows and
-    # columns past the tensor read as zeros.
+    # The Triton forward loads its Q/K/V tiles through TMA tensor descriptors on GPUs that have
+    # TMA (compute capability >= 9.0) when the tensors' strides allow it (16-byte aligned) and
+    # no tile is square (``tensors.tma_tiles_safe``). Same values as the pointer loads.
     fwd_tma: bool = False
-    # With ``fwd_tma``: 2-D descriptors over ``[B * S, H * D]`` where no tile crosses a sequence
-    # or head boundary (lengths divisible by the tiles, ``D`` a power of two, dense layout), else
-    # the 4-D ones over ``[B, S, H, D]``. Off by default: measured on the H200 the 2-D loads are
-    # exact even on square tiles (where the 4-D ones are miscompiled) but no faster than pointer
-    # loads there, and 1-5% slower than the 4-D ones elsewhere (benchmarks/NOTES.md, change 13).
-    fwd_tma_flat: bool = False
-    # The dQ pass loads its K/V tiles through 4-D TMA descriptors (same conditions as
-    # ``fwd_tma``: a TMA GPU, aligned strides, no tile side equal to the padded head dim). Off by
-    # default: not yet measured (TMA in both backward passes at once was 1.3x slower, change 9).
-    dq_tma: bool = False
-    # The forward runs the warp-specialised Gluon kernel (``kernels.gluon_fwd``: a TMA producer
-    # warp and two wgmma warpgroups taking turns at the tensor cores over 128x128 tiles) where
-    # it applies: Hopper, a positive scale, inputs ``gluon_forward_eligible`` accepts and, with a
-    # mask, the length limit of ``use_gluon_forward``. On by default at D = 128, where the H200
-    # measured it 1.22-1.31x the Triton forward on full/causal and 1.04-1.28x on 11 of 12 masks
-    # at 32K (benchmarks/NOTES.md, seventh session; from 8K keys since the twenty-third); at
-    # D = 64 without a mask only.
+    # Route the forward to the warp-specialised Gluon kernel where it applies
+    # (``routing.use_gluon_forward``): on by default at D = 128, and at D = 64 without a mask.
     fwd_gluon: bool = False
-    # With ``deterministic=False``, the backward runs the warp-specialised Gluon kernel
-    # (``kernels.gluon_bwd``: 128 keys over two wgmma warpgroups, dQ in the same pass through
-    # fp32 TMA reduce-adds; ``kernels.gluon_bwd256`` at D = 256) where it applies (Hopper,
-    # ``gluon_backward_eligible``, and the limits of ``use_gluon_backward``). On by default at
-    # D = 128: on the H200 1.15-1.19x the Triton backward without a mask, 0.98-1.13x with masks
-    # at 32K (benchmarks/NOTES.md, sixth session); at D = 64 (1.03-1.18x at 32K, eighth
-    # session); at D = 256 (1.43-1.69x at 8K and 32K, ninth session).
+    # Route the non-deterministic backward to the Gluon kernel where it applies
+    # (``routing.use_gluon_backward``): on by default at D = 64, 128 and 256.
     bwd_gluon: bool = False
 
 
@@ -112,9 +77,9 @@ def tile_config(
     forward tiles (except at head dim 128, where TMA-loaded 64x64 tiles are faster): with
     nothing to skip but the causal triangle, bigger tiles only add matmul efficiency, while with
     an interval mask they would skip less.
-    Measured on the H200, bf16, 8K tokens per sequence (``benchmarks/results/tune_S8192_*``,
-    ``benchmarks/NOTES.md``). ``shared_memory`` (bytes per block the GPU allows) below Hopper's
-    selects :func:`compact_tile_config` instead.
+    Measured on the H200, bf16, 8K tokens per sequence (``docs/performance.md``).
+    ``shared_memory`` (bytes per block the GPU allows) below Hopper's selects
+    :func:`compact_tile_config` instead.
     """
     if hardware.interpreting():
         return TileConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
@@ -124,7 +89,7 @@ def tile_config(
         # At D = 64 the Gluon backward (with a mask from 8K keys) and, without a mask, the
         # Gluon forward: on the H200 the backward measured 1.03-1.18x the Triton one on full,
         # causal and four masks at 32K, and the forward 1.15x / 1.07x on full / causal, but
-        # 0.83-1.0x on masks at 32K, where it stays off (benchmarks/NOTES.md, eighth session).
+        # 0.83-1.0x on masks at 32K, where it stays off (docs/performance.md).
         gluon = head_dim == 64
         cfg = TileConfig(64, 64, 4, 3, 32, 128, 4, 3, 64, 64, 4, 2, bwd_gluon=gluon)
         return cfg if has_mask else replace(cfg, fwd_m=128, fwd_warps=8, fwd_gluon=gluon)
@@ -143,9 +108,8 @@ def tile_config(
         if has_mask or cfg.fwd_tma:
             return cfg
         return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
-    # At D = 256 the Gluon backward (``kernels.gluon_bwd256``): 1.43-1.69x the Triton backward
-    # on the H200 on full, causal and four masks at 8K and 32K (benchmarks/NOTES.md, ninth
-    # session).
+    # At D = 256 the Gluon backward (``gluon_kernels.backward_hd256``): 1.43-1.69x the Triton
+    # backward on the H200 on full, causal and four masks at 8K and 32K (docs/performance.md).
     return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=head_dim == 256)
 
 

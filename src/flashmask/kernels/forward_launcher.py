@@ -63,7 +63,7 @@ def plan_forward(
             q, k, v, q, deterministic, True, True, config
         ):
             # The Gluon backward's order too, in the same launch (the backward then finds it).
-            gluon_shape = routing.backward_shapes(True, deterministic, q.shape[-1], config)[0]
+            gluon_shape = routing.backward_shapes(True, q.shape[-1], config)[0]
             orders.append((gluon_shape, (k.shape[2], False)))
     return ForwardPlan(use_gluon, shapes, orders)
 
@@ -149,29 +149,19 @@ def forward(
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
     block_d = tensors.padded_head_dim(d)
-    even = config.even_fast_path
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    even_m = even and sq % config.fwd_m == 0
-    even_n = even and sk % config.fwd_n == 0
-    even_d = even and d == block_d
-    use_tma = config.fwd_tma and tensors.tma_usable((q, k, v))
-    flat = (
-        use_tma
-        and config.fwd_tma_flat
-        and even_m
-        and even_n
-        and even_d
-        and all(x.is_contiguous() for x in (q, k, v))
+    use_tma = (
+        config.fwd_tma
+        and tensors.tma_usable((q, k, v))
+        and tensors.tma_tiles_safe(config.fwd_m, config.fwd_n, block_d)
     )
-    use_tma = use_tma and (flat or tensors.tma_tiles_safe(config.fwd_m, config.fwd_n, block_d))
     descs = (None, None, None)
     if use_tma:
-        describe = tensors.flat_descriptor if flat else tensors.row_descriptor
         descs = (
-            describe(q, config.fwd_m, block_d),
-            describe(k, config.fwd_n, block_d),
-            describe(v, config.fwd_n, block_d),
+            tensors.row_descriptor(q, config.fwd_m, block_d),
+            tensors.row_descriptor(k, config.fwd_n, block_d),
+            tensors.row_descriptor(v, config.fwd_n, block_d),
         )
     launch_kernel(
         flashmask_fwd_kernel, (tm, hq, b),
@@ -184,11 +174,10 @@ def forward(
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
         POSITIVE_SCALE=softmax_scale > 0,
-        EVEN_M=even_m,
-        EVEN_N=even_n,
-        EVEN_D=even_d,
+        EVEN_M=sq % config.fwd_m == 0,
+        EVEN_N=sk % config.fwd_n == 0,
+        EVEN_D=d == block_d,
         USE_TMA=use_tma,
-        TMA_FLAT=use_tma and flat,
         ORDERED=order is not None,
         BLOCK_M=config.fwd_m,
         BLOCK_N=config.fwd_n,

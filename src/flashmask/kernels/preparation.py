@@ -185,8 +185,8 @@ _PREPARED: TensorKeyedCache[_Prepared] = TensorKeyedCache(PREPARED_CAPACITY)
 
 
 # Without a mask the lists depend on the call's parameters alone: those of the last few
-# parameter sets are kept (a list launch costs ~100 us of host time on the H200's host,
-# thirteenth session; an 8K full-attention call made two of them).
+# parameter sets are kept (a list launch costs ~100 us of host time on the H200's host; an 8K
+# full-attention call made two of them).
 UNMASKED_CAPACITY = 8
 _UNMASKED: OrderedDict[tuple, dict[tuple[int, int, bool], tiles.TileLists]] = OrderedDict()
 _UNMASKED_LOCK = threading.Lock()
@@ -198,9 +198,6 @@ _UNMASKED_LOCK = threading.Lock()
 ORDER_CAPACITY = 16
 _ORDERS: OrderedDict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _ORDERS_LOCK = threading.Lock()
-# Heaviest programs first (tiles.program_order) in the forward kernels and the Gluon backward,
-# with a mask; off: the grid's natural order (for measurement).
-PROGRAM_ORDER = True
 
 
 def may_cache(device: torch.device) -> bool:
@@ -214,7 +211,7 @@ def program_order(
     lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
 ) -> torch.Tensor | None:
     """:func:`tiles.program_order` of ``lists`` for a grid over ``grid_heads`` heads, computed
-    once per lists (``None``: the natural order, with :data:`PROGRAM_ORDER` off); see
+    once per lists; see
     :func:`program_orders`."""
     return program_orders([(lists, grid_heads, reverse_tiles)])[0]
 
@@ -225,8 +222,6 @@ def program_orders(
     """:func:`program_order` of each ``(lists, grid_heads, reverse_tiles)`` of ``requests`` (at
     most two, of one mask), those not computed yet in one launch of
     ``mask_prep.program_order_kernel``: a forward computes its backward's with its own."""
-    if not PROGRAM_ORDER:
-        return [None] * len(requests)
     caching = may_cache(requests[0][0].counts.device)
     keys = [(id(lists.counts), heads, reverse) for lists, heads, reverse in requests]
     found: list[torch.Tensor | None] = [None] * len(requests)

@@ -26,8 +26,7 @@ def gluon_forward_tiles(head_dim: int) -> tuple[int, int]:
     """``(key tile, K/V slots)`` of the Gluon forward at ``head_dim``: 128-key tiles in
     :data:`GLUON_FWD_SLOTS` (three) slots up to D = 128 (224 KB of shared memory at 128); at
     D = 256 64-key tiles in two slots, the largest that fit (192 KB). D = 256 is not routed by
-    default: measured 0.87-0.98x the Triton forward on the H200
-    (benchmarks/results/gluon_forward_hd256_s8.log)."""
+    default: measured 0.87-0.98x the Triton forward on the H200."""
     return (64, 2) if head_dim > 128 else (GLUON_FWD_TILE, GLUON_FWD_SLOTS)
 
 
@@ -39,7 +38,7 @@ def gluon_forward_eligible(
     has no wgmma), one fp16/bf16 dtype, ``D`` in :data:`GLUON_FWD_HEAD_DIMS`, both lengths
     divisible by the tile (its 2-D descriptors over ``[B * S, H * D]`` must not cross a
     sequence). Any layout: the launcher hands the kernel contiguous, 16-byte aligned copies of
-    tensors that are not (:func:`tma_ready`; e.g. the ``[B, H, S, D]`` transposes that
+    tensors that are not (:func:`~.tensors.tma_ready`; e.g. the ``[B, H, S, D]`` transposes that
     transformers passes)."""
     d = q.shape[-1]
     return (
@@ -55,30 +54,18 @@ def gluon_forward_eligible(
     )
 
 
-# With an interval mask, the Gluon backward only from this many keys, per head dim (absent: at
-# every length). Its 128-key tiles skip less finely than the Triton backward's 64-key ones, so
-# short sparse masks can lose. With the row terms staged in shared memory
-# (``gluon_bwd.ROW_TERMS_SMEM``, eleventh session), on all 12 masks against the Triton backward:
-# at D = 128 and 4K 1.01-1.31x on ten, 0.98x on share_question and 0.91x on sliding_window
-# (``results/gluon_backward_hd128_4k_s11.log``; at 8K 1.01-1.31x on every mask measured,
-# ``gluon_backward_row_terms_modes_s11.log``); at D = 64 and 8K 1.01-1.20x on eleven, 0.99x on
-# sliding_window (``gluon_backward_hd64_8k_s11.log``). Below these lengths, unmeasured, the
-# Triton backward (tenth session, unstaged: from 8K at D = 128, 16K at D = 64). At D = 256 (64-key
-# tiles, as the Triton backward's) at every length: 1.43-1.69x the Triton backward on every mask
-# measured at 8K and 32K (``results/gluon_backward_hd256_s9.log``). Without a mask at every
-# length (full/causal 1.15-1.2x at 8K). ``benchmarks/gpu_check.py --gluon-everywhere`` lifts
-# these limits and the forward's to check both kernels on its short masked cases.
+# The routing thresholds: with an interval mask, the Gluon kernels run only from this many keys
+# (without a mask, at every length). Their 128-key tiles skip less finely than the Triton
+# kernels' 64-key ones, so short sparse masks can lose. Measured on the H200 against the Triton
+# kernels (docs/performance.md, "Routing"):
+# * backward, per head dim (absent: every length): D = 128 from 4K keys (at 4K 1.01-1.31x on ten
+#   of 12 masks, 0.91-0.98x on sliding_window and share_question; at 8K 1.01-1.31x on all);
+#   D = 64 from 8K (1.01-1.20x on eleven, 0.99x on sliding_window); D = 256 at every length
+#   (1.43-1.69x at 8K and 32K);
+# * forward: from 8K keys (at 8K 1.04-1.22x on seven of ten masks and 0.93-0.97x on the three
+#   sparsest, 11% less forward time summed; at 4K 0.86-0.94x on four). The launcher decides on
+#   the length alone: a mask's tile lists live on the GPU and are not read on the host.
 GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 8192, 128: 4096}
-# The same for the Gluon forward. With one program per query tile it lost at 8K to the Triton
-# forward's 64x64 tiles on the sparse masks (sliding_window 0.92x, share_question 0.94x,
-# global_sliding_window 0.83x; ``results/gluon_forward_routing_s21.log``): each program paid
-# ~7 us besides its tiles (``program_overhead_s22.log``). With one program per SM taking the
-# query tiles dynamically (``gluon_fwd.PERSISTENT``, twenty-third session), against the Triton
-# forward (``results/gluon_forward_short_s23.log``): at 8K 1.04-1.22x on seven of ten masks and
-# 0.93-0.97x on sliding_window, share_question and global_sliding_window, 11% less forward
-# time summed over the ten; at 16K 1.03-1.23x on nine, share_question 0.88x; at 4K 0.86-0.94x
-# on four. Used from 8K keys (the launcher knows a mask only as a GPU tensor: its lists'
-# lengths, which decide, are not read on the host).
 GLUON_FWD_MIN_MASKED_SEQLEN = 8192
 
 
@@ -106,9 +93,11 @@ def gluon_available() -> bool:
     (Triton 3.6 and later; checked by importing the kernels' modules once). Without it the
     Triton kernels run, with one warning."""
     try:
-        from flashmask.kernels.gluon_kernels import backward as gluon_bwd  # noqa: F401
-        from flashmask.kernels.gluon_kernels import backward_hd256 as gluon_bwd256  # noqa: F401
-        from flashmask.kernels.gluon_kernels import forward as gluon_fwd  # noqa: F401
+        from flashmask.kernels.gluon_kernels import (  # noqa: F401
+            backward,
+            backward_hd256,
+            forward,
+        )
     except (ImportError, AttributeError) as exc:
         warnings.warn(
             f"flashmask: the Gluon kernels are unavailable with this Triton ({exc}); using the "
@@ -183,26 +172,25 @@ def gluon_backward_keys(head_dim: int) -> int:
 
 
 def gluon_backward_module(head_dim: int):
-    """The module of the Gluon backward at ``head_dim`` (``kernels.gluon_bwd256`` at 256, else
-    ``kernels.gluon_bwd``); imports it, so only where the interpreter is off."""
+    """The module of the Gluon backward at ``head_dim`` (``gluon_kernels.backward_hd256`` at 256,
+    else ``gluon_kernels.backward``); imports it, so only where the interpreter is off."""
     if head_dim == 256:
-        from flashmask.kernels.gluon_kernels import backward_hd256 as gluon_bwd256
+        from flashmask.kernels.gluon_kernels import backward_hd256
 
-        return gluon_bwd256
-    from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+        return backward_hd256
+    from flashmask.kernels.gluon_kernels import backward
 
-    return gluon_bwd
+    return backward
 
 
 def backward_shapes(
-    use_gluon: bool, deterministic: bool, head_dim: int, config: TileConfig
+    use_gluon: bool, head_dim: int, config: TileConfig
 ) -> list[tuple[int, int, bool]]:
+    """The tile lists of the backward: the Gluon backward's column-major lists, or the Triton
+    dK/dV pass's column-major and the dQ pass's row-major ones."""
     if use_gluon:
         return [(GLUON_BWD_QUERIES, gluon_backward_keys(head_dim), False)]
-    shapes = [(config.bwd_m, config.bwd_n, False)]
-    if not (config.atomic_dq and not deterministic):  # the separate dQ pass has its own lists
-        shapes.append((config.dq_m, config.dq_n, True))
-    return shapes
+    return [(config.bwd_m, config.bwd_n, False), (config.dq_m, config.dq_n, True)]
 
 
 def forward_list_shapes(
@@ -234,4 +222,4 @@ def backward_list_shapes(
     mode), like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config)
-    return backward_shapes(use_gluon, deterministic, q.shape[-1], config)
+    return backward_shapes(use_gluon, q.shape[-1], config)

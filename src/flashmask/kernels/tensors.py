@@ -35,7 +35,7 @@ def tma_tiles_safe(block_m: int, block_n: int, block_d: int) -> bool:
     """Whether the forward's TMA tiles ``[block_m, block_d]`` (Q) and ``[block_n, block_d]``
     (K, V) avoid the shape Triton 3.6 miscompiles on the H200: with ``block_n == block_d``
     (hd128 at 128x128 tiles, hd64 at 64x64) the TMA forward returned wrong outputs (max error
-    0.2-2.8 in every such case, exact in every other; ``benchmarks/NOTES.md``, change 9). Square
+    0.2-2.8 in every such case, exact in every other; ``docs/performance.md``). Square
     tiles keep the pointer loads."""
     return block_n != block_d and block_m != block_d
 
@@ -46,16 +46,6 @@ def row_descriptor(x: torch.Tensor, rows: int, block_d: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, block_d])
-
-
-def flat_descriptor(x: torch.Tensor, rows: int, block_d: int):
-    """A 2-D TMA descriptor over a contiguous ``x [B, S, H, D]`` seen as ``[B * S, H * D]``,
-    loading ``[rows, block_d]`` blocks; exact only for tiles that stay inside one sequence and
-    one head (see ``attention_fwd.load_rows_tma``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    b, s, h, d = x.shape
-    return TensorDescriptor(x, [b * s, h * d], [h * d, 1], [rows, block_d])
 
 
 def cdiv(a: int, b: int) -> int:

@@ -258,25 +258,17 @@ def make_inputs(case: Case, dtype: torch.dtype, *, seed: int | None = None) -> I
     return Inputs(q, k, v, dout, sri, d**-0.5, seed)
 
 
-# The ways the backward computes dQ: a query-stationary pass launched in one grid with the dK/dV
-# pass (the default, deterministic), the same pass as a launch of its own, or fp32 atomics in the
-# dK/dV pass (opt-in, not reproducible).
-DQ_PATHS = ["dq-pass", "dq-pass-own-launch", "atomic-dq"]
+# The ways the Triton backward launches its dQ pass: in one grid with the dK/dV pass (where
+# their warp counts agree, the default at D <= 128) or as a launch of its own (D = 256).
+DQ_PATHS = ["dq-pass", "dq-pass-own-launch"]
 
 
 def dq_path(path: str, head_dim: int) -> dict:
     """``run_kernels`` arguments selecting a dQ path."""
     if path == "dq-pass":
         return {"deterministic": True}
-    if path == "dq-pass-own-launch":
-        return {
-            "deterministic": True,
-            "config": replace(kernels.tile_config(head_dim), fused_backward=False),
-        }
-    return {
-        "deterministic": False,
-        "config": replace(kernels.tile_config(head_dim), atomic_dq=True),
-    }
+    config = kernels.tile_config(head_dim)
+    return {"deterministic": True, "config": replace(config, dq_warps=2 * config.bwd_warps)}
 
 
 def run_kernels(
@@ -453,50 +445,6 @@ def test_kernels_match_reference(case, dtype):
     check_against_reference(actual, x, case.causal, case.id)
 
 
-ATOMIC_CASES = [
-    Case("causal-C1", 50, 37, 4, 1, 1, 64),
-    Case("causal-C2", 37, 50, 4, 2, 2, 40, batch=2),
-    Case("noncausal-C2", 33, 65, 2, 2, 2, 64),
-    Case("noncausal-C4", 65, 33, 4, 1, 1, 16, batch=2),
-    Case("noncausal-C4", 50, 50, 4, 2, 2, 64, batch=2, mask="structured"),
-    Case("nomask-causal", 37, 50, 4, 2, 1, 64),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ATOMIC_CASES, ids=[c.id for c in ATOMIC_CASES])
-def test_atomic_dq_backward_matches_reference(case, dtype):
-    """The atomic dQ path (``deterministic=False`` with ``TileConfig.atomic_dq``: dQ added with
-    fp32 atomics in the dK/dV pass) is also within tolerance of the reference, including with
-    several query heads per kv head."""
-    x = make_inputs(case, dtype)
-    actual = run_kernels(x, case.causal, **dq_path("atomic-dq", case.head_dim))
-    check_against_reference(actual, x, case.causal, case.id + "-atomic-dq")
-
-
-@pytest.mark.parametrize("per_tile", [True, False], ids=["tma-reduce", "element-atomics"])
-def test_atomic_dq_forms_agree_with_the_deterministic_pass(per_tile, monkeypatch):
-    """Both forms of the atomic dQ (one TMA reduce-add per tile, ``atomic_dq_tma``, where the
-    GPU has TMA; one atomic per element otherwise and under the interpreter, which has no
-    descriptor reductions) are within tolerance of the reference, change nothing but dQ, and
-    the reduce-add form builds its descriptor exactly where it can run."""
-    case = Case("causal-C2", 37, 50, 4, 2, 2, 64, batch=2)
-    x = make_inputs(case, torch.float16)
-    base = kernels.tile_config(case.head_dim)
-    built = _count_descriptors(monkeypatch)
-    atomic = run_kernels(
-        x, case.causal, config=replace(base, atomic_dq=True, atomic_dq_tma=per_tile),
-        deterministic=False,
-    )  # fmt: skip
-    reduce_runs = per_tile and not hardware.interpreting() and TMA_AVAILABLE
-    assert len(built) == (1 if reduce_runs else 0)
-    check_against_reference(atomic, x, case.causal, case.id + "-atomic-dq")
-    # Only dQ's summation order changes: everything else is bit for bit the deterministic result.
-    exact = run_kernels(x, case.causal, config=base)
-    for i, name in ((0, "out"), (1, "lse"), (3, "dk"), (4, "dv")):
-        assert torch.equal(atomic[i], exact[i]), name
-
-
 DLSE_CASES = [
     Case("causal-C1", 37, 50, 2, 2, 2, 40),
     Case("causal-C2", 50, 37, 4, 1, 1, 64),
@@ -649,27 +597,22 @@ LAUNCH_CASES = [
 
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_launch_layout_and_load_masking_change_no_bit(case):
-    """The backward's one-grid launch and the unmasked loads of evenly divided tiles are pure
-    scheduling/addressing choices: two launches, or every load masked, give the same bits."""
+def test_one_grid_backward_changes_no_bit(case):
+    """The backward's one-grid launch is a pure scheduling choice: the two passes launched
+    apart (as when their warp counts differ) give the same bits."""
     x = make_inputs(case, torch.float16)
     base = kernels.tile_config(case.head_dim)
     default = run_kernels(x, case.causal, config=base)
-    variants = {
-        "own launches": replace(base, fused_backward=False),
-        "masked loads": replace(base, even_fast_path=False),
-    }
-    for label, config in variants.items():
-        other = run_kernels(x, case.causal, config=config)
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), default, other, strict=True):
-            assert torch.equal(a, b), f"{name} differs with {label} ({case.id})"
+    apart = run_kernels(x, case.causal, config=replace(base, dq_warps=2 * base.bwd_warps))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), default, apart, strict=True):
+        assert torch.equal(a, b), f"{name} differs with the passes launched apart ({case.id})"
     check_against_reference(default, x, case.causal, case.id)
 
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
 def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
     """With a mask, the forward's programs in ``preparation.program_orders`` (longest lists first)
-    against the grid's natural order (``PROGRAM_ORDER`` off): the same bits, since the order
+    against the grid's natural order (no order handed over): the same bits, since the order
     only moves programs between SMs. Under a causal mask, whose lists differ in length across
     the tiles of every head, the order does reorder them; without a mask none is made."""
     x = make_inputs(case, torch.float16)
@@ -688,7 +631,7 @@ def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
     if orders and case.causal:
         natural = torch.arange(orders[0].numel(), dtype=torch.int32)
         assert not torch.equal(orders[0].cpu(), natural), "lists alike: nothing reordered"
-    monkeypatch.setattr(preparation, "PROGRAM_ORDER", False)
+    monkeypatch.setattr(preparation, "program_orders", lambda requests: [None] * len(requests))
     kernels.clear_prepared()
     natural_run = run_kernels(x, case.causal)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ordered, natural_run, strict=True):
@@ -713,7 +656,7 @@ def _count_descriptors(monkeypatch) -> list:
 
 def _tma_tiles(head_dim: int) -> TileConfig:
     """Forward tiles of 32x32: never square against the padded head dims of these cases (16 or
-    64), so the TMA path is taken (square tiles keep pointer loads, ``_tma_tiles_safe``)."""
+    64), so the TMA path is taken (square tiles keep pointer loads, ``tensors.tma_tiles_safe``)."""
     return replace(kernels.tile_config(head_dim), fwd_m=32, fwd_n=32)
 
 
@@ -735,24 +678,6 @@ def test_tma_loads_change_no_bit(case, monkeypatch):
         assert torch.equal(a, b), f"{name} differs with TMA loads ({case.id})"
 
 
-@pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
-@pytest.mark.parametrize("fused", [True, False], ids=["one-grid", "two-launches"])
-@pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_dq_pass_tma_loads_change_no_bit(case, fused, monkeypatch):
-    """The dQ pass's K/V tiles read through TMA descriptors (``TileConfig.dq_tma``), in the one
-    backward grid or its own launch, give the pointer loads' bits, ragged tails included."""
-    x = make_inputs(case, torch.float16)
-    # 32x32 dQ tiles: never square against these cases' padded head dims (16 or 64).
-    base = replace(kernels.tile_config(case.head_dim), fused_backward=fused, dq_m=32, dq_n=32)
-    built = _count_descriptors(monkeypatch)
-    pointers = run_kernels(x, case.causal, config=base)
-    assert not built, "the pointer path built a TMA descriptor"
-    tma = run_kernels(x, case.causal, config=replace(base, dq_tma=True))
-    assert len(built) == 2, "the dQ pass did not load K and V through TMA"
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), pointers, tma, strict=True):
-        assert torch.equal(a, b), f"{name} differs with TMA loads in the dQ pass ({case.id})"
-
-
 def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
     """Triton 3.6 miscompiled the TMA forward on the H200 whenever a tile was as wide as the
     (padded) head dim: such configurations must load through pointers, with the right result."""
@@ -768,42 +693,6 @@ def test_square_tma_tiles_keep_pointer_loads(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
     assert not tensors.tma_tiles_safe(32, 16, 32) and not tensors.tma_tiles_safe(64, 64, 64)
     assert tensors.tma_tiles_safe(64, 64, 128)
-
-
-@pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
-@pytest.mark.parametrize(
-    "case, tiles, flat",
-    [
-        (Case("causal-C2", 64, 64, 4, 2, 2, 32, batch=2), (32, 16), True),
-        (Case("nomask-full", 64, 32, 2, 1, 1, 32, batch=2), (32, 32), True),  # square tiles
-        (Case("causal-C2", 50, 64, 4, 2, 2, 32, batch=2), (16, 16), False),  # Sq % 16 != 0
-        (Case("noncausal-C4", 64, 64, 2, 2, 1, 24, mask="random"), (16, 16), False),  # D < 32
-    ],
-    ids=["even", "even-square", "ragged-rows", "padded-head-dim"],
-)
-def test_flat_tma_descriptors_only_where_tiles_stay_inside_a_sequence(
-    case, tiles, flat, monkeypatch
-):
-    """``TileConfig.fwd_tma_flat``: 2-D descriptors over ``[B * S, H * D]`` are used only where
-    no tile crosses into the next sequence or head (lengths divisible by the tiles, unpadded head
-    dim); elsewhere the 4-D descriptors (or, at square tiles, pointer loads). Same bits as the
-    pointer loads either way."""
-    x = make_inputs(case, torch.float16)
-    config = replace(
-        kernels.tile_config(case.head_dim),
-        fwd_m=tiles[0], fwd_n=tiles[1], fwd_tma=True, fwd_tma_flat=True,
-    )  # fmt: skip
-    used: list[str] = []
-    for name in ("_flat_descriptor", "_row_descriptor"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: used.append(_n) or _r(*a))
-    tma = kernels.forward(x.q, x.k, x.v, x.sri, case.causal, x.scale, config=config)
-    pointers = kernels.forward(
-        x.q, x.k, x.v, x.sri, case.causal, x.scale, config=replace(config, fwd_tma=False)
-    )
-    assert set(used) == ({"_flat_descriptor"} if flat else {"_row_descriptor"})
-    for name, a, b in zip(("out", "lse"), pointers, tma, strict=True):
-        assert torch.equal(a, b), f"{name} differs with 2-D TMA loads ({case.id})"
 
 
 def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
@@ -1052,47 +941,6 @@ def test_delta_kernel_zeros_the_dq_accumulator_it_is_given(with_dlse):
     delta = backward_launcher.backward_delta(out, dout, dlse, accumulator)
     assert torch.equal(accumulator, torch.zeros_like(accumulator))
     assert torch.equal(delta, backward_launcher.backward_delta(out, dout, dlse))
-
-
-def test_delta_kernel_zeros_the_dq_tile_flags_it_is_given():
-    """``backward_delta`` with ``dq_flags`` (``gluon_bwd.DQ_FIRST_STORE``'s, one int32 per
-    64-row tile of each head, here -1 beforehand) zeros every flag, the partial last tile's
-    too, and returns the same delta as without them."""
-    gen = torch.Generator().manual_seed(4)
-    out, dout = (torch.randn(2, 80, 3, 24, generator=gen).half().to(DEVICE) for _ in range(2))
-    flags = torch.full((2, 3, 2), -1, dtype=torch.int32, device=DEVICE)
-    delta = backward_launcher.backward_delta(out, dout, None, dq_flags=flags)
-    assert torch.equal(flags, torch.zeros_like(flags))
-    assert torch.equal(delta, backward_launcher.backward_delta(out, dout, None))
-    for bad in (torch.zeros(2, 3, 1, dtype=torch.int32), torch.zeros(2, 3, 2)):
-        with pytest.raises(ValueError, match="dq_flags"):
-            backward_launcher.backward_delta(out, dout, None, dq_flags=bad.to(DEVICE))
-
-
-def test_dq_conversion_takes_written_tiles_and_zeros_the_others():
-    """``flashmask_dq_convert_kernel``: dQ in the output's dtype from the fp32 accumulator for
-    every 64-row tile whose flag is set (1 or 2), zeros for a tile nobody wrote (its
-    accumulator rows hold anything, here NaN), the partial last tile (100 rows) included."""
-    from flashmask.kernels.launch import launch_kernel
-    from flashmask.kernels.triton_kernels.backward import flashmask_dq_convert_kernel
-
-    gen = torch.Generator().manual_seed(5)
-    acc = torch.randn(2, 100, 3, 32, generator=gen).to(DEVICE)
-    flags = torch.tensor([[[2, 0], [1, 2], [0, 0]], [[2, 2], [0, 2], [2, 0]]], dtype=torch.int32)
-    unwritten = torch.zeros(2, 100, 3, dtype=torch.bool)
-    for b, h, t in (flags == 0).nonzero().tolist():
-        unwritten[b, t * 64 : (t + 1) * 64, h] = True
-    acc[unwritten.to(DEVICE)] = float("nan")
-    dq = torch.empty(acc.shape, dtype=torch.bfloat16, device=DEVICE)
-    launch_kernel(
-        flashmask_dq_convert_kernel, (2, 3, 2), acc, flags.to(DEVICE), dq, 100, 3,
-        HEAD_DIM=32, BLOCK_M=64,
-    )  # fmt: skip
-    unwritten = unwritten[..., None].expand(acc.shape).to(DEVICE)
-    assert not dq[unwritten].any()
-    # Within a bf16 rounding step (Triton's CPU interpreter truncates where the GPU rounds to
-    # nearest even, as torch does).
-    torch.testing.assert_close(dq[~unwritten].float(), acc[~unwritten], rtol=2**-7, atol=0)
 
 
 def test_delta_kernel_refuses_an_accumulator_unlike_out():

@@ -3,12 +3,9 @@
 * ``flashmask_bwd_dkdv_kernel``: key-tile stationary. One program owns ``BLOCK_N`` key columns of
   one (batch, kv head), loops over the query heads that share it (GQA reduced in registers, no
   atomics) and over the listed query tiles (partial ones, then unmasked ones in a second loop
-  free of mask code), and accumulates dK and dV. With ``ACCUMULATE_DQ`` it also adds every
-  tile's dQ contribution into an fp32 buffer with atomics (not bit-reproducible): one per
-  element, or with ``DQ_TMA`` one TMA bulk reduce-add per tile.
+  free of mask code), and accumulates dK and dV.
 * ``flashmask_bwd_dq_kernel``: query-tile stationary, walks the row-major lists in the same two
-  loops and writes dQ with no atomics (the deterministic path); with ``USE_TMA`` its K/V tiles
-  come through TMA descriptors.
+  loops and writes dQ with no atomics, so the Triton backward is bit-reproducible.
 * ``flashmask_bwd_fused_kernel``: both passes in one grid (the default): the first programs of
   each (kv head, batch) run the dK/dV program, the rest the dQ program, so neither pass's last
   wave leaves the GPU idle. Bitwise equal to the two launches.
@@ -17,7 +14,7 @@ Loads and stores drop their bounds masks along dimensions the tiles divide evenl
 
 Unlike the forward, the backward splits its loop by tile class: measured on the H200 it is
 10-20% faster on non-causal and document masks at 32K and equal elsewhere (the forward's split
-was slower; ``benchmarks/NOTES.md``, change 4).
+was slower; ``docs/performance.md``, the lever table).
 
 Both recompute ``P = exp2(S - lse)`` (one explicit fma, as in the forward) with the forward's
 lse (natural log, converted to log2; a fully masked row's ``-inf`` becomes ``+inf`` so its P is
@@ -32,7 +29,6 @@ import triton.language as tl
 from flashmask.kernels.triton_kernels.forward import (
     LOG2E,
     element_mask,
-    load_rows_tma,
     load_tile,
     store_tile,
 )
@@ -46,15 +42,12 @@ def _load_lse_log2(Lse, offs, row_ok):
 
 @triton.jit
 def _dkdv_tile(
-    k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr, dq_base,
-    dq_desc, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
-    seqlen_q, seqlen_k, qk_scale, softmax_scale,
+    k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
+    offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     APPLY_MASK: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):  # fmt: skip
@@ -83,44 +76,25 @@ def _dkdv_tile(
     dpT = tl.dot(v, tl.trans(do))
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(q.dtype), q)
-    if ACCUMULATE_DQ:
-        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * softmax_scale
-        if DQ_TMA:
-            # One bulk reduce-add of the whole tile (through shared memory) instead of one
-            # atomic per element; rows past Sq and columns past D are dropped by the hardware.
-            block_m: tl.constexpr = offs_m0.shape[0]
-            block_d: tl.constexpr = offs_d.shape[0]
-            dq_desc.atomic_add(
-                [b, m_tile * block_m, h, 0], tl.reshape(dq, [1, block_m, 1, block_d])
-            )
-        else:
-            tl.atomic_add(
-                dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :], dq,
-                mask=row_ok[:, None] & d_ok[None, :], sem="relaxed",
-            )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
     n_tile, h_kv, b,
-    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
-    ListPartial,
+    Q, K, V, DO, Lse, Delta, DK, DV, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -159,25 +133,21 @@ def _dkdv_program(
         entries = ListEntries + list_row * num_m_tiles
         q_base = Q + b64 * stride_qb + h * stride_qh
         do_base = DO + b64 * stride_dob + h * stride_doh
-        dq_base = DQAccum + b64 * stride_dqb + h * stride_dqh
         row_base = (b64 * num_heads_q + h) * seqlen_q
         # Partial query tiles (element mask), then unmasked ones (no mask code in the loop).
         for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
             m_tile = tl.load(entries + it)
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, DescDQ, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
-                seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, ACCUMULATE_DQ, DQ_TMA, EVEN_M, EVEN_D,
+                offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_M, EVEN_D,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                dq_base, DescDQ, b, h, offs_m0, offs_d, d_ok, stride_qs, stride_dos, stride_dqs,
-                seqlen_q, seqlen_k, qk_scale, softmax_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, DQ_TMA, EVEN_M,
-                EVEN_D,
+                offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
+                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_D,
             )  # fmt: skip
 
     dk = dk * softmax_scale
@@ -193,7 +163,7 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tile(
-    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, desc_k, desc_v, b, h_kv, bounds_ptr,
+    q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
     offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -201,26 +171,19 @@ def _dq_tile(
     APPLY_MASK: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
     block_n: tl.constexpr = offs_n0.shape[0]
-    block_d: tl.constexpr = offs_d.shape[0]
     offs_n = n_tile * block_n + offs_n0
     col_ok = offs_n[None, :] < seqlen_k
-    if USE_TMA:
-        row0 = n_tile * block_n
-        kT = tl.trans(load_rows_tma(desc_k, b, row0, h_kv, seqlen_k, block_n, block_d, False))
-        vT = tl.trans(load_rows_tma(desc_v, b, row0, h_kv, seqlen_k, block_n, block_d, False))
-    else:
-        kT = load_tile(
-            k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
-            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-        )  # fmt: skip
-        vT = load_tile(
-            v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
-            d_ok[:, None], col_ok, EVEN_D, EVEN_N,
-        )  # fmt: skip
+    kT = load_tile(
+        k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
+    vT = load_tile(
+        v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
+        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+    )  # fmt: skip
     p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
@@ -236,7 +199,7 @@ def _dq_tile(
 @triton.jit
 def _dq_program(
     m_tile, h, b,
-    Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -251,7 +214,6 @@ def _dq_program(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -294,16 +256,16 @@ def _dq_program(
     for it in tl.range(0, num_partial, num_stages=NUM_STAGES):
         n_tile = tl.load(entries + it)
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, DescK, DescV, b, h_kv,
-            bounds_ptr, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, USE_TMA,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
+            offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
-            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, DescK, DescV, b, h_kv,
-            bounds_ptr, offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, USE_TMA,
+            q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
+            offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D,
         )  # fmt: skip
 
     dq = dq * softmax_scale
@@ -315,23 +277,19 @@ def _dq_program(
 
 @triton.jit
 def flashmask_bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
-    ListPartial,
+    Q, K, V, DO, Lse, Delta, DK, DV, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
     num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     MASK_FULL_TILES: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -344,21 +302,20 @@ def flashmask_bwd_dkdv_kernel(
     # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
     _dkdv_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, K, V, DO, Lse, Delta, DK, DV, DQAccum, DescDQ, Bounds, ListEntries, ListCounts,
-        ListPartial, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        Q, K, V, DO, Lse, Delta, DK, DV, Bounds, ListEntries, ListCounts, ListPartial,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-        stride_dqb, stride_dqs, stride_dqh,
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
-        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ACCUMULATE_DQ, DQ_TMA, EVEN_M, EVEN_N,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N,
         EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
 @triton.jit
 def flashmask_bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
+    Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -373,7 +330,6 @@ def flashmask_bwd_dq_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -382,20 +338,20 @@ def flashmask_bwd_dq_kernel(
     """dQ pass alone; grid ``(query tiles, query heads, batch)``, heaviest tiles first."""
     _dq_program(
         num_m_tiles - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, ListEntries, ListCounts, ListPartial,
+        Q, K, V, DO, Lse, Delta, DQ, Bounds, ListEntries, ListCounts, ListPartial,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
         num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
-        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D, USE_TMA,
+        CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
         BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
     )  # fmt: skip
 
 
 @triton.jit
 def flashmask_bwd_fused_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, DK, DV, DescK, DescV, Bounds,
+    Q, K, V, DO, Lse, Delta, DQ, DK, DV, Bounds,
     KvEntries, KvCounts, KvPartial, QEntries, QCounts, QPartial,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -415,7 +371,6 @@ def flashmask_bwd_fused_kernel(
     KV_EVEN_N: tl.constexpr,
     Q_EVEN_M: tl.constexpr,
     Q_EVEN_N: tl.constexpr,
-    Q_TMA: tl.constexpr,
     EVEN_D: tl.constexpr,
     KV_BLOCK_M: tl.constexpr,
     KV_BLOCK_N: tl.constexpr,
@@ -438,15 +393,13 @@ def flashmask_bwd_fused_kernel(
     if pid < kv_num_n_tiles:
         _dkdv_program(
             pid, h_kv, b,
-            Q, K, V, DO, Lse, Delta, DK, DV, DQ, None, Bounds, KvEntries, KvCounts, KvPartial,
+            Q, K, V, DO, Lse, Delta, DK, DV, Bounds, KvEntries, KvCounts, KvPartial,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-            stride_dqb, stride_dqs, stride_dqh,
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
             num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, False, False, KV_EVEN_M, KV_EVEN_N,
-            EVEN_D,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, KV_EVEN_M, KV_EVEN_N, EVEN_D,
             KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
         )  # fmt: skip
     else:
@@ -455,35 +408,33 @@ def flashmask_bwd_fused_kernel(
         h = h_kv * heads_per_kv + r % heads_per_kv
         _dq_program(
             m_tile, h, b,
-            Q, K, V, DO, Lse, Delta, DQ, DescK, DescV, Bounds, QEntries, QCounts, QPartial,
+            Q, K, V, DO, Lse, Delta, DQ, Bounds, QEntries, QCounts, QPartial,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
             stride_dqb, stride_dqs, stride_dqh,
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
             q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D, Q_TMA,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
             Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
         )  # fmt: skip
 
 
 @triton.jit
 def flashmask_bwd_delta_kernel(
-    Out, DO, DLse, Delta, DQZero, DQFlags,
+    Out, DO, DLse, Delta, DQZero,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_zb, stride_zs, stride_zh,
     seqlen_q, num_heads_q, head_dim,
     HAS_DLSE: tl.constexpr,
     ZERO_DQ: tl.constexpr,
-    ZERO_FLAGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``delta[b, h, i] = sum_d O * dO - dlse`` in fp32 (the softmax backward's row term); with
     ``ZERO_DQ`` also zeros the same rows of the fp32 dQ accumulator ``DQZero`` (``[B, Sq, H,
-    D]``), which saves the atomic-dQ backward a launch of its own for that; with ``ZERO_FLAGS``
-    zeros the rows' entry of the int32 ``DQFlags`` (``[B, H, cdiv(Sq, BLOCK_M)]``: the Gluon
-    backward's per-tile flags, ``gluon_bwd.DQ_FIRST_STORE``)."""
+    D]``), which saves the Gluon backward, which adds dQ into that accumulator, a launch of
+    its own."""
     m_tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -512,33 +463,3 @@ def flashmask_bwd_delta_kernel(
             DQZero + b * stride_zb + h * stride_zh + offs_m[:, None] * stride_zs + offs_d[None, :]
         )
         tl.store(zero_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
-    if ZERO_FLAGS:
-        tl.store(DQFlags + bh * tl.num_programs(0) + m_tile, 0)
-
-
-@triton.jit
-def flashmask_dq_convert_kernel(
-    DQAcc, DQFlags, DQ,
-    seqlen_q, num_heads_q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """``DQ`` (``[B, Sq, H, D]``, contiguous, in its own dtype) from the fp32 accumulator
-    ``DQAcc`` (same shape), one program per ``BLOCK_M`` rows of one head: where the tile's flag
-    in ``DQFlags`` (``[B, H, cdiv(Sq, BLOCK_M)]``, ``gluon_bwd.DQ_FIRST_STORE``) is 0 no key tile
-    wrote it, and its rows are zeros (the accumulator holds whatever was there)."""
-    m_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    flag = tl.load(DQFlags + (b * num_heads_q + h) * tl.num_programs(0) + m_tile)
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    offs = ((b * seqlen_q + rows[:, None]) * num_heads_q + h) * HEAD_DIM + cols[None, :]
-    # Both masks built at the tile's full shape (the CPU interpreter refuses a scalar operand).
-    in_bounds = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
-    # An unwritten tile's loads are masked off: its zeros come from ``other``.
-    written = (tl.zeros([BLOCK_M, HEAD_DIM], tl.int32) + flag) != 0
-    values = tl.load(DQAcc + offs, mask=in_bounds & written, other=0.0)
-    # Round to nearest even, as torch's conversion does.
-    dq = values.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(DQ + offs, dq, mask=in_bounds)

@@ -75,23 +75,12 @@ def store_tile(ptrs, value, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: 
 
 
 @triton.jit
-def load_rows_tma(
-    desc, b, row0, h, seqlen, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FLAT: tl.constexpr
-):
+def load_rows_tma(desc, b, row0, h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``row0 .. row0 + BLOCK_R`` of (batch ``b``, head ``h``) as a ``[BLOCK_R, BLOCK_D]``
     tile, through a TMA descriptor over a ``[B, S, H, D]`` tensor (block ``[1, BLOCK_R, 1,
     BLOCK_D]``). Rows past ``S`` and columns past ``D`` read as zeros, exactly like the masked
-    pointer loads of :func:`load_tile`.
-
-    ``FLAT``: the descriptor is 2-D over the same memory seen as ``[B * S, H * D]`` (block
-    ``[BLOCK_R, BLOCK_D]``), valid only when tiles never cross a sequence or head boundary
-    (``S % BLOCK_R == 0`` and ``D == BLOCK_D``), where it reads the same values."""
-    # if/else, not an early return: Triton compiles the statements after a returning branch.
-    if FLAT:
-        tile = desc.load([b * seqlen + row0, h * BLOCK_D])
-    else:
-        tile = tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
-    return tile
+    pointer loads of :func:`load_tile`."""
+    return tl.reshape(desc.load([b, row0, h, 0]), [BLOCK_R, BLOCK_D])
 
 
 @triton.jit
@@ -128,7 +117,6 @@ def flashmask_fwd_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr,
-    TMA_FLAT: tl.constexpr,
     ORDERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -136,9 +124,8 @@ def flashmask_fwd_kernel(
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
-    copies, no per-thread address arithmetic) instead of pointer loads; same values. ``TMA_FLAT``:
-    the descriptors are 2-D (see :func:`load_rows_tma`). ``ORDERED``: programs run in the order
-    ``ProgramOrder`` gives (:func:`launched_program`)."""
+    copies, no per-thread address arithmetic) instead of pointer loads; same values.
+    ``ORDERED``: programs run in the order ``ProgramOrder`` gives (:func:`launched_program`)."""
     grid_tile, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - grid_tile
@@ -154,7 +141,7 @@ def flashmask_fwd_kernel(
     d_ok = offs_d < head_dim
 
     if USE_TMA:
-        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, seqlen_q, BLOCK_M, BLOCK_D, TMA_FLAT)
+        q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
     else:
         q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
         q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
@@ -173,18 +160,14 @@ def flashmask_fwd_kernel(
 
     # One loop over the list (partial tiles first, then unmasked ones) with the mask under a
     # per-tile branch. Measured on the H200, this beats one loop per tile class in the forward by
-    # up to 1.6x on non-causal masks (benchmarks/NOTES.md, change 4); the backward splits.
+    # up to 1.6x on non-causal masks (docs/performance.md, the lever table); the backward splits.
     for it in tl.range(0, count, num_stages=NUM_STAGES):
         entry = tl.load(entries + it)
         n_tile = tl.where(entry >= 0, entry, -entry - 1)
         offs_n = n_tile * BLOCK_N + offs_n0
         col_ok = offs_n < seqlen_k
         if USE_TMA:
-            kT = tl.trans(
-                load_rows_tma(
-                    DescK, b, n_tile * BLOCK_N, h_kv, seqlen_k, BLOCK_N, BLOCK_D, TMA_FLAT
-                )
-            )
+            kT = tl.trans(load_rows_tma(DescK, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D))
         else:
             kT = load_tile(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
@@ -222,9 +205,7 @@ def flashmask_fwd_kernel(
             p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
-            v = load_rows_tma(
-                DescV, b, n_tile * BLOCK_N, h_kv, seqlen_k, BLOCK_N, BLOCK_D, TMA_FLAT
-            )
+            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
         else:
             v = load_tile(
                 v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
