@@ -367,8 +367,8 @@ def _bit_exact_cases() -> list[tuple[str, float | None]]:
 
 def _bit_exact_inputs(mask: str) -> Inputs:
     """hd128, bf16, batch 2 x 1024 tokens, 8 query heads on 2 key/value heads."""
-    if mask.startswith("random"):
-        causal, columns = mask.startswith("random-causal1"), int(mask[-1])
+    if mask in RANDOM_FORMS:
+        causal, columns = FORMS[RANDOM_FORMS.index(mask)]
         case = Case("random", SEQLEN, SEQLEN, 8, 2, 128, True, causal=causal, columns=columns)
     else:
         case = Case(mask, SEQLEN, SEQLEN, 8, 2, 128, True, mask_heads=2 if "evict" in mask else 1)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Rerun the GPU checks and measurements on a CUDA machine, from the repository root:
+#
+#   bash benchmarks/gpu_run.sh check bench          # any steps, in the order given
+#
+# Steps (results go to $RESULTS, default benchmarks/results, named with today's date):
+#   check       the GPU tests (tests/gpu; FLASHMASK_GPU_FULL=1 for the full matrix), their
+#               summary in gpu_check_<date>.json
+#   bench       flashmask bench, 8K and 32K tokens, head dim 128, the 12 masks (the README's
+#               table): bench_hd128_<date>.{json,md,png}
+#   bench-128k  the same at 128K, in two runs of six masks: bench_hd128_128k_{a,b}_<date>.*
+#   e2e         benchmarks/e2e.py, training steps of a ~1B model: e2e_<date>/e2e.{json,md}
+#   cp          benchmarks/cp_gpu.py on every GPU of the machine (torchrun): cp_gpu_<date>/
+#   sass        benchmarks/sass_report.py (compiles for sm_90, needs no GPU): sass_report_<date>.*
+#
+# Environment: RESULTS (output folder), DATE (the stamp, default YYYY-MM-DD), JOBS (pytest-xdist
+# workers for check, default 8), and PYTHONPATH=src unless flashmask is installed.
+set -uo pipefail
+
+results=${RESULTS:-benchmarks/results}
+date=${DATE:-$(date +%F)}
+export PYTHONPATH=${PYTHONPATH:-src}
+[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+mkdir -p "$results"
+
+bench() {  # bench NAME SEQLENS MASKS
+    python -m flashmask bench --seqlens "$2" --head-dims 128 --masks "$3" --rep-ms 100 \
+        --dense-limit-gb 0.5 --out "$results/$1_$date"
+}
+
+all_masks=full,causal,sliding_window,causal_document,document,share_question
+more_masks=global_sliding_window,causal_blockwise,prefix_lm_document,prefix_lm_causal
+more_masks=$more_masks,qk_sparse,random_eviction
+
+failed=()
+for step in "$@"; do
+    echo "== $step"
+    start=$SECONDS
+    case $step in
+    check)
+        FLASHMASK_GPU_REPORT="$results/gpu_check_$date.json" \
+            python -m pytest -q -p no:randomly -n "${JOBS:-8}" tests/gpu
+        ;;
+    bench) bench bench_hd128 8192,32768 "$all_masks,$more_masks" ;;
+    bench-128k)
+        bench bench_hd128_128k_a 131072 "$all_masks" &&
+            bench bench_hd128_128k_b 131072 "$more_masks"
+        ;;
+    e2e)
+        python benchmarks/e2e.py --longest-max 262144 --step-limit-s 30 --budget-s 7200 \
+            --out "$results/e2e_$date"
+        ;;
+    cp)
+        torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/cp_gpu.py \
+            --out "$results/cp_gpu_$date"
+        ;;
+    sass) python benchmarks/sass_report.py --out "$results/sass_report_$date" ;;
+    *)
+        echo "unknown step: $step (see the top of $0)" >&2
+        exit 2
+        ;;
+    esac
+    rc=$?
+    echo "== $step: exit status $rc, $((SECONDS - start)) s"
+    [ "$rc" -eq 0 ] || failed+=("$step")
+done
+[ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}" >&2; exit 1; }
