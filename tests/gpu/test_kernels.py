@@ -12,7 +12,7 @@ Skipped without a CUDA GPU (marker ``gpu``). On a GPU machine, from the reposito
 * every builder's mask (``masks.MASK_TYPES`` and ``hash_sparse``) at 1024 tokens, batch 2: head
   dims 64, 128 and 256 (full matrix: 32, 64, 96, 128, 192, 256), bf16 (and fp16 at 128 and
   256), 8 query heads on 8 key/value heads with ``deterministic=True`` and on 2 (grouped-query)
-  with ``deterministic=False`` (the backward's atomic dQ paths);
+  with ``deterministic=False`` (the Gluon backward and its atomic dQ where routing sends it);
 * random ``startend_row_indices`` of every form (causal with 1 or 2 columns, non-causal with 2
   or 4) with out-of-range values and empty or reversed intervals, at ragged ``Sq != Sk`` shapes
   down to one key: fully masked rows, and gradients that are exactly 0;
@@ -23,7 +23,7 @@ Skipped without a CUDA GPU (marker ``gpu``). On a GPU machine, from the reposito
   masks too (Hopper only);
 * bit-exactness: skipping tiles equals treating every tile as partial (``skip_tiles=False``),
   the deterministic backward repeats bit for bit, also after a fresh mask preparation, and the
-  shipped launch forms equal the plainest ones (every load masked, two backward launches).
+  Triton forward's TMA loads (head dim 128) equal its pointer loads.
 
 The rule (``tests/tolerance.py``): out, lse, dq, dk and dv are compared with a float32 reference
 (``flashmask.reference`` on the same bf16/fp16 inputs); the error may be at most twice that of
@@ -35,7 +35,6 @@ masked rows give out = 0, lse = -inf and dq = 0, and keys no query sees dk = dv 
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from dataclasses import dataclass, replace
 
@@ -220,26 +219,14 @@ def make_inputs(case: Case) -> Inputs:
     return Inputs(q, k, v, dout, mask.startend_row_indices, mask.causal, mask.to_dense(case.sq))
 
 
-def kernel_paths(x: Inputs, scale: float, deterministic: bool, bwd_config) -> str:
+def kernel_paths(x: Inputs, scale: float, deterministic: bool) -> str:
     """Which forward and backward kernels a call runs (``gluon`` or ``triton``), by the
     launchers' own routing rules, so that a run shows which paths it checked."""
     d, masked = x.q.shape[-1], x.sri is not None
-    fwd_config = kernels.tile_config(d, has_mask=masked)
-    bwd_config = bwd_config or kernels.tile_config(d, has_mask=masked)
-    fwd = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, fwd_config)
-    bwd = routing.use_gluon_backward(x.q, x.k, x.v, x.dout, deterministic, True, masked, bwd_config)
+    config = kernels.tile_config(d, has_mask=masked)
+    fwd = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)
+    bwd = routing.use_gluon_backward(x.q, x.k, x.v, x.dout, deterministic, True, masked, config)
     return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
-
-
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(kernels.TileConfig)}
-
-
-def backward_config(case: Case):
-    """``deterministic=False`` runs the atomic dQ paths: the Gluon backward where routed, else
-    the Triton kernels' fp32-atomic dQ (``TileConfig.atomic_dq``). ``None``: the default."""
-    if case.deterministic or "atomic_dq" not in _CONFIG_FIELDS:
-        return None
-    return replace(kernels.tile_config(case.d), atomic_dq=True)
 
 
 def residue_bound(name: str, x: Inputs, scale: float) -> float:
@@ -261,15 +248,13 @@ def check_accuracy(case: Case, record_property) -> None:
     b, sq, hq, d = x.q.shape
     sk, hk = x.k.shape[1], x.k.shape[2]
     scale = d**-0.5
-    config = backward_config(case)
     record = {"kind": "accuracy", "case": case.id}
-    record["kernels"] = kernel_paths(x, scale, case.deterministic, config)
+    record["kernels"] = kernel_paths(x, scale, case.deterministic)
     record_property(CASE_PROPERTY, record)
     out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale)
     dq, dk, dv = kernels.backward(
-        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, case.deterministic,
-        config=config,
-    )  # fmt: skip
+        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, case.deterministic
+    )
 
     intervals = FlashMask(x.sri, x.causal).intervals(sq) if x.sri is not None else None
     qf, kf, vf = x.q.float(), x.k.float(), x.v.float()
@@ -351,7 +336,7 @@ def test_gluon_kernels_on_short_masks_match_the_reference(
         dict.fromkeys(routing.GLUON_BWD_MIN_MASKED_SEQLEN, 0),
     )
     x = make_inputs(case)
-    paths = kernel_paths(x, case.d**-0.5, case.deterministic, backward_config(case))
+    paths = kernel_paths(x, case.d**-0.5, case.deterministic)
     fwd_gluon = kernels.tile_config(case.d, has_mask=True).fwd_gluon
     assert paths == f"fwd={'gluon' if fwd_gluon else 'triton'} bwd=gluon", paths
     check_accuracy(case, record_property)
@@ -405,32 +390,22 @@ def test_skipping_and_repeats_are_bit_exact(mask: str, scale: float | None, reco
     assert all(checks.values()), checks
 
 
-# The TileConfig switches that only change how the kernels are launched and load, not what
-# they compute: off, every load is masked through pointers and the backward is two launches.
-LAUNCH_SWITCHES = ("fused_backward", "even_fast_path", "fwd_tma")
+TMA_CASES = ("full", "causal", "document", "prefix_lm_causal", *RANDOM_FORMS)
 
 
-LAUNCH_CASES = ("full", "causal", "document", "prefix_lm_causal", *RANDOM_FORMS)
-
-
-@pytest.mark.parametrize("mask", LAUNCH_CASES)
-def test_launch_forms_are_bit_exact(mask: str, record_property) -> None:
-    """The Triton kernels as shipped (one backward grid, unmasked loads where tiles divide the
-    lengths, TMA loads) == the same kernels with those switches off, bitwise."""
-    switches = [name for name in LAUNCH_SWITCHES if name in _CONFIG_FIELDS]
-    if not switches:
-        pytest.skip("TileConfig has none of the launch switches")
+@pytest.mark.parametrize("mask", TMA_CASES)
+def test_forward_tma_loads_are_bit_exact(mask: str, record_property) -> None:
+    """The Triton forward at head dim 128 as shipped (Q/K/V tiles loaded through TMA tensor
+    descriptors, ``TileConfig.fwd_tma``) == the same forward with pointer loads, bitwise."""
     x = _bit_exact_inputs(mask)
     args = (x.sri, x.causal, x.q.shape[-1] ** -0.5)
     # The Triton forward on both sides: where the default is the Gluon forward (no mask,
-    # hd128), comparing it with itself would prove nothing about the launch and loads.
+    # hd128), comparing it with itself would prove nothing about the loads.
     base = kernels.tile_config(x.q.shape[-1], has_mask=x.sri is not None)
-    base = replace(base, fwd_gluon=False)
-    plain = replace(base, **dict.fromkeys(switches, False))
-    o3, l3 = kernels.forward(x.q, x.k, x.v, *args, config=base)
-    o4, l4 = kernels.forward(x.q, x.k, x.v, *args, config=plain)
-    g3 = kernels.backward(x.dout, None, x.q, x.k, x.v, o3, l3, *args, True, config=base)
-    g4 = kernels.backward(x.dout, None, x.q, x.k, x.v, o3, l3, *args, True, config=plain)
-    equal = _equal((o3, l3, *g3), (o4, l4, *g4))
-    record_property(CASE_PROPERTY, {"kind": "launch_forms", "case": mask, "equal": equal})
-    assert equal, f"{mask}: the launch forms {switches} change the results"
+    base = replace(base, fwd_gluon=False, fwd_tma=True)
+    pointers = replace(base, fwd_tma=False)
+    tma = kernels.forward(x.q, x.k, x.v, *args, config=base)
+    plain = kernels.forward(x.q, x.k, x.v, *args, config=pointers)
+    equal = _equal(tma, plain)
+    record_property(CASE_PROPERTY, {"kind": "tma_loads", "case": mask, "equal": equal})
+    assert equal, f"{mask}: the forward's TMA loads change its results"
