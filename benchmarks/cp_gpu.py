@@ -1,12 +1,12 @@
 """Context parallelism on GPUs in one call: correctness against one GPU, then scaling.
 
-Run on a multi-GPU machine (NCCL, bf16, Triton kernels)::
+Run on a multi-GPU machine (NCCL, bf16, Triton kernels) from the repository root::
 
-    OUT=/path/to/results torchrun --nproc_per_node=8 benchmarks/cp_gpu.py [--quick]
+    PYTHONPATH=src torchrun --nproc_per_node=8 benchmarks/cp_gpu.py --out DIR [--quick]
 
 1. Correctness, per mask (causal document, share question, sliding window, prefix-LM document) x
    mode x balancer, at ``--check-tokens`` tokens per GPU: the context-parallel out, lse, dq, dk, dv
-   (gathered to the full sequence) against a float32 reference, judged by DESIGN §4's rule with
+   (gathered to the full sequence) against a float32 reference, judged by the tolerance rule with
    the single-GPU FlashMask kernel on the full sequence, same bf16 inputs, as the low-precision
    baseline: ``max err <= 2 x max err(single GPU) + 2 x noise`` and
    ``mean err <= 1.1 x mean err(single GPU) + mean noise`` (``tests/tolerance.py``).
@@ -15,7 +15,8 @@ Run on a multi-GPU machine (NCCL, bf16, Triton kernels)::
    = 2.5 x forward), bytes each mode actually moved (every rank's logs, summed) next to the
    planner's prediction, and the plan's imbalance.
 
-Writes ``$OUT/cp_gpu.json`` and ``$OUT/cp_gpu.md`` (rank 0). Every piece takes a device and a
+Writes ``DIR/cp_gpu.json`` and ``DIR/cp_gpu.md`` (rank 0; ``--out`` defaults to ``$OUT`` or
+the current folder). Every piece takes a device and a
 backend, so ``tests/distributed/test_cp_gpu_script.py`` runs it on CPU/gloo at toy sizes.
 """
 
@@ -53,7 +54,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass
 class Config:
-    """What to run; defaults are the multi-GPU session's."""
+    """What to run: sizes, masks, balancers and repeats (the command line's defaults)."""
 
     device: str = "cuda"
     dtype: str = "bfloat16"
@@ -103,7 +104,7 @@ class Timing:
 
 # ---------------------------------------------------------------------- tolerance rule
 def rule(actual: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor) -> dict[str, float]:
-    """DESIGN §4 / ``tests/tolerance.py``, as numbers: ``ok`` is 1.0 when both bounds hold."""
+    """The rule of ``tests/tolerance.py``, as numbers: ``ok`` is 1.0 when both bounds hold."""
     hi = ref_hi.double()
     err = (actual.double() - hi).abs()
     base = (ref_lo.double() - hi).abs()
@@ -313,7 +314,7 @@ def markdown(result: dict) -> str:
         f"{meta['date']}, torch {meta['torch']}, triton {meta.get('triton', '-')}; "
         f"config: {result['config']}",
         "",
-        "## Correctness (DESIGN §4 rule vs the single-GPU kernel on the full sequence)",
+        "## Correctness (tolerance rule vs the single-GPU kernel on the full sequence)",
         "",
         "| mask | mode | balancer | overlap | ranks | tokens | pass | worst max err / bound |",
         "|---|---|---|---|---:|---:|---|---|",

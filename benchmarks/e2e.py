@@ -13,11 +13,14 @@ tokens/s and peak CUDA memory of full training steps (forward, backward, AdamW):
 
 The loss is a chunked cross-entropy (LM head and loss recomputed per 8K-token chunk in the
 backward) so that the vocabulary projection does not hide the attention's memory. Every result
-is written as soon as it is measured, to ``$OUT/e2e.json`` and ``$OUT/e2e.md`` (``--out``).
+is written as soon as it is measured, to ``DIR/e2e.json`` and ``DIR/e2e.md`` (``--out DIR``,
+default ``$OUT`` or ``benchmarks/results/e2e``). Parts that would start after ``--budget-s``
+seconds are skipped (and marked so), which keeps a run inside a fixed time slot.
 
-Usage (one call on an H200)::
+Usage, from the repository root (the README's table: ``benchmarks/gpu_run.sh e2e``)::
 
-    PYTHONPATH=src python3 benchmarks/e2e.py            # ~1B model, bf16, CUDA
+    PYTHONPATH=src python3 benchmarks/e2e.py            # ~1B model, bf16, one CUDA GPU
+    PYTHONPATH=src python3 benchmarks/e2e.py --longest-max 262144 --step-limit-s 30
     PYTHONPATH=src python3 benchmarks/e2e.py --smoke    # tiny model on CPU, checks the script
 
 Needs transformers (``pip install -e '.[integrations]'``).
@@ -182,7 +185,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--step-limit-s", type=float, default=60.0, help="stop a search past this step time"
     )
-    p.add_argument("--budget-s", type=float, default=540.0, help="skip what starts after this")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="skip the parts that would start after this many seconds",
+    )
     p.add_argument("--device", default=None, help="cuda (default) or cpu (--smoke)")
     args = p.parse_args(argv)
     smoke = args.smoke
