@@ -1,13 +1,15 @@
-"""Regenerate the mask gallery: ``docs/gallery/NAME.png`` and the README's generated sections.
+"""Regenerate the mask pictures: ``docs/gallery/NAME.png``, the gallery in ``docs/masks.md``
+and the README's mask table and tile picture.
 
 Run from anywhere (needs matplotlib)::
 
     python docs/make_gallery.py
 
-Every picture comes from the ``flashmask show`` command: the PNGs from
+The gallery's pictures come from the ``flashmask show`` command: the PNGs from
 ``flashmask show NAME --seqlen 64 --png docs/gallery/NAME.png`` and the text pictures from
-``flashmask show NAME --seqlen 32``. The README text between the ``<!-- BEGIN/END generated:
-... -->`` markers is replaced; everything else in it is left alone.
+``flashmask show NAME --seqlen 32``. The README's tile picture draws one small packed-document
+mask with its tile classes (:meth:`flashmask.FlashMask.classify_tiles`). Only the text between
+``<!-- BEGIN/END generated: ... -->`` markers is replaced; everything else is left alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flashmask.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+MASKS_PAGE = ROOT / "docs" / "masks.md"
 GALLERY = ROOT / "docs" / "gallery"
 NAMES = (*masks.MASK_TYPES, "hash_sparse")
 PNG_SEQLEN, TEXT_SEQLEN, COLUMNS = 64, 32, 3
@@ -70,7 +73,7 @@ def png_gallery() -> str:
     for name in NAMES:
         path = GALLERY / f"{name}.png"
         show(name, "--seqlen", str(PNG_SEQLEN), "--png", str(path))
-        cells.append(f'<img src="docs/gallery/{name}.png" alt="{name}" width="300">')
+        cells.append(f'<img src="gallery/{name}.png" alt="{name}" width="300">')
     rows = [cells[i : i + COLUMNS] for i in range(0, len(cells), COLUMNS)]
     lines = ["| " + " | ".join([""] * COLUMNS) + " |", "|" + "---|" * COLUMNS]
     lines += ["| " + " | ".join(row + [""] * (COLUMNS - len(row))) + " |" for row in rows]
@@ -93,22 +96,49 @@ def text_gallery() -> str:
     return "```text\n" + "\n".join(out).rstrip() + "\n```"
 
 
-def replace_section(text: str, key: str, body: str) -> str:
+# The README's picture: three packed documents (4, 12 and 8 tokens) in 4x4 tiles.
+TILE_DOCS, TILE = (4, 12, 8), 4
+TILE_SYMBOLS = {0: ".", 1: "P", 2: "F"}  # TileClass.SKIP, PARTIAL, FULL
+
+
+def tile_picture() -> str:
+    """The causal-document mask of :data:`TILE_DOCS` drawn per element with tile borders, and
+    beside each row of tiles its classes: ``.`` skipped, ``P`` partial, ``F`` full."""
+    mask = masks.causal_document(list(TILE_DOCS), seqlen=sum(TILE_DOCS))
+    rows = mask.to_string().splitlines()
+    classes = mask.classify_tiles(TILE, TILE)[0, 0].tolist()
+    n = len(rows)
+    rule = "+".join(["-" * TILE] * (n // TILE))
+    out = []
+    for r, row in enumerate(rows):
+        if r and r % TILE == 0:
+            out.append(rule)
+        cells = "|".join(row[i : i + TILE] for i in range(0, n, TILE))
+        if r % TILE == 1:
+            cells += "      " + " ".join(TILE_SYMBOLS[c] for c in classes[r // TILE])
+        out.append(cells)
+    return "```text\n" + "\n".join(out) + "\n```"
+
+
+def replace_section(text: str, key: str, body: str, where: str = "README.md") -> str:
     pattern = re.compile(
         rf"(<!-- BEGIN generated: {key} -->\n).*?(<!-- END generated: {key} -->)", re.DOTALL
     )
     if not pattern.search(text):
-        raise SystemExit(f"README.md has no '{key}' markers")
+        raise SystemExit(f"{where} has no '{key}' markers")
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def main_gallery() -> None:
     text = README.read_text()
     text = replace_section(text, "mask table", mask_table())
-    text = replace_section(text, "png gallery", png_gallery())
-    text = replace_section(text, "text gallery", text_gallery())
+    text = replace_section(text, "tile picture", tile_picture())
     README.write_text(text)
-    print(f"updated {README.relative_to(ROOT)} and {len(NAMES)} PNGs in docs/gallery/")
+    page = MASKS_PAGE.read_text()
+    page = replace_section(page, "png gallery", png_gallery(), "docs/masks.md")
+    page = replace_section(page, "text gallery", text_gallery(), "docs/masks.md")
+    MASKS_PAGE.write_text(page)
+    print(f"updated README.md, docs/masks.md and {len(NAMES)} PNGs in docs/gallery/")
 
 
 if __name__ == "__main__":
