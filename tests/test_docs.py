@@ -23,8 +23,11 @@ PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 README_MAX_LINES = 300
 RESULTS_MAX_FILES = 30
-# What a result file measures, then the date of the run or a commit: bench_hd128_8k_2026-12-04.md.
-RESULT_NAME = re.compile(r"[a-z0-9]+(?:_[a-z0-9]+)*_(?:\d{4}-\d{2}-\d{2}|[0-9a-f]{7,40})\.[a-z]+")
+# What a result measures, then the date of the run or a commit: bench_hd128_8k_2026-12-04.md,
+# or a folder of one run such as e2e_2026-12-10.
+RESULT_NAME = re.compile(
+    r"[a-z0-9]+(?:_[a-z0-9]+)*_(?:\d{4}-\d{2}-\d{2}|[0-9a-f]{7,40})(?:\.[a-z]+)?"
+)
 # Markdown links and images, and HTML image sources.
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)|<img [^>]*src=\"([^\"]+)\"")
 RESULT_MENTION = re.compile(r"benchmarks/results/([\w.-]+\.(?:md|json|log|png|txt|csv))")
@@ -110,17 +113,19 @@ def test_readme_table_headers_name_columns_not_numbers() -> None:
 
 
 def test_results_are_few_named_and_cited() -> None:
-    """Only files the README and docs cite, named by what they measure plus a date or commit."""
-    files = sorted(p.name for p in RESULTS.iterdir() if p.is_file())
+    """Only files the README and docs cite (a run's folder counts each file in it), named by
+    what they measure plus a date or commit."""
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
     assert len(files) <= RESULTS_MAX_FILES, f"{len(files)} files in benchmarks/results"
+    entries = sorted(p.name for p in RESULTS.iterdir())
     misnamed = [
         name
-        for name in files
-        if not RESULT_NAME.fullmatch(name) or re.search(r"(?:^|_)s\d{1,2}(?:_|\.)", name)
+        for name in entries
+        if not RESULT_NAME.fullmatch(name) or re.search(r"(?:^|_)s\d{1,2}(?:_|\.|$)", name)
     ]
-    assert not misnamed, f"not named <what>_<date or commit>.<ext>: {misnamed}"
+    assert not misnamed, f"not named <what>_<date or commit>[.<ext>]: {misnamed}"
     text = "\n".join(page.read_text() for page in PAGES)
-    uncited = [name for name in files if name not in text]
+    uncited = [name for name in entries if name not in text]
     assert not uncited, f"results that no page cites (cite or remove them): {uncited}"
     missing = sorted({m for m in RESULT_MENTION.findall(text) if not (RESULTS / m).exists()})
     assert not missing, f"pages cite results that do not exist: {missing}"
