@@ -1,5 +1,6 @@
 """Where a Gluon backward work item's time goes: the consumers' phase stamps
-(``flashmask.kernels.gluon_kernels.backward.TIMELINE``) of every item of one launch, summed over the SMs.
+(``flashmask.kernels.gluon_kernels.backward.TIMELINE``) of every item of one launch, summed over
+the SMs.
 
 An item (128 keys of one kv head) is, as its consumer warpgroups see it: waiting for its K/V
 tiles (``kv``), then for its first Q/dO tile (``first``), its tile loop (``loop``, from the
@@ -141,6 +142,7 @@ def main() -> None:
     from gluon_backward import parse_variant, set_constants
 
     from flashmask import kernels
+    from flashmask.kernels import routing
     from flashmask.kernels.gluon_kernels import backward as gluon_bwd
 
     parser = case_parser(__doc__.split("\n\n")[0], "sliding_window,share_question,full")

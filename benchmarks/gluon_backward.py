@@ -1,5 +1,5 @@
-"""The Gluon backward (``flashmask.kernels.gluon_kernels.backward``; ``gluon_bwd256`` at head dim 256) against
-the Triton backward.
+"""The Gluon backward (``flashmask.kernels.gluon_kernels.backward``; ``gluon_bwd256`` at head
+dim 256) against the Triton backward.
 
 The kernel began here as an experiment (sixth session) with four ways to add dQ: none (the
 Triton dQ pass), scalar atomics from the consumers, 16-byte vector atomics from the consumers,

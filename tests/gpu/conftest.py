@@ -50,9 +50,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _records.append(record)
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Write the summary once the run is over (``FLASHMASK_GPU_REPORT``)."""
     path = os.environ.get(REPORT_ENV)
-    if not path or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes
+    if not path or hasattr(config, "workerinput"):  # an xdist worker: the controller writes
         return
     report = {"summary": summary(_records, time.time() - _start), "cases": _records}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
