@@ -14,12 +14,12 @@
 #   sass        benchmarks/sass_report.py (compiles for sm_90, needs no GPU): sass_report_<date>.*
 #
 # Environment: RESULTS (output folder), DATE (the stamp, default YYYY-MM-DD), JOBS (pytest-xdist
-# workers for check, default 8), and PYTHONPATH=src unless flashmask is installed.
+# workers for check, default 8). src/ goes first on PYTHONPATH, so the checkout is what runs.
 set -uo pipefail
 
 results=${RESULTS:-benchmarks/results}
 date=${DATE:-$(date +%F)}
-export PYTHONPATH=${PYTHONPATH:-src}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 [ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
 mkdir -p "$results"
 
