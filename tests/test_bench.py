@@ -98,12 +98,13 @@ def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
     from flashmask import kernels
     from flashmask.bench import _tile_configs
 
+    # bench reads the shared memory through the package face (flashmask.kernels).
     monkeypatch.setattr(hardware, "interpreting", lambda: False)
-    monkeypatch.setattr(hardware, "device_shared_memory", lambda device: 99 * 1024)
+    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 99 * 1024)
     configs = _tile_configs([128])
     assert set(configs) == {"D128/mask", "D128/no mask"}
     assert configs["D128/no mask"]["fwd_m"] == kernels.compact_tile_config(128).fwd_m
-    monkeypatch.setattr(hardware, "device_shared_memory", lambda device: 227 * 1024)
+    monkeypatch.setattr(kernels, "device_shared_memory", lambda device: 227 * 1024)
     hopper = _tile_configs([64])["D64/no mask"]
     assert hopper["fwd_m"] == 128  # the H200's no-mask forward at hd64: taller tiles
 

@@ -95,3 +95,18 @@ def test_not_representable_names_the_column():
 def test_invalid_arguments_are_named(other, error, match):
     with pytest.raises(error, match=match):
         intersect(masks.causal(8, batch_size=2), other)
+
+
+def test_intersection_keeps_the_query_length_and_rejects_a_mismatch():
+    decode = masks.causal(10, seqlen_q=3)
+    window = masks.sliding_window(10, 4, seqlen_q=3)
+    both = decode & window
+    assert both.seqlen_q == 3
+    assert torch.equal(both.to_dense(), decode.to_dense() & window.to_dense())
+    raw = FlashMask(masks.causal(10).startend_row_indices, True)  # raw indices: any length
+    assert (raw & window).seqlen_q == 3
+    assert intersect(raw, raw).seqlen_q == 10  # computed for Sq = Sk, and says so
+    with pytest.raises(ValueError, match="different query lengths"):
+        masks.causal(10) & window
+    with pytest.raises(ValueError, match="built for seqlen_q=3"):
+        intersect(decode, window, seqlen_q=10)

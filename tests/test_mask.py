@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashmask import FlashMask, MaskNotRepresentableError, TileClass, to_dense, validate
+from flashmask import FlashMask, MaskNotRepresentableError, TileClass, masks, to_dense, validate
 from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
 
 
@@ -316,7 +316,8 @@ def test_nbytes_is_four_bytes_per_index():
 def test_repr_of_a_small_mask_shows_the_picture():
     m = sri([3, 3, 3, 5, 5], causal=True)
     assert repr(m) == (
-        "FlashMask(batch=1, heads=1, seqlen_k=5, bounds=1, causal=True, device=cpu)\n"
+        "FlashMask(batch=1, heads=1, seqlen_q=None, seqlen_k=5, bounds=1, causal=True, "
+        "device=cpu)\n"
         "#....\n"
         "##...\n"
         "###..\n"
@@ -328,7 +329,14 @@ def test_repr_of_a_small_mask_shows_the_picture():
 def test_repr_of_a_large_mask_is_one_line():
     m = FlashMask(torch.full((2, 1, 64, 2), 64, dtype=torch.int32), causal=True)
     assert repr(m) == (
-        "FlashMask(batch=2, heads=1, seqlen_k=64, bounds=2, causal=True, device=cpu)"
+        "FlashMask(batch=2, heads=1, seqlen_q=None, seqlen_k=64, bounds=2, causal=True, device=cpu)"
+    )
+
+
+def test_repr_shows_the_query_length_a_mask_was_built_for():
+    m = masks.causal(64, seqlen_q=16)
+    assert repr(m) == (
+        "FlashMask(batch=1, heads=1, seqlen_q=16, seqlen_k=64, bounds=1, causal=True, device=cpu)"
     )
 
 
@@ -489,3 +497,59 @@ def test_constructor_rejects_invalid_arguments(indices, causal, error, match):
 def test_to_moves_the_indices_and_keeps_causal():
     m = sri([2, 2], causal=True).to("meta")
     assert m.device.type == "meta" and m.causal
+
+
+# ---------------------------------------------------------------------------- seqlen_q
+def test_a_mask_used_at_another_query_length_is_an_error():
+    """``causal_document([3, 2, 3], seqlen=8)`` read with 16 queries would hide every key from
+    every row (all LTS are <= 8): the mask knows it was built for 8 queries and says so."""
+    m = masks.causal_document([3, 2, 3], seqlen=8)
+    assert m.seqlen_q == 8
+    for call in (
+        lambda: m.to_dense(16),
+        lambda: m.intervals(16),
+        lambda: m.classify_tiles(4, 4, 16),
+        lambda: m.to_string(16),
+        lambda: validate(m, seqlen_q=16),
+    ):
+        with pytest.raises(ValueError, match=r"built for seqlen_q=8 .*with_seqlen_q\(16\)"):
+            call()
+    assert torch.equal(m.to_dense(), m.to_dense(8))  # the default is the mask's own length
+
+
+def test_with_seqlen_q_reinterprets_the_same_indices():
+    m = masks.causal_document([3, 2, 3], seqlen=8)
+    wide = m.with_seqlen_q(16)
+    assert wide.seqlen_q == 16 and wide.startend_row_indices is m.startend_row_indices
+    dense = wide.to_dense()
+    # The documented reinterpretation: LTS = 8 now masks rows 8 to 15, and bottom-right causal
+    # alignment hides every key from rows 0 to 7: nothing is visible.
+    assert dense.shape == (1, 1, 16, 8) and not dense.any()
+    free = m.with_seqlen_q(None)
+    assert free.seqlen_q is None and free.to_dense(16).shape == (1, 1, 16, 8)
+    with pytest.raises(ValueError, match="seqlen_q must be positive"):
+        m.with_seqlen_q(0)
+
+
+def test_raw_indices_carry_no_query_length():
+    m = FlashMask(torch.full((1, 1, 4, 1), 4, dtype=torch.int32), True)
+    assert m.seqlen_q is None
+    assert m.to_dense(2).shape == (1, 1, 2, 4) and m.to_dense().shape == (1, 1, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("seqlen_q", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)]
+)
+def test_constructor_checks_seqlen_q(seqlen_q, error):
+    with pytest.raises(error, match="seqlen_q"):
+        FlashMask(torch.zeros(1, 1, 4, 1, dtype=torch.int32), True, seqlen_q)
+
+
+def test_from_dense_to_and_select_keep_the_query_length():
+    dense = masks.sliding_window(12, 3, seqlen_q=5).to_dense()
+    m = FlashMask.from_dense(dense)
+    assert m.seqlen_q == 5 and torch.equal(m.to_dense(), dense)
+    assert m.to("meta").seqlen_q == 5
+    per_head = masks.random_eviction(8, 4, num_heads=2, generator=torch.Generator().manual_seed(0))
+    assert per_head.select(0, 1).seqlen_q == 8
+    assert torch.equal(per_head.select(0, 1).to_dense(), per_head.to_dense()[:, 1:2])

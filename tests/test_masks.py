@@ -497,6 +497,28 @@ def test_example_has_the_form_shape_and_a_visible_key_in_every_row(name, seqlen)
 
 
 @pytest.mark.parametrize("name", ALL_NAMES)
+def test_every_builder_records_the_query_length_it_built_for(name):
+    """``example`` calls every builder; each records ``S`` as the mask's ``seqlen_q``."""
+    assert masks.example(name, 24, batch_size=2).seqlen_q == 24
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: masks.full(12, seqlen_q=5),
+        lambda: masks.causal(12, seqlen_q=5),
+        lambda: masks.sliding_window(12, 3, seqlen_q=5),
+    ],
+    ids=["full", "causal", "sliding_window"],
+)
+def test_builders_with_a_query_length_record_it(build):
+    mask = build()
+    assert mask.seqlen_q == 5 and mask.to_dense().shape == (1, 1, 5, 12)
+    with pytest.raises(ValueError, match="built for seqlen_q=5"):
+        mask.to_dense(12)
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_example_is_deterministic_by_default_and_follows_the_generator(name):
     first = masks.example(name, 64, batch_size=2).startend_row_indices
     assert torch.equal(first, masks.example(name, 64, batch_size=2).startend_row_indices)

@@ -260,3 +260,80 @@ def test_long_sequence_forward_and_backward_run_in_bounded_memory():
             q[:, last : last + 1], k[:, first : last + 1], v[:, first : last + 1], None, scale
         )
         torch.testing.assert_close(out[:, last : last + 1], expected.float())
+
+
+# ---------------------------------------------------------------------------- non-finite inputs
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+def _poison(x: torch.Tensor, keys: torch.Tensor, value: float, gen: torch.Generator):
+    """``x [B, Sk, Hk, D]`` with ``value`` in one random entry of every key where ``keys``
+    ``[B, Sk, Hk]`` is True, and the same tensor with those entries set to 0."""
+    dim = torch.randint(0, x.shape[-1], keys.shape, generator=gen)
+    hit = keys.unsqueeze(-1) & (torch.arange(x.shape[-1]) == dim.unsqueeze(-1))
+    return x.masked_fill(hit, value), x.masked_fill(hit, 0.0)
+
+
+@forms
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@settings(max_examples=random_cases(10))
+@given(data=st.data())
+def test_non_finite_keys_and_values_never_reach_rows_that_cannot_see_them(form, value, data):
+    """NaN or infinities in ``k`` / ``v`` at random keys: every row that sees none of them gets
+    bit for bit the output, lse and dq of a run with those entries set to 0, and so do the
+    dk / dv of every key that no row seeing one of them sees (``0 * NaN`` stays out of the
+    ``P @ V`` and ``dS @ K`` products, whatever the chunk size)."""
+    heads_q, heads_k = data.draw(st.sampled_from(HEAD_CONFIGS), label="(Hq, Hk)")
+    drawn = data.draw(flashmasks(form, max_seqlen=24, mask_heads=(1, heads_k)), label="mask")
+    m, sq, sk = drawn.mask, drawn.seqlen_q, drawn.seqlen_k
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    q, k, v = make_qkv(seed, m.batch_size, sq, sk, heads_q, heads_k, 4, 3, torch.float64)
+    g = torch.Generator().manual_seed(seed + 1)
+    bad_k = torch.rand(m.batch_size, sk, heads_k, generator=g) < 0.2
+    bad_v = torch.rand(m.batch_size, sk, heads_k, generator=g) < 0.2
+    k_bad, k_clean = _poison(k, bad_k, value, g)
+    v_bad, v_clean = _poison(v, bad_v, value, g)
+    dout = randn(g, m.batch_size, sq, heads_q, 3)
+    dlse = randn(g, m.batch_size, heads_q, sq)
+
+    # Which (batch, query head, row) sees a poisoned key, and which keys such rows see.
+    group = heads_q // heads_k
+    visible = m.to_dense(sq).expand(-1, heads_k, -1, -1).repeat_interleave(group, 1)
+    bad = (bad_k | bad_v).transpose(1, 2).repeat_interleave(group, 1)  # [B, Hq, Sk]
+    sees = (visible & bad.unsqueeze(2)).any(-1)  # [B, Hq, Sq]
+    touched = (visible & sees.unsqueeze(-1)).any(2)  # [B, Hq, Sk]
+    touched = touched.view(m.batch_size, heads_k, group, sk).any(2).transpose(1, 2)  # [B, Sk, Hk]
+    clean_rows = ~sees.transpose(1, 2)  # [B, Sq, Hq]
+
+    intervals = m.intervals(sq)
+    for chunk in (1, 3, None):
+        out, lse = reference_forward(q, k_bad, v_bad, intervals, m.causal, 0.7, chunk)
+        ref_out, ref_lse = reference_forward(q, k_clean, v_clean, intervals, m.causal, 0.7, chunk)
+        assert torch.equal(out[clean_rows], ref_out[clean_rows]), chunk
+        assert torch.equal(lse[~sees], ref_lse[~sees]), chunk
+        dq, dk, dv = reference_backward(
+            dout, dlse, q, k_bad, v_bad, out, lse, intervals, m.causal, 0.7, chunk
+        )
+        ref_dq, ref_dk, ref_dv = reference_backward(
+            dout, dlse, q, k_clean, v_clean, ref_out, ref_lse, intervals, m.causal, 0.7, chunk
+        )
+        assert torch.equal(dq[clean_rows], ref_dq[clean_rows]), chunk
+        assert torch.equal(dk[~touched], ref_dk[~touched]), chunk
+        assert torch.equal(dv[~touched], ref_dv[~touched]), chunk
+
+
+def test_nan_value_hidden_from_a_row_in_a_packed_batch_stays_out_of_flashmask_attention():
+    """The public API on the CPU: a NaN value at key 4 (document 2, seen by row 4 only) leaves
+    every other row's output and dq finite, and the dk / dv of every key row 4 does not see."""
+    mask = flashmask.masks.causal_document([3, 2, 3], seqlen=8)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (randn(g, 1, 8, 2, 4, dtype=torch.float32).requires_grad_() for _ in range(3))
+    v_nan = v.detach().clone()
+    v_nan[0, 4, 0, 1] = float("nan")  # key 4: document 2, seen by row 4 only
+    v_nan.requires_grad_()
+    out = flashmask.flashmask_attention(q, k, v_nan, mask)
+    out.sum().backward()
+    rows, keys = [0, 1, 2, 3, 5, 6, 7], [0, 1, 2, 5, 6, 7]
+    assert out[0, rows].isfinite().all() and out[0, 4, 0].isnan().any()
+    assert q.grad[0, rows].isfinite().all()
+    assert k.grad[0, keys].isfinite().all() and v_nan.grad[0, keys].isfinite().all()

@@ -7,7 +7,7 @@ import math
 import torch
 
 from flashmask import ops
-from flashmask.mask import FlashMask
+from flashmask.mask import FlashMask, check_seqlen_q
 
 __all__ = ["flashmask_attention", "window_mask_indices"]
 
@@ -34,8 +34,10 @@ def flashmask_attention(
             head ``h // (Hq // Hk)``).
         value: ``[B, Sk, Hk, Dv]``.
         startend_row_indices: int32 ``[B, Hm, Sk, C]`` (``Hm`` in ``{1, Hk}``), or ``[B, Hm, Sk]``
-            read as ``C = 1``, or a :class:`FlashMask` (which carries its own ``causal``), or
-            ``None`` for plain full/causal attention. Entry meanings are in :mod:`flashmask.mask`.
+            read as ``C = 1``, or a :class:`FlashMask` (which carries its own ``causal`` and the
+            ``seqlen_q`` it was built for: another ``Sq`` raises ``ValueError``, see
+            :meth:`FlashMask.with_seqlen_q`), or ``None`` for plain full/causal attention. Entry
+            meanings are in :mod:`flashmask.mask`.
         causal: add the causal mask, bottom-right aligned when ``Sq != Sk`` (key ``j`` is hidden
             from query ``i`` when ``j > i + Sk - Sq``).
         window_size: ``w`` or ``(left, right)``: query ``i`` sees keys
@@ -50,6 +52,15 @@ def flashmask_attention(
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no
         key get output 0, lse ``-inf`` and zero gradients.
+
+    Non-finite values: on the exact reference (CPU, float32/float64), a NaN or infinity in
+    ``key`` or ``value`` at a key that a query row cannot see never reaches that row's output,
+    lse or ``dq``, nor the ``dk``/``dv`` of a key that only rows not seeing it see; a
+    non-finite value at a visible key propagates as in any attention. The Triton kernels (CUDA
+    fp16/bf16) never read a tile they skip, so the same holds there for rows that meet the value
+    only in fully masked tiles; inside a partially masked tile it can reach the tile's rows that
+    cannot see it (their output and ``dq``, and the ``dk`` of keys they see): zero such values
+    (e.g. in padding) before the call.
 
     CUDA fp16/bf16 inputs run the Triton kernels; everything else (CPU, float32/float64) runs the
     exact chunked reference in :mod:`flashmask.reference`.
@@ -193,6 +204,7 @@ def _normalize_mask(
                 "causal=True conflicts with a non-causal FlashMask passed as startend_row_indices;"
                 " a FlashMask carries its own causal flag"
             )
+        check_seqlen_q(startend_row_indices, query.shape[1])
         return startend_row_indices.startend_row_indices, startend_row_indices.causal
     if not isinstance(startend_row_indices, torch.Tensor):
         raise TypeError(

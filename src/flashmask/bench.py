@@ -153,7 +153,7 @@ def input_gradients(
     """The gradients of ``inputs`` for ``out``'s gradient ``grad``, returned as autograd hands
     them to the layer below. The timed calls use this rather than ``out.backward(grad)``, which
     adds every call's gradients into the inputs' ``.grad`` after the first: three elementwise
-    adds, 0.28 ms of a 1.9 ms call at 8K (B x H = 64, D = 128; thirteenth session) for every
+    adds, 0.28 ms of a 1.9 ms call at 8K (B x H = 64, D = 128, measured on the H200) for every
     implementation alike, which are not attention's work (flash-attention's benchmarks clear
     ``.grad`` before each timed backward for the same reason)."""
     return torch.autograd.grad(out, inputs, grad)
@@ -542,12 +542,24 @@ def _progress(total: int):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashmask bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--seqlens", default="8192,32768", help="comma-separated, e.g. 8192,32768,131072"
+        "--seqlens",
+        default="8192,32768",
+        help="comma-separated sequence lengths, e.g. 8192,32768,131072 (8192,32768)",
     )
-    parser.add_argument("--head-dims", default="128", help="comma-separated head dims")
-    parser.add_argument("--masks", default=",".join(masks.MASK_TYPES))
-    parser.add_argument("--tokens", type=int, default=32768, help="batch x seqlen (fixed)")
-    parser.add_argument("--hidden", type=int, default=2048, help="heads x head_dim (fixed)")
+    parser.add_argument(
+        "--head-dims", default="128", help="comma-separated head dimensions, e.g. 64,128 (128)"
+    )
+    parser.add_argument(
+        "--masks",
+        default=",".join(masks.MASK_TYPES),
+        help="comma-separated mask types of flashmask.masks.example (all 12 of the paper)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=32768, help="batch x seqlen, fixed over lengths (32768)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=2048, help="heads x head_dim, fixed over head dims (2048)"
+    )
     parser.add_argument(
         "--kv-heads",
         type=int,
@@ -555,16 +567,36 @@ def main(argv: list[str] | None = None) -> int:
         help="key/value heads (grouped-query attention when fewer than the query heads; "
         "0: as many as the query heads)",
     )
-    parser.add_argument("--impls", default="flashmask,flex,sdpa")
-    parser.add_argument("--rep-ms", type=int, default=200)
+    parser.add_argument(
+        "--impls",
+        default="flashmask,flex,sdpa",
+        help="comma-separated implementations to time: flashmask, flex, sdpa (sdpa includes "
+        "SDPA with a dense mask where it fits --dense-limit-gb) (flashmask,flex,sdpa)",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=int,
+        default=200,
+        help="milliseconds of timed calls per measurement, median reported (200)",
+    )
     parser.add_argument(
         "--min-repeats",
         type=int,
         default=5,
         help="time at least this many calls per measurement (beyond --rep-ms for long calls)",
     )
-    parser.add_argument("--dense-limit-gb", type=float, default=4.0)
-    parser.add_argument("--out", default="benchmarks/results/bench", help="output path prefix")
+    parser.add_argument(
+        "--dense-limit-gb",
+        type=float,
+        default=4.0,
+        help="largest dense boolean mask (GiB) built for SDPA with a dense mask; larger cases "
+        "skip it (4.0)",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/bench",
+        help="output path prefix of the .json, .md and .png (benchmarks/results/bench)",
+    )
     args = parser.parse_args(argv)
     if args.min_repeats < 1:
         parser.error(f"--min-repeats must be at least 1, got {args.min_repeats}")

@@ -17,7 +17,7 @@ import torch
 
 import flashmask
 from flashmask import kernels, masks
-from flashmask.mask import FlashMask, TileClass
+from flashmask.mask import FlashMask, TileClass, classify_tiles
 
 __all__ = ["main"]
 
@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         description="FlashMask attention masks for PyTorch: draw masks, compare against SDPA.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {flashmask.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="what to run (flashmask COMMAND --help for more)"
+    )
 
     show = sub.add_parser(
         "show",
@@ -56,23 +58,34 @@ def _parser() -> argparse.ArgumentParser:
         "and optionally write a PNG of the dense mask with its tile classes.",
     )
     show.add_argument("name", metavar="NAME", help="mask type: " + ", ".join(_mask_names()))
-    show.add_argument("--seqlen", type=positive_int_arg, default=64, help="key length Sk (64)")
+    show.add_argument("--seqlen", type=_positive_int, default=64, help="key length Sk (64)")
     show.add_argument(
-        "--seqlen-q", type=positive_int_arg, default=None, help="query length Sq (default: Sk)"
+        "--seqlen-q",
+        type=_positive_int,
+        default=None,
+        help="query length Sq (default: Sk); the example's indices are read at this length "
+        "(FlashMask.with_seqlen_q)",
     )
     show.add_argument("--batch", type=_non_negative_int, default=0, help="batch index to draw (0)")
     show.add_argument("--head", type=_non_negative_int, default=0, help="head index to draw (0)")
     show.add_argument(
-        "--block", type=positive_int_arg, default=16, help="tile size for the tile classes (16)"
+        "--block", type=_positive_int, default=16, help="tile size for the tile classes (16)"
     )
     show.add_argument(
         "--max-size",
-        type=positive_int_arg,
+        type=_positive_int,
         default=64,
         help="largest Sq/Sk drawn element by element; larger masks are drawn per tile (64)",
     )
     show.add_argument("--seed", type=int, default=0, help="seed of random mask types (0)")
-    show.add_argument("--png", metavar="PATH", default=None, help="also write a PNG (matplotlib)")
+    show.add_argument(
+        "--png",
+        metavar="PATH",
+        default=None,
+        help="also write a PNG picture with the tile classes, per element up to "
+        f"{_PNG_PIXELS} rows/columns and per tile beyond (needs matplotlib: "
+        "pip install 'flashmask[plots]')",
+    )
     show.set_defaults(run=_show)
 
     demo = sub.add_parser(
@@ -87,13 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seqlen",
-        type=positive_int_arg,
+        type=_positive_int,
         default=None,
         help="packed sequence length (default: 8192 on CUDA, 1024 on CPU; attention only: "
         "4096 on CUDA, 2048 on CPU)",
     )
-    demo.add_argument("--steps", type=positive_int_arg, default=4, help="training steps (4)")
-    demo.add_argument("--rows", type=positive_int_arg, default=2, help="packed rows per step (2)")
+    demo.add_argument("--steps", type=_positive_int, default=4, help="training steps (4)")
+    demo.add_argument("--rows", type=_positive_int, default=2, help="packed rows per step (2)")
     demo.add_argument(
         "--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N]"
     )
@@ -103,12 +116,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compare the attention op alone (no transformers needed)",
     )
-    demo.add_argument("--heads", type=positive_int_arg, default=8, help="attention only: heads (8)")
+    demo.add_argument("--heads", type=_positive_int, default=8, help="attention only: heads (8)")
     demo.add_argument(
-        "--head-dim", type=positive_int_arg, default=64, help="attention only: head dimension (64)"
+        "--head-dim", type=_positive_int, default=64, help="attention only: head dimension (64)"
     )
     demo.add_argument(
-        "--repeats", type=positive_int_arg, default=3, help="attention only: timed runs (3)"
+        "--repeats", type=_positive_int, default=3, help="attention only: timed runs (3)"
     )
     demo.set_defaults(run=_demo)
 
@@ -125,8 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int_arg(text: str) -> int:
-    """argparse type for a positive integer (also used by the cp-plan report's parser)."""
+def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -168,7 +180,11 @@ def _show(args: argparse.Namespace) -> int:
     head = args.head if mask.num_heads > 1 else 0
     if head >= mask.num_heads:
         return _error("show", f"--head {args.head} is out of range for {mask!r}")
+    if args.png is not None and not _has_matplotlib():
+        return _error("show", "--png needs matplotlib: pip install 'flashmask[plots]'")
     seqlen_q = args.seqlen_q or mask.seqlen_k
+    # The examples are built for Sq = Sk; --seqlen-q reads the same indices at another length.
+    mask = mask.with_seqlen_q(seqlen_q)
 
     print(mask.to_string(seqlen_q, batch=args.batch, head=head, max_size=args.max_size))
     summary = _summary(args.name, mask, seqlen_q, args.block)
@@ -181,10 +197,42 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Tile classes held at a time while counting them (int8 plus a few boolean intermediates each):
+# the summary of a long mask with small tiles is counted in bounded memory.
+_TILES_PER_CHUNK = 1 << 22
+
+
+def _tile_counts(mask: FlashMask, seqlen_q: int, block: int) -> tuple[int, int, int]:
+    """``(skipped, partial, total)`` tiles of ``block x block``, counted over chunks of query
+    tiles."""
+    summary = mask.block_summary(block, seqlen_q)
+    row_tiles = -(-seqlen_q // block)
+    per_chunk = max(
+        1, _TILES_PER_CHUNK // (mask.batch_size * mask.num_heads * -(-mask.seqlen_k // block))
+    )
+    skipped = partial = 0
+    for start in range(0, row_tiles, per_chunk):
+        rows = range(start, min(row_tiles, start + per_chunk))
+        classes = classify_tiles(
+            summary, mask.causal, seqlen_q, mask.seqlen_k, block, block, row_tiles=rows
+        )
+        skipped += int((classes == TileClass.SKIP).sum())
+        partial += int((classes == TileClass.PARTIAL).sum())
+    total = mask.batch_size * mask.num_heads * row_tiles * -(-mask.seqlen_k // block)
+    return skipped, partial, total
+
+
 def _summary(name: str, mask: FlashMask, seqlen_q: int, block: int) -> str:
-    classes = mask.classify_tiles(block, block, seqlen_q)
-    counts = {c: int((classes == c).sum()) for c in (TileClass.SKIP, TileClass.PARTIAL)}
-    total = classes.numel()
+    skipped, partial, total = _tile_counts(mask, seqlen_q, block)
+    counts = {TileClass.SKIP: skipped, TileClass.PARTIAL: partial}
     dense_bytes = mask.batch_size * mask.num_heads * seqlen_q * mask.seqlen_k
     return (
         f"{name}: causal={mask.causal} C={mask.bounds} Sq={seqlen_q} Sk={mask.seqlen_k} "
@@ -197,13 +245,53 @@ def _summary(name: str, mask: FlashMask, seqlen_q: int, block: int) -> str:
 
 
 # Colours of (tile class, element visible); a skipped tile has no visible element and an
-# unmasked tile no masked one.
+# unmasked tile no masked one. Drawn per tile, a partial tile has the one colour of its class.
 _TILE_COLOURS = {
     "skipped tile (fully masked)": "#d9d9d9",
     "partial tile: masked element": "#fde0b6",
     "partial tile: visible element": "#e8870e",
     "unmasked tile (nothing masked)": "#3b75af",
 }
+_PER_TILE_COLOURS = {
+    "skipped tile (fully masked)": "#d9d9d9",
+    "partial tile (some elements masked)": "#e8870e",
+    "unmasked tile (nothing masked)": "#3b75af",
+}
+# Largest Sq or Sk drawn element by element; beyond it the PNG has one pixel per tile, with
+# tiles large enough that the image stays within _PNG_PIXELS x _PNG_PIXELS (1 byte each).
+_PNG_PIXELS = 1024
+
+
+def png_image(
+    mask: FlashMask, seqlen_q: int, batch: int, head: int, block: int
+) -> tuple[torch.Tensor, int]:
+    """The picture ``flashmask show --png`` draws of one (batch, head) slice: ``(image, tile)``.
+
+    Up to :data:`_PNG_PIXELS` rows and columns, ``image`` is uint8 ``[Sq, Sk]`` with one pixel
+    per element: 0 skipped tile, 1 / 2 masked / visible element of a partial tile, 3 unmasked
+    tile (``tile = 1``, tiles of ``block``). Beyond, it is uint8 ``[ceil(Sq / tile),
+    ceil(Sk / tile)]`` with one pixel per ``tile x tile`` tile (``tile`` the smallest multiple of
+    ``block`` that keeps both sides within :data:`_PNG_PIXELS`): 0 skipped, 2 partial,
+    3 unmasked. Memory is O(Sk + pixels) at any length.
+    """
+    one = mask.select(batch, head)
+    sq, sk = seqlen_q, mask.seqlen_k
+    if max(sq, sk) <= _PNG_PIXELS:
+        visible = one.to_dense(sq)[0, 0].cpu()
+        classes = one.classify_tiles(block, block, sq)[0, 0].cpu()
+        per_element = classes.repeat_interleave(block, 0).repeat_interleave(block, 1)[:sq, :sk]
+        image = torch.where(
+            per_element == TileClass.PARTIAL,
+            1 + visible.to(torch.uint8),
+            torch.where(per_element == TileClass.SKIP, 0, 3),
+        )
+        return image.to(torch.uint8), 1
+    tile = block * -(-max(sq, sk) // (_PNG_PIXELS * block))
+    classes = one.classify_tiles(tile, tile, sq)[0, 0].cpu()
+    image = torch.where(
+        classes == TileClass.PARTIAL, 2, torch.where(classes == TileClass.SKIP, 0, 3)
+    )
+    return image.to(torch.uint8), tile
 
 
 def _write_png(
@@ -216,40 +304,30 @@ def _write_png(
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    one = FlashMask(mask.startend_row_indices[batch : batch + 1, head : head + 1], mask.causal)
-    visible = one.to_dense(seqlen_q)[0, 0].cpu()
-    classes = one.classify_tiles(block, block, seqlen_q)[0, 0].cpu().long()
-    per_element = classes.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    per_element = per_element[:seqlen_q, : mask.seqlen_k]
-    # 0 skipped, 1 partial+masked, 2 partial+visible, 3 unmasked.
-    index = torch.where(
-        per_element == TileClass.PARTIAL,
-        1 + visible.long(),
-        torch.where(per_element == TileClass.SKIP, 0, 3),
-    )
-
+    image, tile = png_image(mask, seqlen_q, batch, head, block)
     sq, sk = seqlen_q, mask.seqlen_k
     size = 6.0
     fig, ax = plt.subplots(figsize=(size * min(1.0, sk / sq) + 2.8, size * min(1.0, sq / sk)))
     ax.imshow(
-        index.numpy(),
+        image.numpy(),
         cmap=ListedColormap(list(_TILE_COLOURS.values())),
         vmin=-0.5,
         vmax=3.5,
         interpolation="nearest",
         extent=(0, sk, sq, 0),
     )
-    if max(sq, sk) // block <= 128:
-        for r in range(block, sq, block):
+    drawn = block if tile == 1 else tile
+    if max(sq, sk) // drawn <= 128:
+        for r in range(drawn, sq, drawn):
             ax.axhline(r, color="white", linewidth=0.6)
-        for c in range(block, sk, block):
+        for c in range(drawn, sk, drawn):
             ax.axvline(c, color="white", linewidth=0.6)
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
-    ax.set_title(f"{name} (causal={mask.causal}, C={mask.bounds}), {block}x{block} tiles")
-    handles = [
-        Patch(facecolor=c, edgecolor="grey", label=label) for label, c in _TILE_COLOURS.items()
-    ]
+    how = f"{block}x{block} tiles" if tile == 1 else f"drawn per {tile}x{tile} tile"
+    ax.set_title(f"{name} (causal={mask.causal}, C={mask.bounds}), {how}")
+    colours = _TILE_COLOURS if tile == 1 else _PER_TILE_COLOURS
+    handles = [Patch(facecolor=c, edgecolor="grey", label=label) for label, c in colours.items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -311,7 +389,17 @@ def _demo_attention(args: argparse.Namespace, device: torch.device) -> int:
         )
         return out.transpose(1, 2)  # back to [B, S, H, D]
 
+    dev_name = torch.cuda.get_device_name(device) if on_cuda else "CPU"
+    path = "Triton kernels" if kernels.supports(q, k, v) else "chunked PyTorch reference"
+    print(
+        f"flashmask demo: {len(doc_lens)} documents packed into seqlen {seqlen}, causal-document "
+        f"mask, {heads} heads, head_dim {head_dim}, {dtype} on {device} ({dev_name}); "
+        f"flashmask runs the {path}",
+        flush=True,
+    )
+    _progress("forward + backward: flashmask_attention")
     out_fm, grads_fm = _forward_backward(run_flashmask, q, k, v, dout)
+    _progress("forward + backward: SDPA with the dense mask")
     out_ref, grads_ref = _forward_backward(run_sdpa, q, k, v, dout)
     out_diff = _max_abs(out_fm.float() - out_ref.float())
     grad_diff = max(
@@ -322,11 +410,12 @@ def _demo_attention(args: argparse.Namespace, device: torch.device) -> int:
     grad_tol = rtol * max(_max_abs(g.float()) for g in grads_ref)
     ok = out_diff <= out_tol and grad_diff <= grad_tol
 
+    runs = f"{args.repeats + 1} runs, the first a warm-up"
+    _progress(f"timing flashmask_attention ({runs})")
     time_fm = _median_time(run_flashmask, q, k, v, dout, args.repeats, on_cuda)
+    _progress(f"timing SDPA with the dense mask ({runs})")
     time_ref = _median_time(run_sdpa, q, k, v, dout, args.repeats, on_cuda)
 
-    dev_name = torch.cuda.get_device_name(device) if on_cuda else "CPU"
-    path = "Triton kernels" if kernels.supports(q, k, v) else "chunked PyTorch reference"
     dense_bytes = dense.numel() * dense.element_size()
     rule = f"tolerance ({rtol:g} x max |SDPA|)"
     rows = [
@@ -336,16 +425,17 @@ def _demo_attention(args: argparse.Namespace, device: torch.device) -> int:
         ("max |out diff|", _sci(out_diff), f"{rule}: {_sci(out_tol)}"),
         ("max |dq, dk, dv diff|", _sci(grad_diff), f"{rule}: {_sci(grad_tol)}"),
     ]
-    print(
-        f"flashmask demo: {len(doc_lens)} documents packed into seqlen {seqlen}, causal-document "
-        f"mask, {heads} heads, head_dim {head_dim}, {dtype} on {device} ({dev_name}); "
-        f"flashmask runs the {path}"
-    )
+    print()
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, width, strict=True)).rstrip())
     print("PASS" if ok else "FAIL: flashmask_attention and SDPA disagree beyond the tolerance")
     return 0 if ok else 1
+
+
+def _progress(message: str) -> None:
+    """One line of progress, flushed at once (a long CPU run otherwise prints nothing)."""
+    print(f"  ... {message}", flush=True)
 
 
 def _random_doc_lens(seqlen: int, generator: torch.Generator) -> list[int]:

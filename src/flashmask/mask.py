@@ -17,11 +17,20 @@ False    4   LTS, LTE, UTS, UTE                                 ``[LTS, LTE) + [
 alignment when ``Sq != Sk``, the FlashAttention >= 2.1 convention). Every int32 value has a defined
 meaning: values are clamped to ``[0, Sq]`` and an interval whose start >= end is empty.
 
+Because the values are row numbers up to ``Sq``, the same indices mean another mask at another
+query length (``LTS = Sq`` "nothing masked below" becomes "rows ``[Sq, Sq')`` masked"). A
+:class:`FlashMask` therefore records the query length it was built for (``seqlen_q``; every
+builder in :mod:`flashmask.masks`, :meth:`FlashMask.from_dense` and :func:`intersect` set it)
+and every call with another ``Sq`` raises ``ValueError``. :meth:`FlashMask.with_seqlen_q` reads
+the same indices at another length on purpose; ``seqlen_q=None`` (raw indices) means "whatever
+``Sq`` the call has", ``Sk`` where no call fixes it.
+
 Dense boolean masks use PyTorch's polarity: ``True`` = the query may attend to the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,6 +43,7 @@ __all__ = [
     "MaskNotRepresentableError",
     "TileClass",
     "as_flashmask",
+    "intersect",
     "to_dense",
     "validate",
 ]
@@ -101,6 +111,11 @@ class FlashMask:
             number of key/value heads; ``C`` is 1 or 2 when ``causal`` else 2 or 4 (see the module
             docstring for what each entry means).
         causal: also hide key ``j`` from rows ``i < j - (Sk - Sq)`` (bottom-right aligned).
+        seqlen_q: the query length ``Sq`` the indices were written for. Reading the mask with
+            another ``Sq`` (:func:`flashmask.flashmask_attention`, :meth:`to_dense`, ...) raises
+            ``ValueError``; :meth:`with_seqlen_q` reinterprets the same indices on purpose.
+            ``None`` (the default for raw indices) accepts any ``Sq`` and means ``Sk`` where no
+            call gives one.
 
     The mask costs ``4 * B * Hm * Sk * C`` bytes whatever the query length, against
     ``B * Hm * Sq * Sk`` bytes for a dense boolean mask.
@@ -118,6 +133,7 @@ class FlashMask:
 
     startend_row_indices: torch.Tensor
     causal: bool = False
+    seqlen_q: int | None = None
 
     def __post_init__(self) -> None:
         sri = self.startend_row_indices
@@ -146,6 +162,8 @@ class FlashMask:
                 f"startend_row_indices must have non-empty batch, head and seqlen_k dimensions, "
                 f"but got shape {tuple(sri.shape)}"
             )
+        if self.seqlen_q is not None:
+            _check_positive_int("seqlen_q", self.seqlen_q)
 
     # ------------------------------------------------------------------ shape properties
     @property
@@ -178,13 +196,27 @@ class FlashMask:
 
     def to(self, device: torch.device | str) -> FlashMask:
         """The same mask with its indices on ``device``."""
-        return FlashMask(self.startend_row_indices.to(device), self.causal)
+        return dataclasses.replace(self, startend_row_indices=self.startend_row_indices.to(device))
+
+    def with_seqlen_q(self, seqlen_q: int | None) -> FlashMask:
+        """The same indices read for ``seqlen_q`` queries (``None``: for any query length).
+
+        This reinterprets the values, it does not convert them: a row bound ``v`` still means
+        row ``v`` (clamped to ``[0, Sq]``), so a bound equal to the old ``Sq`` ("to the last
+        row") now stops at that row. ``causal_document([3, 2, 3], seqlen=8).with_seqlen_q(16)``
+        hides every key from rows 8 to 15, for instance. To get the same mask at another query
+        length, build it for that length (the builders of :mod:`flashmask.masks` take
+        ``seqlen_q`` where it has a meaning).
+        """
+        if seqlen_q is not None:
+            seqlen_q = _check_positive_int("seqlen_q", seqlen_q)
+        return dataclasses.replace(self, seqlen_q=seqlen_q)
 
     # ------------------------------------------------------------------ semantics
     def intervals(self, seqlen_q: int | None = None) -> ColumnIntervals:
         """The masked row intervals of every column, clamped to ``[0, seqlen_q]``.
 
-        ``seqlen_q`` defaults to ``Sk``.
+        ``seqlen_q`` defaults to the mask's own ``seqlen_q`` (``Sk`` when it has none).
         """
         sq = self._seqlen_q(seqlen_q)
         sri = self.startend_row_indices.clamp(0, sq)
@@ -211,6 +243,9 @@ class FlashMask:
             bool_mask: ``[Sq, Sk]`` or ``[B, Hm, Sq, Sk]`` boolean tensor.
             causal: ``None`` picks the causal form whenever the mask hides the causal triangle,
                 ``True``/``False`` force the form.
+
+        Returns:
+            A mask with ``seqlen_q = Sq`` of ``bool_mask``.
 
         Raises:
             MaskNotRepresentableError: a key column's masked rows do not form the intervals the
@@ -256,7 +291,7 @@ class FlashMask:
         just large enough to fit.
         """
         sq = self._seqlen_q(seqlen_q)
-        one = FlashMask(self.startend_row_indices[batch : batch + 1, head : head + 1], self.causal)
+        one = self.select(batch, head)
         if max(sq, self.seqlen_k) <= max_size:
             dense = one.to_dense(sq)[0, 0]
             return "\n".join("".join("#" if v else "." for v in row.tolist()) for row in dense)
@@ -268,29 +303,47 @@ class FlashMask:
             lines
         )
 
+    def select(self, batch: int, head: int) -> FlashMask:
+        """The ``[1, 1, Sk, C]`` mask of one (batch, head) slice (a view of the indices)."""
+        sri = self.startend_row_indices[batch : batch + 1, head : head + 1]
+        return dataclasses.replace(self, startend_row_indices=sri)
+
     def __and__(self, other: FlashMask) -> FlashMask:
-        """Visible where both masks are visible (read with ``Sq = Sk``; for another query length
-        use :func:`flashmask.compose.intersect`)."""
+        """Visible where both masks are visible: :func:`intersect` at the masks' ``seqlen_q``
+        (``Sk`` when neither has one)."""
         if not isinstance(other, FlashMask):
             return NotImplemented
-        from flashmask.compose import intersect
-
         return intersect(self, other)
 
     def __repr__(self) -> str:
         head = (
             f"FlashMask(batch={self.batch_size}, heads={self.num_heads}, "
-            f"seqlen_k={self.seqlen_k}, bounds={self.bounds}, causal={self.causal}, "
-            f"device={self.device.type})"
+            f"seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k}, bounds={self.bounds}, "
+            f"causal={self.causal}, device={self.device.type})"
         )
-        if self.seqlen_k <= 32:
+        if max(self._seqlen_q(None), self.seqlen_k) <= 32:
             return head + "\n" + self.to_string()
         return head
 
     def _seqlen_q(self, seqlen_q: int | None) -> int:
+        """The query length a call reads the mask with: ``seqlen_q``, checked against the one
+        the mask was built for; by default the mask's own (``Sk`` when it has none)."""
         if seqlen_q is None:
-            return self.seqlen_k
-        return _check_positive_int("seqlen_q", seqlen_q)
+            return self.seqlen_k if self.seqlen_q is None else self.seqlen_q
+        seqlen_q = _check_positive_int("seqlen_q", seqlen_q)
+        check_seqlen_q(self, seqlen_q)
+        return seqlen_q
+
+
+def check_seqlen_q(mask: FlashMask, seqlen_q: int) -> None:
+    """Raise ``ValueError`` when ``mask`` was built for another query length than ``seqlen_q``."""
+    if mask.seqlen_q is not None and mask.seqlen_q != seqlen_q:
+        raise ValueError(
+            f"the mask was built for seqlen_q={mask.seqlen_q} queries but is used with "
+            f"seqlen_q={seqlen_q}: its row indices would mean another mask. Build the mask for "
+            f"{seqlen_q} queries, or call mask.with_seqlen_q({seqlen_q}) to read the same "
+            "indices at that length on purpose"
+        )
 
 
 # ---------------------------------------------------------------------- functions
@@ -334,15 +387,19 @@ def classify_tiles(
     seqlen_k: int,
     block_m: int,
     block_n: int,
+    row_tiles: range | None = None,
 ) -> torch.Tensor:
     """Tile classes from a block summary (semantics §3.2 generalised to the 4 normalised bounds).
 
-    Returns int8 ``[B, Hm, Tm, Tn]`` of :class:`TileClass` values.
+    Returns int8 ``[B, Hm, Tm, Tn]`` of :class:`TileClass` values, or only the query tiles
+    ``row_tiles`` (a ``range`` of tile indices, step 1) in that order, to bound the memory.
     """
     device = summary.lts_max.device
-    tm = -(-seqlen_q // block_m)
+    if row_tiles is None:
+        row_tiles = range(-(-seqlen_q // block_m))
     tn = summary.lts_max.shape[-1]
-    m_s = torch.arange(tm, device=device, dtype=torch.int32).view(-1, 1) * block_m
+    m_s = torch.arange(row_tiles.start, row_tiles.stop, device=device, dtype=torch.int32)
+    m_s = m_s.view(-1, 1) * block_m
     m_e = torch.clamp(m_s + block_m, max=seqlen_q)
     s = BlockSummary(*(v.unsqueeze(-2) for v in summary))  # [B, Hm, 1, Tn]
     lt_all = (m_s >= s.lts_max) & (m_e <= s.lte_min)
@@ -440,6 +497,160 @@ def validate(
     return problems
 
 
+# ---------------------------------------------------------------------- intersection
+def _broadcast_size(name: str, a: int, b: int) -> int:
+    if a != b and 1 not in (a, b):
+        raise ValueError(f"{name} must match or be 1 in one of the masks, got {a} and {b}")
+    return max(a, b)
+
+
+def _merge(
+    starts: torch.Tensor, ends: torch.Tensor, seqlen_q: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge K intervals per column (last axis) into at most K disjoint ones, ascending.
+
+    Returns ``(merged_starts, merged_ends, count)``; unused slots hold ``(Sq, Sq)``. Sorting by
+    start, an interval opens a new run when it starts after every earlier interval has ended (a
+    running maximum); runs are then reduced with two scatters, a fixed ~15 ops for any K.
+    """
+    empty = starts >= ends
+    starts = torch.where(empty, seqlen_q, starts)
+    ends = torch.where(empty, seqlen_q, ends)
+    order = starts.argsort(dim=-1)
+    starts, ends = starts.gather(-1, order), ends.gather(-1, order)
+    k = starts.shape[-1]
+    present = starts < seqlen_q
+    reach = torch.where(present, ends, -1).cummax(-1).values
+    before = torch.nn.functional.pad(reach[..., :-1], (1, 0), value=-1)
+    opens = present & (starts > before)  # touching intervals ([a, b) then [b, c)) merge
+    run = opens.to(torch.int64).cumsum(-1) - 1
+    slot = torch.where(present, run, k)  # absent intervals go to a discarded extra slot
+    shape = (*starts.shape[:-1], k + 1)
+    out_s = torch.full(shape, seqlen_q, dtype=starts.dtype, device=starts.device)
+    out_e = torch.full(shape, seqlen_q, dtype=ends.dtype, device=ends.device)
+    out_s = out_s.scatter_reduce(-1, slot, starts, "amin", include_self=True)
+    out_e = out_e.scatter_reduce(
+        -1, slot, torch.where(present, ends, -1), "amax", include_self=False
+    )
+    count = opens.sum(-1)
+    return out_s[..., :k], out_e[..., :k], count
+
+
+def _first_bad(bad: torch.Tensor) -> str:
+    b, h, j = (int(x) for x in bad.nonzero()[0].tolist())
+    return f"column {j} (batch {b}, head {h})"
+
+
+def _intersection_seqlen_q(first: FlashMask, second: FlashMask, seqlen_q: int | None) -> int:
+    """The query length both masks are read with: ``seqlen_q``, else the one they carry, else
+    ``Sk``; ``ValueError`` when they disagree."""
+    carried = {m.seqlen_q for m in (first, second)} - {None}
+    if len(carried) > 1:
+        raise ValueError(
+            f"first and second were built for different query lengths, seqlen_q="
+            f"{first.seqlen_q} and {second.seqlen_q}; build them for one (or use "
+            "with_seqlen_q to read one at the other's length on purpose)"
+        )
+    if seqlen_q is not None:
+        seqlen_q = _check_positive_int("seqlen_q", seqlen_q)
+        for m in (first, second):
+            check_seqlen_q(m, seqlen_q)
+        return seqlen_q
+    return carried.pop() if carried else first.seqlen_k
+
+
+def intersect(first: FlashMask, second: FlashMask, *, seqlen_q: int | None = None) -> FlashMask:
+    """The mask that lets a query attend to a key only where both masks do (``first & second``).
+
+    The masked rows of every key column are the union of the two masks' masked intervals (plus
+    the causal triangle if either is causal), merged per column in O(N) and written back in the
+    smallest form that holds them.
+
+    Args:
+        first, second: masks over the same ``Sk``; batch and head dimensions broadcast (each 1 or
+            equal).
+        seqlen_q: the query length both masks are read with; by default the ``seqlen_q`` the
+            masks carry (``Sk`` when neither has one). It must agree with the masks' own. Causal
+            alignment is bottom-right as everywhere else.
+
+    Returns:
+        A :class:`FlashMask` for ``seqlen_q`` queries in the smallest form (causal when either
+        input is causal and the rest fits one interval per column, else non-causal C=2 or C=4).
+
+    Raises:
+        MaskNotRepresentableError: some column's masked rows need more intervals than any form
+            holds (the message names the first such column).
+    """
+    for name, m in (("first", first), ("second", second)):
+        if not isinstance(m, FlashMask):
+            raise TypeError(f"{name} must be a FlashMask, got {type(m).__name__}")
+    if first.seqlen_k != second.seqlen_k:
+        raise ValueError(
+            f"first and second must share seqlen_k, got {first.seqlen_k} and {second.seqlen_k}"
+        )
+    if first.device != second.device:
+        raise ValueError(
+            f"first and second must be on one device, got {first.device} and {second.device}"
+        )
+    sk = first.seqlen_k
+    sq = _intersection_seqlen_q(first, second, seqlen_q)
+    batch = _broadcast_size("batch size", first.batch_size, second.batch_size)
+    heads = _broadcast_size("mask heads", first.num_heads, second.num_heads)
+    shape = (batch, heads, sk)
+    starts, ends = [], []
+    for m in (first, second):
+        iv = m.intervals(sq)
+        starts += [iv.lts.expand(shape), iv.uts.expand(shape)]
+        ends += [iv.lte.expand(shape), iv.ute.expand(shape)]
+    causal = first.causal or second.causal
+    cols = torch.arange(sk, device=first.device, dtype=torch.int32)
+    causal_end = (cols - (sk - sq)).clamp(0, sq).expand(shape)
+    if causal:
+        starts.append(torch.zeros_like(causal_end))
+        ends.append(causal_end)
+    ms, me, count = _merge(torch.stack(starts, -1), torch.stack(ends, -1), sq)
+
+    def build(values: list[torch.Tensor], is_causal: bool) -> FlashMask:
+        sri = torch.stack(values, dim=-1).to(torch.int32).contiguous()
+        return FlashMask(sri, is_causal, sq)
+
+    if causal:
+        # Rows above the diagonal are hidden by the causal flag: clip them off every interval.
+        cs = torch.maximum(ms, causal_end.unsqueeze(-1))
+        ce = torch.where(me > cs, me, cs)
+        rest = (ce > cs).sum(-1)
+        if bool((rest <= 1).all()):
+            has = ce > cs
+            lts = torch.where(has, cs, sq).amin(-1)
+            lte = torch.where(has, ce, sq).amin(-1)
+            lte = torch.where(rest == 0, sq, lte)
+            if bool((lte == sq).all()):
+                return build([lts], True)
+            return build([lts, lte], True)
+    if not bool((count <= 2).all()):
+        raise MaskNotRepresentableError(
+            f"the intersection cannot be represented: {_first_bad(count > 2)} would need "
+            "more than two masked row intervals"
+        )
+    first_s, first_e, second_s, second_e = ms[..., 0], me[..., 0], ms[..., 1], me[..., 1]
+    # C=2 holds a prefix [0, UTE) and a suffix [LTS, Sq).
+    prefix = torch.where(count >= 1, first_s == 0, True)
+    one_suffix = (count == 1) & (first_e == sq)
+    two_ok = (count == 2) & prefix & (second_e == sq)
+    fits_c2 = (count == 0) | (count == 1) & (prefix | one_suffix) | two_ok
+    if bool(fits_c2.all()):
+        ute = torch.where((count >= 1) & (first_s == 0) & ~one_suffix, first_e, 0)
+        ute = torch.where((count == 1) & one_suffix & (first_s == 0), sq, ute)
+        lts = torch.where(count == 2, second_s, torch.where(one_suffix, first_s, sq))
+        return build([lts, ute], False)
+    # C=4: the upper interval is the first run, the lower one the second (or the only one).
+    lts = torch.where(count == 2, second_s, first_s)
+    lte = torch.where(count == 2, second_e, first_e)
+    uts = torch.where(count == 2, first_s, 0)
+    ute = torch.where(count == 2, first_e, 0)
+    return build([lts, lte, uts, ute], False)
+
+
 # ---------------------------------------------------------------------- from_dense
 def _runs(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs of True along the last axis: (count, start of the first, end of the last)."""
@@ -492,7 +703,8 @@ def _from_dense(bool_mask: torch.Tensor, causal: bool | None) -> FlashMask:
     hidden_by_causal = rows.view(1, -1) < causal_start.view(-1, 1)  # [Sk, Sq]
 
     def build(values: list[torch.Tensor], is_causal: bool) -> FlashMask:
-        return FlashMask(torch.stack(values, dim=-1).to(torch.int32).contiguous(), is_causal)
+        sri = torch.stack(values, dim=-1).to(torch.int32).contiguous()
+        return FlashMask(sri, is_causal, sq)
 
     if causal is not False:
         outside = masked & ~hidden_by_causal

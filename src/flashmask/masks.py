@@ -3,7 +3,9 @@
 Every builder returns a :class:`~flashmask.mask.FlashMask` whose ``startend_row_indices`` are int32
 and contiguous, shaped ``[B, 1, S, C]`` (``[B, H, S, 1]`` for :func:`random_eviction`, the one
 per-head mask). Pictures show one sample: rows are queries, columns keys, ``#`` = may attend,
-``.`` = masked.
+``.`` = masked. Every mask records the query length it was built for (``mask.seqlen_q``: the
+``seqlen_q`` argument where a builder has one, else ``S``); using it with another query length
+raises ``ValueError`` (:meth:`~flashmask.FlashMask.with_seqlen_q` says why and how to opt out).
 
 Builders of packed sequences (``doc_lens``, ``docs``, ``bucket_ids``) take one sample (a flat
 list) or a batch (a list of samples, possibly of different totals). ``seqlen`` defaults to the
@@ -174,12 +176,15 @@ def _doc_starts_ends(lens: Sequence[int]) -> tuple[list[int], list[int]]:
     return [e - n for e, n in zip(ends, lens, strict=True)], ends
 
 
-def _mask(columns: Sequence[torch.Tensor], causal: bool, device: _Device) -> FlashMask:
-    """Stack ``[B, S]`` (or ``[B, H, S]``) bound vectors into a FlashMask on ``device``."""
+def _mask(
+    columns: Sequence[torch.Tensor], causal: bool, device: _Device, seqlen_q: int
+) -> FlashMask:
+    """Stack ``[B, S]`` (or ``[B, H, S]``) bound vectors into a FlashMask on ``device``, built
+    for ``seqlen_q`` queries."""
     sri = torch.stack(list(columns), dim=-1)
     if sri.dim() == 3:
         sri = sri.unsqueeze(1)
-    return FlashMask(sri.to(device=device, dtype=torch.int32).contiguous(), causal)
+    return FlashMask(sri.to(device=device, dtype=torch.int32).contiguous(), causal, seqlen_q)
 
 
 def _repeat(vec: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -207,7 +212,7 @@ def full(
     batch_size = _int("batch_size", batch_size, minimum=1)
     sq = sk if seqlen_q is None else _int("seqlen_q", seqlen_q, minimum=1)
     lts = torch.full((batch_size, sk), sq, dtype=torch.int64)
-    return _mask([lts, torch.zeros_like(lts)], False, device)
+    return _mask([lts, torch.zeros_like(lts)], False, device, sq)
 
 
 def causal(
@@ -235,7 +240,7 @@ def causal(
     sk = _int("seqlen", seqlen, minimum=1)
     batch_size = _int("batch_size", batch_size, minimum=1)
     sq = sk if seqlen_q is None else _int("seqlen_q", seqlen_q, minimum=1)
-    return _mask([torch.full((batch_size, sk), sq, dtype=torch.int64)], True, device)
+    return _mask([torch.full((batch_size, sk), sq, dtype=torch.int64)], True, device, sq)
 
 
 def sliding_window(
@@ -281,7 +286,7 @@ def sliding_window(
     # Column j leaves the window of query i once i + (Sk - Sq) > j + window.
     lts = (cols + window + 1 - (seqlen - sq)).clamp(0, sq)
     lts = torch.where(cols < sink_tokens, sq, lts)
-    return _mask([_repeat(lts, batch_size)], True, device)
+    return _mask([_repeat(lts, batch_size)], True, device, sq)
 
 
 def causal_document(
@@ -317,7 +322,7 @@ def causal_document(
         _per_doc(_doc_starts_ends(lens)[1], lens, seqlen, total)
         for lens, total in zip(samples, totals, strict=True)
     ]
-    return _mask([torch.stack(lts)], True, device)
+    return _mask([torch.stack(lts)], True, device, seqlen)
 
 
 def document(
@@ -352,7 +357,7 @@ def document(
         starts, ends = _doc_starts_ends(lens)
         lts.append(_per_doc(ends, lens, seqlen, total))
         ute.append(_per_doc(starts, lens, seqlen, total))
-    return _mask([torch.stack(lts), torch.stack(ute)], False, device)
+    return _mask([torch.stack(lts), torch.stack(ute)], False, device, seqlen)
 
 
 def share_question(
@@ -408,7 +413,7 @@ def share_question(
         _per_doc(ends, lens, seqlen, total)
         for ends, lens, total in zip(part_ends, part_lens, totals, strict=True)
     ]
-    return _mask([torch.stack(lts)], True, device)
+    return _mask([torch.stack(lts)], True, device, seqlen)
 
 
 def global_sliding_window(
@@ -454,7 +459,7 @@ def global_sliding_window(
     above = j - right > g  # rows [g, j - right) lie above the window
     uts = torch.where(above, g, 0)
     ute = torch.where(above, j - right, 0)
-    return _mask([_repeat(v, batch_size) for v in (lts, lte, uts, ute)], False, device)
+    return _mask([_repeat(v, batch_size) for v in (lts, lte, uts, ute)], False, device, seqlen)
 
 
 def causal_blockwise(
@@ -494,7 +499,7 @@ def causal_blockwise(
         last_start = total - (lens[-1] if lens else 0)
         lts.append(_per_doc(ends, lens, seqlen, total))
         lte.append(_per_doc([last_start] * (len(lens) - 1) + [seqlen], lens, seqlen, seqlen))
-    return _mask([torch.stack(lts), torch.stack(lte)], True, device)
+    return _mask([torch.stack(lts), torch.stack(lte)], True, device, seqlen)
 
 
 def prefix_lm_document(
@@ -547,7 +552,7 @@ def prefix_lm_document(
         prefix_ends = [s + p for s, p in zip(starts, prefixes, strict=True)]
         in_prefix = j < _per_doc(prefix_ends, lens, seqlen, 0)
         ute.append(torch.where(in_prefix, start, j.clamp(max=total)))
-    return _mask([torch.stack(lts), torch.stack(ute)], False, device)
+    return _mask([torch.stack(lts), torch.stack(ute)], False, device, seqlen)
 
 
 def prefix_lm_causal(
@@ -574,7 +579,10 @@ def prefix_lm_causal(
     j = torch.arange(seqlen, dtype=torch.int64)
     ute = torch.where(j < prefix_len, 0, j)
     return _mask(
-        [_repeat(torch.full_like(j, seqlen), batch_size), _repeat(ute, batch_size)], False, device
+        [_repeat(torch.full_like(j, seqlen), batch_size), _repeat(ute, batch_size)],
+        False,
+        device,
+        seqlen,
     )
 
 
@@ -642,7 +650,7 @@ def qk_sparse(
     lts, lte = torch.stack(lts), torch.stack(lte)
     if not batched:
         lts, lte = lts.expand(batch_size, -1), lte.expand(batch_size, -1)
-    return _mask([lts, lte], True, device)
+    return _mask([lts, lte], True, device, seqlen)
 
 
 def hash_sparse(
@@ -711,7 +719,7 @@ def hash_sparse(
             )
         vec = torch.repeat_interleave(run_ends, run_ends - run_starts)
         lts.append(torch.cat([vec, vec.new_full((seqlen - n,), n)]))
-    return _mask([torch.stack(lts)], True, device)
+    return _mask([torch.stack(lts)], True, device, seqlen)
 
 
 def random_eviction(
@@ -778,7 +786,7 @@ def random_eviction(
         )
         evicted = torch.empty_like(evicted_sorted).scatter_(1, order, evicted_sorted)
         lts.scatter_(1, evicted, start_row + step)
-    return _mask([lts.view(batch_size, num_heads, seqlen)], True, device)
+    return _mask([lts.view(batch_size, num_heads, seqlen)], True, device, seqlen)
 
 
 # ---------------------------------------------------------------------- paper examples

@@ -9,9 +9,9 @@ support (:func:`flashmask.kernels.supports`), otherwise the exact chunked refere
 
 :func:`attention` is the entry point: in eager mode on plain CUDA tensors it runs the same
 computation through a ``torch.autograd.Function`` (:class:`_EagerAttention`), which skips the
-dispatcher work a custom-op call costs (measured on the H200's host, thirteenth session: a
-forward + backward over stand-in kernels took 389 us of host time through a custom-op pair,
-207 us through an ``autograd.Function``); whenever
+dispatcher work a custom-op call costs (measured on the H200's host: a forward + backward over
+stand-in kernels took 389 us of host time through a custom-op pair, 207 us through an
+``autograd.Function``; ``docs/performance.md``); whenever
 something may trace or intercept the call (``torch.compile``, a dispatch mode such as
 ``FakeTensorMode`` or ``FlopCounterMode``, a tensor subclass or functorch wrapper) it calls
 the custom ops.

@@ -6,9 +6,18 @@ softmax with fully masked rows giving 0) in float32, or float64 for float64 inpu
 
 Layouts follow the public API: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``,
 ``out [B, Sq, Hq, Dv]``, ``lse [B, Hq, Sq]`` (natural log; ``-inf`` for fully masked rows).
+
+Non-finite keys and values: a masked (row, key) pair has probability 0, but ``0 * NaN`` and
+``0 * inf`` are NaN, so a NaN or infinity in ``k`` or ``v`` at a key a row cannot see would
+reach that row through the matrix products (``P @ V``, ``dS @ K``). When ``k`` or ``v`` hold
+non-finite values (one check per call), the products run with them zeroed and, for the rows
+that do see one, with the original values; masked entries of ``dS`` are set to exact zeros.
+The result is bit-identical for the other rows, and finite inputs take the plain path.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +71,46 @@ def _visible(
     return dense_rows(intervals, causal, row_start, row_end, seqlen_q).unsqueeze(2)
 
 
+class _NonFinite(NamedTuple):
+    """Non-finite keys/values of a call: which keys hold one and copies with them zeroed."""
+
+    bad_k: torch.Tensor  # bool [B, Hk, 1, 1, Sk]: key j has a non-finite entry in k
+    bad_v: torch.Tensor  # bool [B, Hk, 1, 1, Sk]: ... in v
+    k_zeroed: torch.Tensor  # kg with non-finite entries replaced by 0
+    v_zeroed: torch.Tensor
+
+
+def _nonfinite(kg: torch.Tensor, vg: torch.Tensor) -> _NonFinite | None:
+    """``None`` when ``kg`` and ``vg`` (``[B, Hk, 1, Sk, D]``) are finite (one host sync)."""
+    finite_k, finite_v = torch.isfinite(kg), torch.isfinite(vg)
+    if bool(finite_k.all()) and bool(finite_v.all()):
+        return None
+    return _NonFinite(
+        ~finite_k.all(-1).unsqueeze(-2),
+        ~finite_v.all(-1).unsqueeze(-2),
+        torch.where(finite_k, kg, 0.0),
+        torch.where(finite_v, vg, 0.0),
+    )
+
+
+def _product(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    zeroed: torch.Tensor,
+    bad: torch.Tensor,
+    visible: torch.Tensor | None,
+) -> torch.Tensor:
+    """``weights @ values`` for weights that are 0 at masked pairs: the non-finite ``values``
+    (``bad`` keys) enter only the rows that see one of them, so ``0 * NaN`` stays out of the
+    others. ``zeroed`` is ``values`` with its non-finite entries replaced by 0."""
+    out = weights @ zeroed
+    sees = bad if visible is None else visible & bad
+    sees = sees.any(-1, keepdim=True)  # [B, Hk, 1, rows or 1, 1]
+    if bool(sees.any()):
+        out = torch.where(sees, weights @ values, out)
+    return out
+
+
 def _key_range(visible: torch.Tensor | None, seqlen_k: int) -> tuple[int, int]:
     """The smallest key range ``[lo, hi)`` holding every key visible to some row of the chunk.
 
@@ -97,6 +146,7 @@ def reference_forward(
     vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
     out = torch.empty(b, sq, hq, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=dtype, device=q.device)
+    nonfinite = _nonfinite(kg, vg)
     step = _rows_per_chunk(b, hq, sk, chunk_size)
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
@@ -115,7 +165,17 @@ def reference_forward(
         row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
         p = torch.exp(scores - row_max)
         row_sum = p.sum(-1, keepdim=True)
-        oc = (p @ vg[..., lo:hi, :]) / torch.where(row_sum == 0, 1.0, row_sum)
+        if nonfinite is None:
+            pv = p @ vg[..., lo:hi, :]
+        else:
+            pv = _product(
+                p,
+                vg[..., lo:hi, :],
+                nonfinite.v_zeroed[..., lo:hi, :],
+                nonfinite.bad_v[..., lo:hi],
+                None if visible is None else visible[..., lo:hi],
+            )
+        oc = pv / torch.where(row_sum == 0, 1.0, row_sum)
         out[:, r0:r1] = _ungrouped(oc).to(q.dtype)
         lse[:, :, r0:r1] = (row_max + torch.log(row_sum)).squeeze(-1).reshape(b, hq, r1 - r0)
     return out, lse
@@ -152,6 +212,7 @@ def reference_backward(
     if dlse is not None:
         delta = delta - dlse.to(dtype)
     lse = lse.to(dtype)
+    nonfinite = _nonfinite(kg, vg)
     step = _rows_per_chunk(b, hq, sk, chunk_size)
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
@@ -175,7 +236,19 @@ def reference_backward(
         dv[:, :, lo:hi] += (p.transpose(-1, -2) @ doc).sum(2)
         dp = doc @ vc.transpose(-1, -2)
         ds = p * (dp - delta_c) * softmax_scale
-        dq[:, r0:r1] = _ungrouped(ds @ kc).to(q.dtype)
+        if nonfinite is None:
+            dsk = ds @ kc
+        else:
+            # dP is NaN at every row for a non-finite value; masked pairs must give exact zeros.
+            ds = ds.masked_fill(hidden, 0.0)
+            dsk = _product(
+                ds,
+                kc,
+                nonfinite.k_zeroed[..., lo:hi, :],
+                nonfinite.bad_k[..., lo:hi],
+                None if visible is None else visible[..., lo:hi],
+            )
+        dq[:, r0:r1] = _ungrouped(dsk).to(q.dtype)
         dk[:, :, lo:hi] += (ds.transpose(-1, -2) @ qc).sum(2)
     # Laid out like ``torch.empty_like(k)`` / ``(v)``: the fake kernel in ops.py promises that.
     dk_out = torch.empty_like(k).copy_(dk.transpose(1, 2))

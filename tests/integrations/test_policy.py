@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from flashmask import masks
 from flashmask.integrations import transformers as backend
 from flashmask.integrations.policy import (
     MaskContext,
@@ -68,7 +69,22 @@ def dense_documents(lengths: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize(("sq", "sk"), [(9, 9), (3, 9), (1, 9)], ids=["train", "prefill", "decode"])
 def test_layer_mask_matches_its_definition(kind, params, sq, sk):
     mask = layer_mask(MaskSpec(kind, **params), sq, sk)
+    assert mask.seqlen_q == sq  # built for this call's query length, and says so
     assert torch.equal(mask.to_dense(sq)[0, 0], dense_policy(kind, sq, sk, **params))
+
+
+def test_policy_mask_built_for_another_query_length_is_an_error():
+    """A callable policy that ignores ``ctx.seqlen_q`` (here: a training-length mask during a
+    3-query prefill over 9 keys) gets a clear error instead of a silently different mask."""
+    module = torch.nn.Module()
+    module.layer_idx, module.is_causal = 0, True
+    module.flashmask_policy = lambda layer_idx, ctx: masks.causal(ctx.seqlen_k)
+    q, kv = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4)
+    with pytest.raises(ValueError, match="built for seqlen_q=9 queries but is used with"):
+        backend.flashmask_attention_forward(module, q, kv, kv, None)
+    module.flashmask_policy = lambda layer_idx, ctx: masks.causal(ctx.seqlen_k, seqlen_q=3)
+    out, _ = backend.flashmask_attention_forward(module, q, kv, kv, None)
+    assert out.shape == (1, 3, 2, 4)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashmask  # noqa: E402
-from flashmask import masks  # noqa: E402
+from flashmask import FlashMask, masks  # noqa: E402
 from flashmask.integrations import data  # noqa: E402
 from flashmask.integrations import transformers as fm_transformers  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
@@ -237,6 +237,54 @@ def test_explicit_mask_errors():
         model(input_ids, flashmask=masks.causal(6))
     with pytest.raises(TypeError, match="flashmask must be a FlashMask"):
         model(input_ids, flashmask="causal")
+
+
+def test_non_causal_explicit_mask_on_a_causal_model_needs_an_opt_in():
+    """A bidirectional document mask on a decoder would let tokens see later tokens: it is an
+    error naming the argument, and ``flashmask_bidirectional=True`` allows it on purpose."""
+    model = tiny_model("llama")
+    mask = masks.document([[5, 7], [12]])
+    input_ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(11))
+    fm = variant(model, "flashmask")
+    with pytest.raises(ValueError, match=r"flashmask is a non-causal .*flashmask_bidirectional"):
+        fm(input_ids, flashmask=mask)
+    c4 = FlashMask(torch.tensor([12, 12, 0, 0], dtype=torch.int32).expand(2, 1, 12, 4), False)
+    with pytest.raises(ValueError, match="startend_row_indices is a non-causal mask"):
+        fm(input_ids, startend_row_indices=c4.startend_row_indices)  # raw C = 4: non-causal
+    with pytest.raises(TypeError, match="flashmask_bidirectional must be a bool"):
+        fm(input_ids, flashmask=mask, flashmask_bidirectional="yes")
+    _compare(
+        model,
+        {"input_ids": input_ids, "flashmask": mask, "flashmask_bidirectional": True},
+        "sdpa",
+        {"input_ids": input_ids, "attention_mask": mask.to_dense()},
+    )
+
+
+@pytest.mark.parametrize("name", ["cu_seq_lens_q", "cu_seq_lens_k"])
+def test_float_cumulative_lengths_are_rejected(name):
+    """A float tensor would be truncated to integers without a word."""
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 8, 4)
+    lengths = {"cu_seq_lens_q": torch.tensor([0, 3, 8]), "cu_seq_lens_k": torch.tensor([0, 3, 8])}
+    lengths[name] = torch.tensor([0.0, 3.5, 8.0])
+    with pytest.raises(TypeError, match=f"{name} must be an integer tensor"):
+        fm_transformers.flashmask_attention_forward(module, q, q, q, None, **lengths)
+    lengths[name] = torch.tensor([0, 3, 8])
+    out, _ = fm_transformers.flashmask_attention_forward(module, q, q, q, None, **lengths)
+    assert out.shape == (1, 8, 2, 4)
+
+
+def test_explicit_mask_built_for_another_query_length_is_an_error():
+    """A training mask (8 queries) reused on a 3-query call over the same 8 keys."""
+    module = torch.nn.Module()
+    q, kv = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 8, 4)
+    mask = masks.causal_document([5, 3])
+    with pytest.raises(ValueError, match=r"built for seqlen_q=8 .*with_seqlen_q\(3\)"):
+        fm_transformers.flashmask_attention_forward(module, q, kv, kv, None, flashmask=mask)
+    decode = masks.causal_document([5, 3]).with_seqlen_q(None)  # raw indices: any length
+    out, _ = fm_transformers.flashmask_attention_forward(module, q, kv, kv, None, flashmask=decode)
+    assert out.shape == (1, 3, 2, 4)
 
 
 # ---------------------------------------------------------------------- padding

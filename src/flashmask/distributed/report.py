@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from flashmask import masks
-from flashmask.cli import positive_int_arg
 from flashmask.distributed.balance import BALANCERS
 from flashmask.distributed.plan import WORKLOADS, ContextParallelPlan, make_plan
 
@@ -232,28 +231,71 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan context parallelism for an example mask: per-rank work, imbalance "
         "and bytes moved per execution mode and balancer (planner numbers, not measurements).",
     )
-    parser.add_argument("name", metavar="NAME", help="mask type (flashmask.masks.example)")
-    parser.add_argument("--seqlen", type=positive_int_arg, default=131072, help="tokens (131072)")
     parser.add_argument(
-        "--world-sizes", type=_int_list, default=[2, 4, 8, 16, 32, 64], help="(2,4,8,16,32,64)"
+        "name",
+        metavar="NAME",
+        help="mask type: one of flashmask.masks.MASK_TYPES or hash_sparse (masks.example)",
     )
-    parser.add_argument("--chunk-size", type=positive_int_arg, default=512, help="tokens (512)")
     parser.add_argument(
-        "--balancers", type=_name_list, default=list(BALANCERS), help=",".join(BALANCERS)
+        "--seqlen", type=_positive_int, default=131072, help="tokens in the sequence (131072)"
     )
-    parser.add_argument("--batch", type=positive_int_arg, default=1, help="batch size (1)")
-    parser.add_argument("--kv-heads", type=positive_int_arg, default=8, help="key/value heads (8)")
-    parser.add_argument("--head-dim", type=positive_int_arg, default=128, help="head dim (128)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    parser.add_argument("--workload", choices=WORKLOADS, default="pairs")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="document balancer (0.05)")
+    parser.add_argument(
+        "--world-sizes",
+        type=_int_list,
+        default=[2, 4, 8, 16, 32, 64],
+        help="comma-separated numbers of ranks to plan for (2,4,8,16,32,64)",
+    )
+    parser.add_argument(
+        "--chunk-size", type=_positive_int, default=512, help="tokens per planner chunk (512)"
+    )
+    parser.add_argument(
+        "--balancers",
+        type=_name_list,
+        default=list(BALANCERS),
+        help=f"comma-separated balancers to compare ({','.join(BALANCERS)})",
+    )
+    parser.add_argument("--batch", type=_positive_int, default=1, help="batch size (1)")
+    parser.add_argument("--kv-heads", type=_positive_int, default=8, help="key/value heads (8)")
+    parser.add_argument(
+        "--head-dim", type=_positive_int, default=128, help="head dimension D = Dv (128)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="bfloat16",
+        help="dtype of keys and values, for the bytes moved (bfloat16)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="pairs",
+        help="what the balancers even out: visible (query, key) pairs or unskipped tiles (pairs)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="imbalance above the mean rank work the document balancer accepts (0.05 = 5%%)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of random mask draws (0)")
     parser.add_argument(
-        "--detail", type=positive_int_arg, default=8, help="world size of the per-rank table (8)"
+        "--detail", type=_positive_int, default=8, help="world size of the per-rank table (8)"
     )
-    parser.add_argument("--png", metavar="PATH", default=None, help="also write a PNG plot")
+    parser.add_argument(
+        "--png", metavar="PATH", default=None, help="also write a PNG plot (needs matplotlib)"
+    )
     parser.add_argument("--output", metavar="PATH", default=None, help="also write the Markdown")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -276,17 +318,27 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _error(message: str) -> int:
+    print(f"flashmask cp-plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flashmask cp-plan`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     valid = (*masks.MASK_TYPES, "hash_sparse")
     if args.name not in valid:
-        print(
-            f"flashmask cp-plan: error: unknown mask {args.name!r}; valid names: "
-            f"{', '.join(valid)}",
-            file=sys.stderr,
-        )
-        return 2
+        return _error(f"unknown mask {args.name!r}; valid names: {', '.join(valid)}")
+    if args.png and not _has_matplotlib():
+        return _error("--png needs matplotlib: pip install 'flashmask[plots]'")
     rows = plan_rows(
         args.name,
         args.seqlen,

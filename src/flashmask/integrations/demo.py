@@ -68,6 +68,15 @@ def run_demo(
     generator = torch.Generator().manual_seed(seed)
     batches = [_packed_batch(seqlen, rows, generator) for _ in range(steps)]
 
+    tokens = int(sum((b["sample_index"] >= 0).sum() for b in batches))
+    docs = int(sum((b["doc_lens"] > 0).sum() for b in batches))
+    where = torch.cuda.get_device_name(device) if on_cuda else "CPU"
+    print(
+        f"flashmask demo: packed SFT, tiny Llama (hidden 64, 2 layers, 4 heads / 2 KV heads), "
+        f"{steps} AdamW steps of {rows} x {seqlen} tokens ({tokens:,} real tokens in {docs} "
+        f"documents), {dtype} on {device} ({where})",
+        flush=True,
+    )
     results = {}
     for attn in ("flashmask", "sdpa"):
         model = copy.deepcopy(base)
@@ -79,14 +88,7 @@ def run_demo(
     diffs = [abs(a - b) for a, b in zip(fm.losses, sd.losses, strict=True)]
     tolerance = _RTOL[dtype] * max(abs(x) for x in sd.losses)
     ok = max(diffs) <= tolerance
-    tokens = int(sum((b["sample_index"] >= 0).sum() for b in batches))
-    docs = int(sum((b["doc_lens"] > 0).sum() for b in batches))
-    where = torch.cuda.get_device_name(device) if on_cuda else "CPU"
-    print(
-        f"flashmask demo: packed SFT, tiny Llama (hidden 64, 2 layers, 4 heads / 2 KV heads), "
-        f"{steps} AdamW steps of {rows} x {seqlen} tokens ({tokens:,} real tokens in {docs} "
-        f"documents), {dtype} on {device} ({where})"
-    )
+    print()
     table = [("step", "loss flashmask", "loss sdpa + dense mask", "|difference|")]
     for i, (a, b, d) in enumerate(zip(fm.losses, sd.losses, diffs, strict=True)):
         table.append((str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{d:.1e}"))
@@ -142,6 +144,8 @@ def _train(model, attn: str, batches: list[dict], device: torch.device, dtype) -
         inputs.append(step)
     mask = inputs[0].get("startend_row_indices", inputs[0].get("attention_mask"))
     losses, seconds = [], []
+    label = "flashmask" if attn == "flashmask" else f"{attn} + dense mask"
+    total = len(inputs)
 
     def step(inputs: dict) -> None:
         if on_cuda:
@@ -153,6 +157,12 @@ def _train(model, attn: str, batches: list[dict], device: torch.device, dtype) -
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # .item() synchronises
         seconds.append(time.perf_counter() - start)
+        # A long CPU run otherwise prints nothing until the end.
+        print(
+            f"  ... {label}: step {len(losses)}/{total}, loss {losses[-1]:.6f}, "
+            f"{seconds[-1]:.2f} s",
+            flush=True,
+        )
 
     # The first step allocates the optimizer state and warms caches up; the memory peak is
     # measured over the later steps, above that baseline (activations and the mask).

@@ -16,19 +16,32 @@ the layer's mask is intersected with the batch's document boundaries. Examples::
 A policy sees a :class:`MaskContext` (layer index, batch size, query and key lengths, device) and
 returns a :class:`~flashmask.FlashMask` ``[1 or B, 1 or Hk, Sk, C]`` for that call. Masks are
 aligned bottom-right, so the same policy serves training (``Sq == Sk``), chunked prefill and
-single-token decode over a KV cache (``Sq < Sk``).
+single-token decode over a KV cache (``Sq < Sk``): build the mask for ``ctx.seqlen_q`` queries
+(the builders of :mod:`flashmask.masks` take ``seqlen_q``); one built for another query length is
+an error.
+
+The backend (:mod:`flashmask.integrations.transformers`, imported and so registered by this
+module) reads the policies: :class:`MaskContext`, :func:`policy_of` and the module attribute
+they use are defined there and re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from flashmask import masks
+from flashmask.integrations.transformers import (
+    ATTN_IMPLEMENTATION,
+    POLICY_ATTR,
+    MaskContext,
+    Policy,
+    policy_of,
+)
 from flashmask.mask import FlashMask
 
 __all__ = [
@@ -38,23 +51,13 @@ __all__ = [
     "MaskSpec",
     "apply_flashmask",
     "layer_mask",
+    "policy_of",
     "remove_flashmask",
     "spec_of",
 ]
 
 MASK_KINDS = ("causal", "full", "sliding_window", "prefix_lm")
-_POLICY_ATTR = "flashmask_policy"
 _STATE_ATTR = "_flashmask_original_attn_implementation"
-
-
-class MaskContext(NamedTuple):
-    """What a policy knows about one attention call."""
-
-    layer_idx: int
-    batch_size: int
-    seqlen_q: int
-    seqlen_k: int
-    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def layer_mask(
     offset = seqlen_k - seqlen_q  # query i stands at key position i + offset
     ute = torch.where(cols < spec.prefix_len, 0, (cols - offset).clamp(0, seqlen_q))
     bounds = torch.stack([torch.full_like(cols, seqlen_q), ute], -1)
-    return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False)
+    return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False, seqlen_q)
 
 
 def _spec_fields(value: str | Mapping[str, Any] | MaskSpec) -> dict[str, Any]:
@@ -205,9 +208,6 @@ class MaskSchedule:
                 schedule.set_step(state.global_step)
 
         return FlashMaskScheduleCallback()
-
-
-Policy = Callable[[int, MaskContext], "FlashMask | None"]
 
 
 class _Cycle:
@@ -310,16 +310,14 @@ def apply_flashmask(
     Returns:
         ``model``, changed in place (undo with :func:`remove_flashmask`).
     """
-    import flashmask.integrations.transformers as backend
-
     policy = _resolve_policy(mask, layers, **params)
     modules = _attention_modules(model)
     if not hasattr(model, _STATE_ATTR):
         original = getattr(model.config, "_attn_implementation", None)
         object.__setattr__(model, _STATE_ATTR, original)
-    _set_attn_implementation(model, backend.ATTN_IMPLEMENTATION)
+    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     for module in modules:
-        setattr(module, _POLICY_ATTR, policy)
+        setattr(module, POLICY_ATTR, policy)
     return model
 
 
@@ -328,8 +326,8 @@ def remove_flashmask(model: torch.nn.Module) -> torch.nn.Module:
     if not hasattr(model, _STATE_ATTR):
         raise ValueError("remove_flashmask: this model was not changed by apply_flashmask")
     for module in _attention_modules(model):
-        if hasattr(module, _POLICY_ATTR):
-            delattr(module, _POLICY_ATTR)
+        if hasattr(module, POLICY_ATTR):
+            delattr(module, POLICY_ATTR)
     _set_attn_implementation(model, getattr(model, _STATE_ATTR) or "eager")
     object.__delattr__(model, _STATE_ATTR)
     return model
@@ -341,41 +339,3 @@ def _set_attn_implementation(model: torch.nn.Module, name: str) -> None:
         setter(name)
     else:  # older transformers: the config field is what attention layers read
         model.config._attn_implementation = name
-
-
-def layer_policy_mask(
-    module: torch.nn.Module,
-    boundaries: FlashMask | None,
-    batch_size: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    device: torch.device,
-) -> FlashMask | None:
-    """The mask an attention call of ``module`` applies under its policy (``None``: no policy).
-
-    ``boundaries`` is the batch's own non-causal mask (documents, padding, an explicit mask) or
-    ``None``; the layer's mask is intersected with it.
-    """
-    policy = policy_of(module)
-    if policy is None:
-        return None
-    ctx = MaskContext(module.layer_idx, batch_size, seqlen_q, seqlen_k, device)
-    mask = policy(module.layer_idx, ctx)
-    if mask is None:
-        mask = MaskSpec("causal").build(ctx)
-    if not isinstance(mask, FlashMask):
-        raise TypeError(f"a mask policy must return a FlashMask or None, got {type(mask).__name__}")
-    if mask.device != device:
-        mask = mask.to(device)
-    if mask.batch_size == 1 and batch_size > 1:
-        mask = FlashMask(mask.startend_row_indices.expand(batch_size, -1, -1, -1), mask.causal)
-    if boundaries is None:
-        return mask
-    from flashmask.compose import intersect
-
-    return intersect(mask, boundaries, seqlen_q=seqlen_q)
-
-
-def policy_of(module: torch.nn.Module) -> Policy | None:
-    """The policy :func:`apply_flashmask` attached to an attention module, if any."""
-    return getattr(module, _POLICY_ATTR, None)

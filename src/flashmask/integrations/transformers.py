@@ -17,7 +17,11 @@ Which mask it applies, first match wins:
    ``model(..., startend_row_indices=int32 [B, Hm, Sk, C])`` (a raw tensor is read as causal
    when ``C`` is 1 or 2 and as non-causal when ``C`` is 4; pass a :class:`~flashmask.FlashMask`
    for a non-causal ``C = 2`` mask). Shared-prompt (DPO/RM) batches must use this: their
-   position ids restart mid-document on purpose;
+   position ids restart mid-document on purpose. A non-causal explicit mask on a causal
+   attention module (every decoder's) would let queries see later tokens, so it is an error
+   unless the call also passes ``flashmask_bidirectional=True``. A FlashMask built for another
+   query length than the call's (e.g. a training mask reused during generation) is an error too
+   (:meth:`~flashmask.FlashMask.with_seqlen_q`);
 2. ``cu_seq_lens_q`` (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
    one causal document per segment;
 3. a 2-D padding mask ``attention_mask [B, Sk]`` with zeros: padded keys are hidden from every
@@ -53,15 +57,16 @@ image tokens) get only the masks above, as with FlashAttention. Because the name
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
+from flashmask import masks
 from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.attention import flashmask_attention
-from flashmask.compose import intersect
-from flashmask.integrations.policy import layer_policy_mask, policy_of
-from flashmask.mask import FlashMask
+from flashmask.mask import FlashMask, intersect
 
 try:
     from transformers import AttentionInterface
@@ -78,15 +83,38 @@ except ImportError:  # pragma: no cover - depends on the installed version
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "POLICY_ATTR",
+    "MaskContext",
     "enable_activation_checkpointing",
     "flashmask_attention_forward",
     "flashmask_mask_interface",
+    "layer_policy_mask",
+    "policy_of",
     "register",
     "resolve_mask",
 ]
 
 ATTN_IMPLEMENTATION = "flashmask"
 """The ``attn_implementation`` name this module registers."""
+
+POLICY_ATTR = "flashmask_policy"
+"""The attribute of an attention module that holds its mask policy
+(:func:`flashmask.integrations.policy.apply_flashmask` sets it)."""
+
+
+class MaskContext(NamedTuple):
+    """What a mask policy knows about one attention call."""
+
+    layer_idx: int
+    batch_size: int
+    seqlen_q: int
+    seqlen_k: int
+    device: torch.device
+
+
+Policy = Callable[[int, MaskContext], "FlashMask | None"]
+"""A mask policy: ``(layer_idx, ctx) -> FlashMask [1 or B, 1 or Hk, Sk, C]`` or ``None``
+(plain causal)."""
 
 _HALF = (torch.float16, torch.bfloat16)
 _REGISTERED: set[str] = set()
@@ -189,6 +217,7 @@ def flashmask_attention_forward(
     *,
     flashmask: FlashMask | torch.Tensor | None = None,
     startend_row_indices: torch.Tensor | None = None,
+    flashmask_bidirectional: bool = False,
     position_ids: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     **kwargs: Any,
@@ -198,7 +227,15 @@ def flashmask_attention_forward(
 
     ``attention_mask`` is what :func:`flashmask_mask_interface` returned (a 2-D padding mask or
     ``None``) or a 4-D mask passed by the caller. The mask applied is described in the module
-    docstring; ``scaling`` defaults to ``D ** -0.5``.
+    docstring; ``scaling`` defaults to ``D ** -0.5``. ``flashmask``, ``startend_row_indices``
+    and ``flashmask_bidirectional`` (allow a non-causal explicit mask on a causal module) come
+    from the model call's keyword arguments.
+
+    Raises:
+        ValueError: a non-causal explicit mask on a causal module without
+            ``flashmask_bidirectional=True``; a FlashMask built for another query length;
+            unsupported arguments (dropout while training, ``softcap``, ``s_aux``).
+        TypeError: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` that are not integer tensors.
     """
     if dropout:
         raise ValueError(
@@ -212,6 +249,8 @@ def flashmask_attention_forward(
         raise ValueError("the flashmask attention backend does not support attention sinks (s_aux)")
     if flashmask is not None and startend_row_indices is not None:
         raise ValueError("pass either flashmask or startend_row_indices, not both")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        _check_integer_tensor(name, cu_seq_lens_q if name == "cu_seq_lens_q" else kwargs.get(name))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
 
     # [B, H, S, D] -> [B, S, H, D] views; the kernels take strided inputs.
@@ -220,6 +259,8 @@ def flashmask_attention_forward(
     # A layer policy from apply_flashmask supplies the causal structure itself; the batch then
     # contributes only its boundaries (documents, padding) as a non-causal mask.
     has_policy = policy_of(module) is not None
+    if causal and not has_policy:
+        _check_explicit_is_causal(flashmask, startend_row_indices, flashmask_bidirectional)
     mask = resolve_mask(
         batch,
         seqlen_q,
@@ -242,6 +283,47 @@ def flashmask_attention_forward(
     else:
         out = flashmask_attention(q, k, v, mask, softmax_scale=scaling)
     return out.to(output), None
+
+
+def _check_integer_tensor(name: str, value: object) -> None:
+    """``cu_seq_lens_*`` must hold integers: a float tensor would be truncated silently."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor (cumulative document lengths), got {value.dtype}"
+        )
+
+
+def _check_explicit_is_causal(
+    flashmask: FlashMask | torch.Tensor | None,
+    startend_row_indices: torch.Tensor | None,
+    allowed: object,
+) -> None:
+    """A causal module given a non-causal explicit mask: an error unless ``allowed``."""
+    if not isinstance(allowed, bool):
+        raise TypeError(f"flashmask_bidirectional must be a bool, got {type(allowed).__name__}")
+    if flashmask is not None:
+        name, explicit = "flashmask", flashmask
+    elif startend_row_indices is not None:
+        name, explicit = "startend_row_indices", startend_row_indices
+    else:
+        return
+    if isinstance(explicit, FlashMask):
+        causal = explicit.causal
+    elif isinstance(explicit, torch.Tensor):
+        causal = explicit.dim() == 3 or explicit.shape[-1] != 4  # as _explicit_mask reads it
+    else:
+        return  # _explicit_mask names the wrong type
+    if not causal and not allowed:
+        raise ValueError(
+            f"{name} is a non-causal mask but the attention module is causal: its queries "
+            "would see later tokens. Pass a causal mask (the causal forms of flashmask.masks, "
+            "or intersect it with masks.causal), or pass flashmask_bidirectional=True with "
+            f"{name} to the model call to allow bidirectional attention on purpose"
+        )
 
 
 def resolve_mask(
@@ -426,8 +508,14 @@ def _explicit_mask(
     if mask.device != device:
         mask = mask.to(device)
     if mask.batch_size == 1 and batch > 1:
-        mask = FlashMask(mask.startend_row_indices.expand(batch, -1, -1, -1), mask.causal)
+        mask = _expand_batch(mask, batch)
     return mask
+
+
+def _expand_batch(mask: FlashMask, batch: int) -> FlashMask:
+    """``mask`` ``[1, Hm, Sk, C]`` broadcast to ``batch`` rows (a view)."""
+    sri = mask.startend_row_indices.expand(batch, -1, -1, -1)
+    return dataclasses.replace(mask, startend_row_indices=sri)
 
 
 def _column_mask(lts: torch.Tensor, ute: torch.Tensor, causal: bool, seqlen_q: int) -> FlashMask:
@@ -435,7 +523,7 @@ def _column_mask(lts: torch.Tensor, ute: torch.Tensor, causal: bool, seqlen_q: i
     when not causal) of every key column ``j``; ``lts``/``ute`` are ``[B, Sk]``."""
     columns = [lts] if causal else [lts, ute]
     bounds = torch.stack([c.clamp(0, seqlen_q) for c in columns], dim=-1)
-    return FlashMask(bounds.unsqueeze(1).to(torch.int32).contiguous(), causal)
+    return FlashMask(bounds.unsqueeze(1).to(torch.int32).contiguous(), causal, seqlen_q)
 
 
 def _window_only(
@@ -504,6 +592,43 @@ def _from_dense_4d(
             f"shape {tuple(attention_mask.shape)}"
         )
     return FlashMask.from_dense(visible)
+
+
+# ---------------------------------------------------------------------- layer policies
+def policy_of(module: torch.nn.Module) -> Policy | None:
+    """The mask policy attached to an attention module (:data:`POLICY_ATTR`), if any."""
+    return getattr(module, POLICY_ATTR, None)
+
+
+def layer_policy_mask(
+    module: torch.nn.Module,
+    boundaries: FlashMask | None,
+    batch_size: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+) -> FlashMask | None:
+    """The mask an attention call of ``module`` applies under its policy (``None``: no policy).
+
+    ``boundaries`` is the batch's own non-causal mask (documents, padding, an explicit mask) or
+    ``None``; the layer's mask is intersected with it.
+    """
+    policy = policy_of(module)
+    if policy is None:
+        return None
+    ctx = MaskContext(module.layer_idx, batch_size, seqlen_q, seqlen_k, device)
+    mask = policy(module.layer_idx, ctx)
+    if mask is None:
+        mask = masks.causal(seqlen_k, seqlen_q=seqlen_q, device=device)
+    if not isinstance(mask, FlashMask):
+        raise TypeError(f"a mask policy must return a FlashMask or None, got {type(mask).__name__}")
+    if mask.device != device:
+        mask = mask.to(device)
+    if mask.batch_size == 1 and batch_size > 1:
+        mask = _expand_batch(mask, batch_size)
+    if boundaries is None:
+        return mask
+    return intersect(mask, boundaries, seqlen_q=seqlen_q)
 
 
 def _dtypes(
