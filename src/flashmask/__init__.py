@@ -2,8 +2,14 @@
 
 from flashmask import masks
 from flashmask.attention import flashmask_attention
-from flashmask.compose import intersect
-from flashmask.mask import FlashMask, MaskNotRepresentableError, TileClass, to_dense, validate
+from flashmask.mask import (
+    FlashMask,
+    MaskNotRepresentableError,
+    TileClass,
+    intersect,
+    to_dense,
+    validate,
+)
 
 __all__ = [
     "FlashMask",
