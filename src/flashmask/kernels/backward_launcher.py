@@ -180,14 +180,15 @@ def _triton_backward(
     qk_scale = softmax_scale * LOG2E_VALUE
     kv_tn, kv_tm = kv_lists.entries.shape[-2:]
     q_tm, q_tn = q_lists.entries.shape[-2:]
-    s3 = tensors.strides3
+    strides = tensors.strides3
     if config.bwd_warps == config.dq_warps:
         launch_kernel(
             flashmask_bwd_fused_kernel, (kv_tn + q_tm * (hq // hk), hk, b),
             q, k, v, dout, lse, delta, dq, dk, dv, bounds,
             kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
             q_lists.entries, q_lists.counts, q_lists.num_partial,
-            *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dq), *s3(dk), *s3(dv),
+            *strides(q), *strides(k), *strides(v), *strides(dout),
+            *strides(dq), *strides(dk), *strides(dv),
             sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, q_tm, q_tn, d, qk_scale,
             softmax_scale,
             **flags,
@@ -210,7 +211,7 @@ def _triton_backward(
         flashmask_bwd_dkdv_kernel, (kv_tn, hk, b),
         q, k, v, dout, lse, delta, dk, dv, bounds,
         kv_lists.entries, kv_lists.counts, kv_lists.num_partial,
-        *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dk), *s3(dv),
+        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
         sq, sk, hq, hq // hk, hq // hm, hm, kv_tm, kv_tn, d, qk_scale, softmax_scale,
         **flags,
         EVEN_M=sq % config.bwd_m == 0,
@@ -226,7 +227,7 @@ def _triton_backward(
         flashmask_bwd_dq_kernel, (q_tm, hq, b),
         q, k, v, dout, lse, delta, dq, bounds,
         q_lists.entries, q_lists.counts, q_lists.num_partial,
-        *s3(q), *s3(k), *s3(v), *s3(dout), *s3(dq),
+        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
         sq, sk, hq, hq // hk, hq // hm, hm, q_tm, q_tn, d, qk_scale, softmax_scale,
         **flags,
         EVEN_M=sq % config.dq_m == 0,
