@@ -1,9 +1,9 @@
 """Launching compiled Triton and Gluon kernels without Triton's per-call binding.
 
 ``kernel[grid](*args)`` spends 40-60 us of host time binding the arguments, computing their
-specialisation and the cache key before Triton's C launcher runs (measured on the H200 under
-Triton 3.6, ``benchmarks/results/host_costs_s13.log``). A short attention call launches five to
-seven kernels, so at 8K keys with a sparse mask the host, not the GPU, can set the pace.
+specialisation and the cache key before Triton's C launcher runs (measured on the H200's host
+under Triton 3.6; ``docs/performance.md``). A short attention call launches five to seven
+kernels, so at 8K keys with a sparse mask the host, not the GPU, can set the pace.
 
 :func:`launch_kernel` keeps, per kernel, the compiled kernel that Triton's own path chose for a
 call, keyed by what Triton's specialisation reads from the arguments (or something finer): a
@@ -12,8 +12,8 @@ type, a tensor descriptor's dtype, block shape, layout and padding, any other ar
 and the launch options. A later call with the same key skips the binding and calls the compiled
 kernel's launcher with the arguments in the kernel's parameter order, as Triton's path does.
 Anything this cannot vouch for takes Triton's path: the interpreter, a launch hook (profilers),
-a kernel with pre-run hooks, an argument type not listed above, a changed global the kernel
-read, or ``CACHED = False``.
+a kernel with pre-run hooks, an argument type not listed above, or a changed global the kernel
+read.
 """
 
 from __future__ import annotations
@@ -28,17 +28,6 @@ from typing import Any
 
 import torch
 
-# False: every launch through ``kernel[grid](...)`` (for A/B measurement and as an escape hatch).
-CACHED = True
-# True: a cached launch hands the launcher each plain CUDA tensor's address as an int, which
-# Triton's C launcher takes as it is; given the tensor, it calls ``data_ptr()`` and asks the
-# driver about the address (``cuPointerGetAttribute``) once per pointer argument, every launch.
-# Measured on the H200's host (``benchmarks/results/launch_costs_s28.log``): the driver query
-# costs 0.18 us per pointer and the launches of an 8K forward + backward took 149.7 us with
-# tensors against 152.4 with addresses (149.9 / 148.4 on full attention), inside the noise; the
-# twenty-seventh session's 133 us on the backward's launch did not repeat. Off (the tensors
-# themselves, with the launcher's check that each is the GPU's); kept for measurement.
-RAW_POINTERS = False
 # A cache of this many keys across kernels is cleared when full (shapes repeat in training, so
 # a full cache means keys that do not: start over rather than keep them all).
 MAX_ENTRIES = 1024
@@ -54,7 +43,6 @@ class _Plan:
     compiled: Any
     defaults: dict[str, Any]
     rest: Callable[[dict], tuple]
-    on_gpu: bool  # every plain tensor among the positional arguments is a CUDA tensor
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -97,25 +85,14 @@ def _arg_key(arg: Any) -> Any:
 
 
 def _args_key(args: tuple) -> tuple:
-    """The key of the positional arguments (ints and tensors, the most common, inline). A plain
-    tensor's key also says whether it is a CUDA tensor: a cached launch passes its address
-    unchecked (:data:`RAW_POINTERS`), so a host tensor must take Triton's path, which refuses
-    it."""
+    """The key of the positional arguments (ints and tensors, the most common, inline)."""
     tensor = torch.Tensor
     return tuple([
         a if type(a) is int
-        else (a.dtype, a.data_ptr() % 16 == 0, a.is_cuda) if type(a) is tensor
+        else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is tensor
         else _arg_key(a)
         for a in args
     ])  # fmt: skip
-
-
-def _raw_pointers(args: tuple) -> tuple:
-    """``args`` with each plain tensor replaced by its address (an int): what the C launcher
-    would read from it, without its driver query. Called only on keys whose tensors are all
-    CUDA tensors (their keys say so)."""
-    tensor = torch.Tensor
-    return tuple([a.data_ptr() if type(a) is tensor else a for a in args])
 
 
 # Keyword values keyed by value and type alone (the constexprs and launch options the library
@@ -157,9 +134,9 @@ def _hooked(hook: Any, chain: type) -> bool:
 
 def _runtime_state(kernel: Any, triton: types.SimpleNamespace) -> tuple | None:
     """The Triton settings a launch of ``kernel`` reads besides its arguments, or ``None`` where
-    Triton's path must run: not a compiled-mode kernel (the interpreter's), pre-run hooks,
-    launch hooks set (a profiler), or ``CACHED`` off."""
-    if not CACHED or not isinstance(kernel, triton.JITFunction) or kernel.pre_run_hooks:
+    Triton's path must run: not a compiled-mode kernel (the interpreter's), pre-run hooks, or
+    launch hooks set (a profiler)."""
+    if not isinstance(kernel, triton.JITFunction) or kernel.pre_run_hooks:
         return None
     runtime = triton.knobs.runtime
     if (
@@ -185,15 +162,8 @@ def _globals_unchanged(kernel: Any) -> bool:
     return True
 
 
-def _all_on_gpu(args: tuple) -> bool:
-    """Whether every plain tensor of ``args`` is a CUDA tensor (a launch may pass their raw
-    addresses)."""
-    return all(a.is_cuda for a in args if type(a) is torch.Tensor)
-
-
 def _plan(kernel: Any, compiled: Any, args: tuple, kwargs: dict) -> _Plan:
     """The plan for calls with positional arguments keyed as ``args`` and these keyword names."""
-    on_gpu = _all_on_gpu(args)
     params = list(kernel.signature.parameters.items())[len(args) :]
     defaults = {}
     for name, param in params:
@@ -208,7 +178,7 @@ def _plan(kernel: Any, compiled: Any, args: tuple, kwargs: dict) -> _Plan:
         rest = lambda merged: (merged[names[0]],)  # noqa: E731
     else:
         rest = itemgetter(*names)
-    return _Plan(kernel, compiled, defaults, rest, on_gpu)
+    return _Plan(kernel, compiled, defaults, rest)
 
 
 def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -240,8 +210,6 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
             _PLANS.clear()
         _PLANS[key] = plan
         return
-    if RAW_POINTERS and plan.on_gpu:
-        args = _raw_pointers(args)
     _run_plan(plan, grid, triton.current_stream(device), args, kwargs)
 
 
@@ -253,8 +221,8 @@ def _key(kernel: Any, device: int, state: tuple, args: tuple, kwargs: dict) -> t
 
 def _run_plan(plan: _Plan, grid: tuple[int, ...], stream: int, args: tuple, kwargs: dict) -> None:
     """Call ``plan``'s compiled launcher over ``grid`` on ``stream`` as Triton's path does: the
-    grid padded to three, no launch metadata or hooks, ``args`` as given (tensors, or their
-    addresses), then the remaining parameters in the kernel's order."""
+    grid padded to three, no launch metadata or hooks, ``args`` as given, then the remaining
+    parameters in the kernel's order."""
     rest = plan.rest({**plan.defaults, **kwargs} if plan.defaults else kwargs)
     compiled, size = plan.compiled, len(grid)
     compiled.run(
