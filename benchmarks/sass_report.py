@@ -1,25 +1,45 @@
-"""Compile the FlashMask kernels for Hopper (sm_90) without a GPU and report what the SASS holds.
+"""Compile FlashMask's kernels for Hopper (sm_90a) without a GPU and report what their SASS holds.
 
-For each kernel launch that a forward + backward makes (mask preparation, forward, backward), the
-script captures the launch arguments from the real launchers (``flashmask.kernels.forward`` /
-``backward``; nothing runs), compiles the kernel for ``sm_90`` with Triton's bundled ``ptxas``,
-and reads the cubin with the bundled ``cuobjdump``: registers per thread, local-memory (spill)
-bytes and instructions, shared memory, and instruction counts — ``HGMMA`` (Hopper warpgroup
-matrix multiply; the dot products must compile to it), ``HMMA`` (the older per-warp MMA, which
-should not appear), ``MUFU.EX2`` (exp2), global loads (``LDG``) and asynchronous copies
-(``LDGSTS``). Counts are static (instructions in the binary, not executed ones).
+Kernel families (``--family``):
 
-Usage: ``PYTHONPATH=src python benchmarks/sass_report.py [--head-dims 64,128,256] [--out PATH]``
-(writes ``PATH.json`` and ``PATH.md``; a few minutes on a CPU).
+* ``triton``: every kernel launch one forward + backward makes through the Triton kernels (mask
+  preparation, forward, backward), per head dim, mask form and tile-configuration variant;
+* ``gluon_fwd``: the Gluon forward as it ships (head dims 64, 128 and 256 at the launcher's key
+  tiles; full, causal and masked; skipping and dense mode; bf16 and, once, fp16);
+* ``gluon_bwd``: the Gluon backward as it ships (head dims 64, 128 and 256; full, causal and
+  masked; bf16 and, once, fp16; and long full attention's query chunks, whose first launch
+  stores fp32 dK/dV sums and whose later ones add to them).
+
+Each launch is captured from the library's own launchers (``kernels.forward`` /
+``kernels.backward``, with the Gluon kernels routed in for the Gluon families; nothing runs),
+specialised by Triton's own binder on the captured arguments, compiled with Triton's bundled
+``ptxas`` and read with its bundled ``cuobjdump``: registers per thread, local-memory (spill)
+bytes, shared memory, the ``setmaxnreg`` a warp-specialised kernel's partitions execute, static
+counts of key instructions (``HGMMA``: Hopper warpgroup MMA, which the dot products must compile
+to; ``HMMA``, the older per-warp MMA, which should not appear; ``MUFU.EX2``; TMA loads, stores
+and reduce-adds; global loads/stores; barriers; ``WARPGROUP.DEPBAR``, the waits on ``wgmma``),
+and ``sass_sha256``, a digest of the SASS with which a change that must leave the kernels alone
+proves it did.
+
+Usage (from the repository root; a few minutes on a CPU)::
+
+    PYTHONPATH=src python benchmarks/sass_report.py --family gluon_bwd --json  # JSON lines
+    PYTHONPATH=src python benchmarks/sass_report.py [--family triton] [--out PATH]  # PATH.json/.md
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,104 +47,118 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real, never interpret
 
 import torch
 import triton
-from cubin import inspect_cubin
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import mangle_type
-from triton.tools.tensor_descriptor import TensorDescriptor
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from flashmask import kernels
-from flashmask.kernels import mask_prep, tensors
+from flashmask.kernels import launch, mask_prep, preparation, query_chunks, routing, tensors
 from flashmask.kernels.triton_kernels import backward as attention_bwd
 from flashmask.kernels.triton_kernels import forward as attention_fwd
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTER_TYPES = {
-    torch.bfloat16: "*bf16",
-    torch.float16: "*fp16",
-    torch.float32: "*fp32",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-}
 OPCODES = (
-    "HGMMA", "HMMA", "MUFU.EX2", "UTMALDG", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDL", "STL",
-    "BAR.SYNC",
+    "HGMMA", "HMMA", "WARPGROUP.DEPBAR", "MUFU.EX2", "UTMALDG", "UTMASTG", "UTMAREDG", "LDGSTS",
+    "LDG", "STG", "REDG", "ATOMG", "LDS", "STS", "LDL", "STL", "BAR",
 )  # fmt: skip
-KERNELS = {
-    attention_fwd: ["flashmask_fwd_kernel"],
-    attention_bwd: [
-        "flashmask_bwd_fused_kernel",
-        "flashmask_bwd_dkdv_kernel",
-        "flashmask_bwd_dq_kernel",
-        "flashmask_bwd_delta_kernel",
-    ],
-    mask_prep: ["summarize_kernel", "tile_list_kernel"],
-}
-
-
-class Capture:
-    """Replaces the kernels' ``run`` so that launching records ``(kernel, args, kwargs)``."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple[object, tuple, dict]] = []
-        self._saved: list[tuple[object, object]] = []
-
-    def __enter__(self) -> Capture:
-        for module, names in KERNELS.items():
-            for name in names:
-                fn = getattr(module, name)
-                self._saved.append((fn, fn.__dict__.get("run")))
-
-                def run(*args, grid, warmup, _fn=fn, **kwargs):
-                    self.launches.append((_fn, args, kwargs))
-
-                fn.run = run
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fn, saved in self._saved:
-            if saved is None:
-                del fn.run
-            else:
-                fn.run = saved
-
-
-def _specialise(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
-    """The ASTSource and options Triton's launcher would build for these arguments (pointers
-    16-byte aligned, integers divisible by 16 marked so, integers equal to 1 folded)."""
-    names = [p.name for p in fn.params]
-    bound = dict(zip(names, args, strict=False))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    options = {k: v for k, v in kwargs.items() if k not in names}
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(fn.params):
-        v = bound[p.name]
-        folded_one = isinstance(v, int) and not isinstance(v, bool) and v == 1
-        if p.is_constexpr or v is None or folded_one:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = v
-        elif isinstance(v, TensorDescriptor):
-            signature[p.name] = mangle_type(v)  # "tensordesc<bf16[1, 64, 1, 128]>"
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = POINTER_TYPES[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, bool):
-            signature[p.name] = "i1"
-        elif isinstance(v, int):
-            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            signature[p.name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
-    return ASTSource(fn, signature, constexprs, attrs), options
-
-
+FAMILIES = ("triton", "gluon_fwd", "gluon_bwd")
 # Per-SM resources by compute capability: (shared memory per SM in bytes, 32-bit registers).
 SM_RESOURCES = {80: (164 * 1024, 65536), 86: (100 * 1024, 65536), 89: (100 * 1024, 65536),
                 90: (228 * 1024, 65536)}  # fmt: skip
 MAX_WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64}
+# The Triton family's tile-configuration variants (``--variants``), from the shipped one.
+TRITON_VARIANTS: dict[str, Callable] = {
+    "shipped": lambda cfg: cfg,
+    # Does doubling the backward's warps take the dK/dV pass off its register cap?
+    "8-warp backward": lambda cfg: replace(cfg, bwd_warps=8, dq_warps=8),
+    "pointer forward": lambda cfg: replace(cfg, fwd_tma=False),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing launches and compiling them as Triton would
+
+
+def library_kernels() -> list:
+    """Every ``triton.jit``/``gluon.jit`` function of the kernel modules (the Gluon modules
+    import here: the interpreter is off)."""
+    from flashmask.kernels.gluon_kernels import backward, backward_hd256
+    from flashmask.kernels.gluon_kernels import forward as gluon_fwd
+
+    modules = (mask_prep, preparation, attention_fwd, attention_bwd, gluon_fwd, backward,
+               backward_hd256)  # fmt: skip
+    functions = {id(v): v for m in modules for v in vars(m).values() if isinstance(v, JITFunction)}
+    return list(functions.values())
+
+
+@contextmanager
+def captured_launches() -> Iterator[list[tuple[object, tuple, dict]]]:
+    """Within the block, launching any of the library's kernels records ``(kernel, args,
+    kwargs)`` in the yielded list instead of running; every launch takes Triton's path
+    (``kernel[grid](...)``), not the cached one, which needs a GPU."""
+    functions = library_kernels()
+    launches: list[tuple[object, tuple, dict]] = []
+    saved = [(fn, fn.__dict__.get("run")) for fn in functions]
+    runtime_state = launch._runtime_state
+    for fn in functions:
+
+        def run(*args, grid, warmup, _fn=fn, **kwargs):
+            launches.append((_fn, args, kwargs))
+
+        fn.run = run
+    launch._runtime_state = lambda kernel, triton: None
+    try:
+        yield launches
+    finally:
+        launch._runtime_state = runtime_state
+        for fn, run in saved:
+            if run is None:
+                del fn.run
+            else:
+                fn.run = run
+
+
+def compile_launch(fn, args: tuple, kwargs: dict):
+    """``(compiled, constexprs)``: ``fn`` compiled for :data:`TARGET` as a launch with these
+    arguments would compile it (Triton's binder and argument packing, so the same
+    specialisation: 16-byte alignment, integers divisible by 16, integers equal to 1 folded),
+    and its constexprs by name."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    backend = make_backend(TARGET)
+    kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug}
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as JITFunction.run adds
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=TARGET, options=options.__dict__)
+    named = {fn.params[path[0]].name: value for path, value in constexprs.items()}
+    return compiled, named
+
+
+def inspect_cubin(compiled) -> dict:
+    """``registers``, ``local_bytes`` (spills plus stack), the count of each of :data:`OPCODES`
+    in the SASS and ``sass_sha256``, the first 16 hex digits of its digest."""
+    cuobjdump = knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.check_output([cuobjdump, "-res-usage", f.name], text=True)
+        sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    return {
+        "registers": int(fields.get("REG", -1)),
+        "local_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+        **{op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in OPCODES},
+        "sass_sha256": hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16],
+    }
 
 
 def blocks_per_sm(arch: int, registers: int, warps: int, shared_bytes: int) -> int:
@@ -139,88 +173,179 @@ def blocks_per_sm(arch: int, registers: int, warps: int, shared_bytes: int) -> i
     return min(by_registers, by_shared, by_warps)
 
 
-def inspect_launch(fn, args: tuple, kwargs: dict) -> dict:
-    """Compile one captured launch for ``TARGET`` and summarise its cubin."""
-    backend = make_backend(TARGET)
-    src, opts = _specialise(fn, args, kwargs)
-    options = backend.parse_options(opts)
-    compiled = triton.compile(src, target=TARGET, options=options.__dict__)
-    dump = inspect_cubin(compiled, OPCODES)
-    registers = dump["registers"]
+def report(fn, args: tuple, kwargs: dict) -> dict:
+    """Compile one captured launch and summarise its cubin."""
+    compiled, constexprs = compile_launch(fn, args, kwargs)
+    dump = inspect_cubin(compiled)
+    warps = compiled.metadata.num_warps
+    ptx = compiled.asm["ptx"]
     return {
         "kernel": fn.__name__,
-        "num_warps": options.num_warps,
-        "registers": registers,
+        "warps": warps,
+        "registers": dump["registers"],
+        "spill_bytes": dump["local_bytes"],
+        "shared_kb": compiled.metadata.shared / 1024,
         "blocks_per_sm": blocks_per_sm(
-            TARGET.arch, registers, options.num_warps, compiled.metadata.shared
+            TARGET.arch, dump["registers"], warps, compiled.metadata.shared
         ),
-        "local_bytes": dump["local_bytes"],
-        "shared_bytes": compiled.metadata.shared,
+        "setmaxnreg": sorted(
+            {" ".join(line.split()[:2]) for line in ptx.splitlines() if "setmaxnreg" in line}
+        ),
         "constexprs": {
-            fn.params[k[0]].name: v
-            for k, v in src.constants.items()
-            if fn.params[k[0]].name.isupper()
+            name: value
+            for name, value in constexprs.items()
+            if name.isupper() and isinstance(value, (bool, int, str))
         },
-        **{op: dump[op] for op in OPCODES},
+        **{key: value for key, value in dump.items() if key not in ("registers", "local_bytes")},
     }
 
 
-def launches(
-    head_dim: int, form: str, variant: str, shared_memory: int | None = None
-) -> list[tuple[object, tuple, dict]]:
-    """The kernel launches of one forward + backward (bench shapes: 8K x 4, 2048 / D heads)."""
-    b, s = 4, 8192
-    h = 2048 // head_dim
-    q = torch.empty(b, s, h, head_dim, dtype=torch.bfloat16)
-    lse = torch.empty(b, h, s, dtype=torch.float32)
-    causal = form in ("causal", "causal-C1")
-    sri = None
-    if form.endswith("C1"):
-        sri = torch.zeros(b, 1, s, 1, dtype=torch.int32)
-    elif form.endswith("C2"):
-        sri = torch.zeros(b, 1, s, 2, dtype=torch.int32)
-    cfg = kernels.tile_config(head_dim, has_mask=sri is not None, shared_memory=shared_memory)
-    cfg = {
-        "shipped": cfg,
-        "masked loads": replace(cfg, even_fast_path=False),
-        "two launches": replace(cfg, fused_backward=False),
-        "two launches, masked loads": replace(cfg, fused_backward=False, even_fast_path=False),
-        # Not shipped: does doubling the backward's warps take the dK/dV pass off its register
-        # cap (fewer accumulator registers per thread)?
-        "8-warp backward": replace(cfg, bwd_warps=8, dq_warps=8),
-        "pointer forward": replace(cfg, fwd_tma=False),
-        # dQ added inside the dK/dV pass (five matmuls per tile instead of seven), per element
-        # or by TMA reduce-add, at the shipped and at two-warpgroup tile shapes.
-        "dQ pass TMA": replace(cfg, dq_tma=True),
-        "dQ pass TMA, two launches": replace(cfg, dq_tma=True, fused_backward=False),
-        "atomic dQ (element)": replace(cfg, atomic_dq=True, atomic_dq_tma=False),
-        "atomic dQ (TMA)": replace(cfg, atomic_dq=True),
-        "atomic dQ (TMA) 64x128/8w": replace(cfg, atomic_dq=True, bwd_n=128, bwd_warps=8),
-        "atomic dQ (TMA) 128x64/8w": replace(cfg, atomic_dq=True, bwd_m=128, bwd_warps=8),
-        "atomic dQ (TMA) 64x64/8w": replace(cfg, atomic_dq=True, bwd_warps=8),
-        "atomic dQ (TMA) 32x64/4w": replace(cfg, atomic_dq=True, bwd_m=32),
-        "atomic dQ (TMA) 32x128/4w": replace(cfg, atomic_dq=True, bwd_m=32, bwd_n=128),
-        # hd256 one-grid candidates (tune.py --set dq): the dQ pass at 8 warps, with the dK/dV
-        # pass at 64x64 or 32x64; and the dQ pass at 32x64 / 4 warps (two programs per SM).
-        "one grid, dK/dV 32x64/8w": replace(cfg, bwd_m=32, bwd_warps=8, dq_warps=8),
-        "dQ 32x64/4w": replace(cfg, dq_m=32),
-    }[variant]
-    deterministic = not cfg.atomic_dq
-    # The launchers' TMA check looks at the device (these are CPU tensors): compile as if on Hopper.
+# ---------------------------------------------------------------------------------------------
+# The families' launches
+
+
+def _inputs(head_dim: int, form: str, seqlen: int, heads: int, kv_heads: int, dtype):
+    """``(q, k, sri, causal)`` on the CPU: ``form`` is ``full``, ``causal``, ``causal-C1`` (a
+    causal mask with one bound per column) or ``noncausal-C2`` (two)."""
+    b = 2
+    q = torch.empty(b, seqlen, heads, head_dim, dtype=dtype)
+    k = torch.empty(b, seqlen, kv_heads, head_dim, dtype=dtype)
+    columns = {"causal-C1": 1, "noncausal-C2": 2}.get(form)
+    sri = None if columns is None else torch.zeros(b, 1, seqlen, columns, dtype=torch.int32)
+    return q, k, sri, form in ("causal", "causal-C1")
+
+
+@contextmanager
+def _as_on_hopper(gluon: bool) -> Iterator[None]:
+    """The launchers as on an H200, for CPU tensors: TMA usable, 132 SMs and, with ``gluon``,
+    the Gluon kernels routed in wherever they apply (else never)."""
+    from flashmask.kernels.gluon_kernels import forward as gluon_fwd
+
+    saved = (
+        tensors.tma_usable, routing.use_gluon_forward, routing.use_gluon_backward,
+        gluon_fwd.sm_count,
+    )  # fmt: skip
     tensors.tma_usable = lambda tensors: True
-    # Every variant's own preparation launches (the launchers keep no-mask lists between calls).
-    kernels.clear_prepared()
-    with Capture() as cap:
+    routing.use_gluon_forward = lambda *args: gluon
+    routing.use_gluon_backward = lambda *args: gluon
+    gluon_fwd.sm_count = lambda device: 132
+    try:
+        yield
+    finally:
+        (
+            tensors.tma_usable, routing.use_gluon_forward, routing.use_gluon_backward,
+            gluon_fwd.sm_count,
+        ) = saved  # fmt: skip
+
+
+def triton_launches(head_dim: int, form: str, variant: str, shared_memory: int | None = None):
+    """The Triton kernels' launches of one forward + backward (8K x 4, 2048 / D heads)."""
+    heads = 2048 // head_dim
+    q, _, sri, causal = _inputs(head_dim, form, 8192, heads, heads, torch.bfloat16)
+    cfg = kernels.tile_config(head_dim, has_mask=sri is not None, shared_memory=shared_memory)
+    cfg = TRITON_VARIANTS[variant](cfg)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    kernels.clear_prepared()  # every variant's own preparation launches
+    with _as_on_hopper(False), captured_launches() as launches:
         kernels.forward(q, q, q, sri, causal, head_dim**-0.5, config=cfg)
-        kernels.backward(
-            q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, deterministic, config=cfg
-        )
-    return cap.launches
+        kernels.backward(q, None, q, q, q, q, lse, sri, causal, head_dim**-0.5, True, config=cfg)
+    return launches
+
+
+GLUON_FORMS = ("full", "causal", "causal-C1", "noncausal-C2")
+
+
+def _gluon_variants() -> list[tuple[int, str, torch.dtype]]:
+    """``(head dim, mask form, dtype)`` of the Gluon families' variants."""
+    shipped = [(d, form, torch.bfloat16) for d in (64, 128, 256) for form in GLUON_FORMS]
+    return [*shipped, (128, "causal-C1", torch.float16)]
+
+
+def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
+    """``(what, kernel, args, kwargs)`` of each Gluon kernel launch of ``family``, ``what``
+    naming its variant (GQA shapes, 1024 rows: 8 query heads over 2 kv heads)."""
+    cases = [(*variant, mode) for variant in _gluon_variants() for mode in ("skip", "dense")]
+    if family == "gluon_bwd":
+        cases = [(*variant, "skip") for variant in _gluon_variants()]
+        cases += [(d, "full", torch.bfloat16, "chunks") for d in (64, 128)]
+    for head_dim, form, dtype, mode in cases:
+        q, k, sri, causal = _inputs(head_dim, form, 1024, 8, 2, dtype)
+        cfg = kernels.tile_config(head_dim, has_mask=sri is not None)
+        what = {
+            "head_dim": head_dim, "causal": causal, "has_mask": sri is not None,
+            "dtype": str(dtype).removeprefix("torch."),
+        }  # fmt: skip
+        chunk_bytes = query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES
+        if mode == "chunks":  # two chunks of 512 rows
+            query_chunks.QUERY_SPLIT_FROM_BYTES = 0
+            query_chunks.QUERY_CHUNK_BYTES = query_chunks.working_set_bytes(512, head_dim, 4)
+        kernels.clear_prepared()
+        try:
+            with _as_on_hopper(True), captured_launches() as launches:
+                if family == "gluon_fwd":
+                    kernels.forward(q, k, k, sri, causal, 0.125, skip_tiles=mode == "skip",
+                                    config=cfg)  # fmt: skip
+                else:
+                    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+                    kernels.backward(q, None, q, k, k, q, lse, sri, causal, 0.125, False,
+                                     config=cfg)  # fmt: skip
+        finally:
+            query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES = chunk_bytes
+        seen = set()
+        for fn, args, kwargs in launches:
+            if not fn.is_gluon():  # the mask preparation's and the row terms' kernels
+                continue
+            key = (fn, kwargs.get("ADD_DKDV"), kwargs.get("DKDV_TMA"))
+            if key not in seen:  # a query chunk's later launches repeat the second
+                seen.add(key)
+                if family == "gluon_fwd":
+                    yield {**what, "dense": mode == "dense"}, fn, args, kwargs
+                else:
+                    yield {**what, "chunk": mode == "chunks"}, fn, args, kwargs
+
+
+def gluon_rows(family: str) -> Iterator[dict]:
+    """The report rows of a Gluon family: its variant, the form the launcher chose (forward:
+    key tile, K/V slots, O through TMA; backward: dK/dV in fp32, added to, through TMA) and
+    :func:`report`'s fields."""
+    for what, fn, args, kwargs in gluon_launches(family):
+        row = report(fn, args, kwargs)
+        c = row["constexprs"]
+        named = dict(zip([p.name for p in fn.params], args, strict=False))
+        if family == "gluon_fwd":
+            what |= {"block_n": c["BLOCK_N"], "num_buffers": c["NUM_BUFFERS"],
+                     "o_tma": named["o_desc"] is not None}  # fmt: skip
+        else:
+            what |= {"dkdv_fp32": named["dk_ptr"].dtype == torch.float32,
+                     "add_dkdv": c["ADD_DKDV"], "dkdv_tma": c["DKDV_TMA"]}  # fmt: skip
+        yield {"family": family, **what, **row}
+
+
+def triton_rows(head_dims, forms, variants, shared_memory) -> Iterator[dict]:
+    """The Triton family's rows, a binary listed once per head dim and form (the first variant
+    that compiled to it)."""
+    seen = set()
+    for d in head_dims:
+        for form in forms:
+            for variant in variants:
+                for fn, args, kwargs in triton_launches(d, form, variant, shared_memory):
+                    if fn.is_gluon():
+                        continue
+                    row = report(fn, args, kwargs)
+                    key = (d, form, row["kernel"], row["sass_sha256"])
+                    if key not in seen:
+                        seen.add(key)
+                        yield {"family": "triton", "head_dim": d, "form": form,
+                               "variant": variant, **row}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
 
 
 def _tiles(row: dict) -> str:
-    """``64x64/2`` from a kernel's BLOCK_M/BLOCK_N/NUM_STAGES constexprs (both passes' shapes for
-    the fused backward); empty for kernels without a pipelined loop."""
+    """``64x64/2`` from a Triton kernel's BLOCK_M/BLOCK_N/NUM_STAGES constexprs (both passes'
+    shapes for the fused backward); empty for kernels without a pipelined loop."""
     c = row["constexprs"]
     shapes = []
     for prefix, stages in (("", "NUM_STAGES"), ("KV_", "KV_STAGES"), ("Q_", "Q_STAGES")):
@@ -230,32 +355,64 @@ def _tiles(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = (
-        "| D | mask form | variant | kernel | tiles (M x N / stages) | warps | regs | spill bytes "
-        "| LDL/STL | smem KB | programs/SM | HGMMA | HMMA | MUFU.EX2 | UTMALDG | LDGSTS | LDG |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    """A table of ``rows``: the variant's columns (they differ per family), then the cubin's."""
+    head = [
+        "family",
+        "variant",
+        "kernel",
+        "tiles",
+        "warps",
+        "regs",
+        "spill bytes",
+        "smem KB",
+        "programs/SM",
+        "HGMMA",
+        "HMMA",
+        "MUFU.EX2",
+        "UTMALDG",
+        "UTMASTG",
+        "LDG",
+        "STG",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    skip = {"family", "kernel", "constexprs", "setmaxnreg", "sass_sha256", "warps", "registers",
+            "spill_bytes", "shared_kb", "blocks_per_sm", *OPCODES}  # fmt: skip
     for r in rows:
-        lines.append(
-            f"| {r['head_dim']} | {r['form']} | {r['variant']} | {r['kernel']} | {_tiles(r)} "
-            f"| {r['num_warps']} | {r['registers']} | {r['local_bytes']} | {r['LDL']}/{r['STL']} "
-            f"| {r['shared_bytes'] / 1024:.0f} | {r['blocks_per_sm']} | {r['HGMMA']} "
-            f"| {r['HMMA']} | {r['MUFU.EX2']} | {r.get('UTMALDG', '—')} "
-            f"| {r['LDGSTS']} | {r['LDG']} |"
-        )
+        variant = ", ".join(f"{k}={v}" for k, v in r.items() if k not in skip)
+        cells = [
+            r["family"],
+            variant,
+            r["kernel"],
+            _tiles(r),
+            r["warps"],
+            r["registers"],
+            r["spill_bytes"],
+            f"{r['shared_kb']:.0f}",
+            r["blocks_per_sm"],
+            r["HGMMA"],
+            r["HMMA"],
+            r["MUFU.EX2"],
+            r["UTMALDG"],
+            r["UTMASTG"],
+            r["LDG"],
+            r["STG"],
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--family", choices=(*FAMILIES, "all"), default="triton")
+    parser.add_argument("--json", action="store_true", help="JSON lines on stdout, no files")
+    parser.add_argument("--head-dims", default="64,128,256", help="the Triton family's")
     parser.add_argument("--forms", default="full,causal,causal-C1,noncausal-C2")
     parser.add_argument(
         "--variants",
-        default="shipped;masked loads;two launches;two launches, masked loads;8-warp backward",
-        help="';'-separated",
+        default="shipped;8-warp backward",
+        help=f"the Triton family's, ';'-separated, of {list(TRITON_VARIANTS)}",
     )
-    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 86, 90")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (Triton: 80-90)")
     parser.add_argument(
         "--shared-memory-kb",
         type=int,
@@ -266,34 +423,32 @@ def main() -> None:
     args = parser.parse_args()
     global TARGET
     TARGET = GPUTarget("cuda", args.arch, 32)
+    families = FAMILIES if args.family == "all" else (args.family,)
+    if args.arch != 90 and set(families) - {"triton"}:
+        parser.error("the Gluon kernels compile for sm_90 only")
     shared = None if args.shared_memory_kb is None else args.shared_memory_kb * 1024
-    variants = [v.strip() for v in args.variants.split(";")]
-    rows, seen = [], set()
+    rows = []
     start = time.time()
-    for d in (int(x) for x in args.head_dims.split(",")):
-        for form in args.forms.split(","):
-            for variant in variants:
-                for fn, fargs, fkwargs in launches(d, form, variant, shared):
-                    info = inspect_launch(fn, fargs, fkwargs)
-                    key = (d, form, json.dumps(info, sort_keys=True))
-                    if key in seen:  # the same binary as an earlier variant's: listed once
-                        continue
-                    seen.add(key)
-                    rows.append({"head_dim": d, "form": form, "variant": variant, **info})
-                    print(
-                        f"{time.time() - start:6.0f} s  D={d} {form} {variant}: {info['kernel']} "
-                        f"regs {info['registers']} spill {info['local_bytes']} "
-                        f"HGMMA {info['HGMMA']}",
-                        flush=True,
-                    )
+    for family in families:
+        if family == "triton":
+            head_dims = [int(x) for x in args.head_dims.split(",")]
+            variants = [v.strip() for v in args.variants.split(";")]
+            produced = triton_rows(head_dims, args.forms.split(","), variants, shared)
+        else:
+            produced = gluon_rows(family)
+        for row in produced:
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{time.time() - start:6.0f} s  {row['kernel']} regs {row['registers']} "
+                      f"spill {row['spill_bytes']} HGMMA {row['HGMMA']}", flush=True)  # fmt: skip
+    if args.json:
+        return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "triton": triton.__version__,
-        "target": f"sm_{args.arch}",
-        "shared_memory_kb": args.shared_memory_kb,
-        "date": time.strftime("%F %T"),
-    }
+    meta = {"triton": triton.__version__, "target": f"sm_{args.arch}",
+            "shared_memory_kb": args.shared_memory_kb, "date": time.strftime("%F %T")}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(
         f"# SASS report (Triton {meta['triton']}, {meta['target']}, compiled offline, "

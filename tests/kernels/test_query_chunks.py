@@ -66,10 +66,11 @@ def _attention_and_lse(q, k, v, scale):
 
 def _chunk_backward(k, v, scale):
     """A chunk's ``(dq, dk, dv)`` from its rows' lse and delta, as the kernel forms them: ``P``
-    from the scores and lse, ``dS = P (dP - delta)``; dK/dV summed over the kernel's GQA group."""
+    from the scores and lse, ``dS = P (dP - delta)``; dK/dV summed over the kernel's GQA group
+    and added to the sums it is given (in place, as the kernel's ``ADD_DKDV``)."""
     groups_seen = []
 
-    def run(q_c, dout_c, lse_c, delta_c):
+    def run(q_c, dout_c, lse_c, delta_c, dk_sums, dv_sums):
         for t in (q_c, dout_c, lse_c, delta_c):
             assert t.is_contiguous()
         groups = q_c.shape[2] // k.shape[2]
@@ -83,7 +84,12 @@ def _chunk_backward(k, v, scale):
         dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_c)
         fold = (k.shape[0], k.shape[1], k.shape[2], groups, k.shape[3])
         groups_seen.append(q_c.shape[1])
-        return dq, dk.reshape(fold).sum(3), dv.reshape(fold).sum(3)
+        dk, dv = dk.reshape(fold).sum(3), dv.reshape(fold).sum(3)
+        if dk_sums is None:
+            return dq, dk, dv
+        dk_sums += dk
+        dv_sums += dv
+        return dq, dk_sums, dv_sums
 
     return run, groups_seen
 
@@ -121,36 +127,28 @@ def test_chunked_gradients_equal_the_unchunked_ones(
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)
 
 
-def test_summed_dk_dv_come_back_in_the_inputs_dtype():
-    def run(q_c, dout_c, lse_c, delta_c):
-        ones = torch.ones(1, 4, 1, 8, dtype=torch.float32)
-        return torch.zeros_like(q_c), ones, 2 * ones
+def test_later_chunks_add_into_the_first_chunks_sums_and_come_back_in_the_inputs_dtype():
+    """The first chunk gets no sums and returns new float32 ones; every later chunk gets those
+    same tensors to add into and returns them; the sums come back once, in ``kv_dtype``."""
+    given = []
+
+    def run(q_c, dout_c, lse_c, delta_c, dk_sums, dv_sums):
+        given.append((dk_sums, dv_sums))
+        if dk_sums is None:
+            dk_sums, dv_sums = torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)
+        dk_sums += 1.0
+        dv_sums += 2.0
+        return torch.zeros_like(q_c), dk_sums, dv_sums
 
     q = torch.zeros(1, 300, 1, 8, dtype=torch.bfloat16)
     lse = torch.zeros(1, 1, 300)
     dq, dk, dv = query_chunks.backward_by_query_chunks(run, q, q, lse, lse, 128, torch.bfloat16)
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
-    assert torch.equal(dk.float(), torch.full_like(dk.float(), 3.0))  # three chunks
+    assert torch.equal(dk.float(), torch.full_like(dk.float(), 3.0))  # three chunks, each once
     assert torch.equal(dv.float(), torch.full_like(dv.float(), 6.0))
-
-
-def test_a_chunk_backward_that_adds_in_place_is_not_added_twice():
-    """``gluon_bwd.CHUNKS_ADD_IN_KERNEL``'s form: every chunk after the first adds its sums into
-    the tensors it returned for the first one and returns them again."""
-    accumulators = []
-
-    def run(q_c, dout_c, lse_c, delta_c):
-        if not accumulators:
-            accumulators.extend([torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)])
-        accumulators[0] += 1.0
-        accumulators[1] += 2.0
-        return torch.zeros_like(q_c), accumulators[0], accumulators[1]
-
-    q = torch.zeros(1, 300, 1, 8)
-    lse = torch.zeros(1, 1, 300)
-    _, dk, dv = query_chunks.backward_by_query_chunks(run, q, q, lse, lse, 128, torch.float32)
-    assert torch.equal(dk, torch.full_like(dk, 3.0))  # three chunks, each added once
-    assert torch.equal(dv, torch.full_like(dv, 6.0))
+    assert given[0] == (None, None)
+    assert given[1][0] is given[2][0] and given[1][1] is given[2][1]
+    assert given[1][0].dtype == torch.float32
 
 
 def test_rows_must_be_positive():

@@ -1,26 +1,23 @@
 """The backward of full attention over chunks of query rows, so that a head's working set stays
 in L2.
 
-A key-stationary backward program (``kernels.gluon_bwd``) walks every query tile of its head:
-it reads that tile's Q and dO and adds to its dQ. The programs of a grid drift apart, so at any
-moment the running programs of a head touch all of its query rows: ``Sq * D * 8`` bytes (Q and
-dO in 16 bits, dQ in fp32). On the H200 (50 MB of L2) full attention at head dim 128 kept a
-98% L2 hit rate at 32K (32 MB) and fell to 74% at 128K (128 MB), reading 1.44 TB/s from HBM and
-running 16% slower per FLOP (``benchmarks/results/ncu_backward_full_*_s11.log``); causal at
-128K kept 98.9%.
+A key-stationary backward program (``gluon_kernels.backward``) walks every query tile of its
+head: it reads that tile's Q and dO and adds to its dQ. The programs of a grid drift apart, so
+at any moment the running programs of a head touch all of its query rows: ``Sq * D * 8`` bytes
+(Q and dO in 16 bits, dQ in fp32). On the H200 (50 MB of L2) full attention at head dim 128 kept
+a 98% L2 hit rate at 32K (32 MB) and fell to 74% at 128K (128 MB), running 16% slower per FLOP;
+causal attention at 128K kept 98.9%.
 
 Attention's gradients split exactly over query rows: a chunk's dQ depends only on its own rows,
 and dK, dV are sums over rows. So the launcher runs the kernel once per chunk of rows, each with
-the keys in full, and adds the chunks' dK/dV partial sums in fp32. Only full attention (no mask,
-not causal) is split here: a mask's bounds and the causal diagonal are in absolute rows.
+the keys in full, every chunk after the first adding its dK/dV into the first one's fp32 sums.
+Only full attention (no mask, not causal) is split here: a mask's bounds and the causal diagonal
+are in absolute rows.
 
-Measured on the H200 (``results/gluon_backward_chunks_hd{128,256}_s11.log``, full attention,
-against one launch): at hd128 and 128K four 32K chunks took 683 ms against 720 (1.05x; the
-bench's forward+backward 951.6 -> 905.1 ms, 0.97x SDPA, ``bench_hd128_128k_full_s11.md``), but
-at 64K two chunks lost 2.3% (167.2 against 163.5 ms); at hd256 they lost 2% at 32K and 128K.
-Hence the split from a working set of :data:`QUERY_SPLIT_FROM_BYTES` (128 MiB: 128K rows at
-hd128), and only in ``kernels.gluon_bwd`` (hd64/hd128). Its cost is memory: fp32 dK/dV
-accumulators and one chunk's partial sums, 11.3 GB peak against 6.8 at 128K hd128 with 16 heads.
+Measured on the H200 against one launch (``docs/performance.md``): at hd128 and 128K four 32K
+chunks ran 1.05x, at 64K two chunks 2.3% slower, at hd256 2% slower at 32K and 128K. Hence the
+split from a working set of :data:`QUERY_SPLIT_FROM_BYTES` (128 MiB: 128K rows at hd128), and
+only at head dims 64 and 128. Its cost is memory: the fp32 dK/dV sums.
 """
 
 from __future__ import annotations
@@ -67,7 +64,14 @@ def query_chunk_rows(
 
 
 ChunkBackward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor | None,
+    ],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 
@@ -84,11 +88,12 @@ def backward_by_query_chunks(
     """``(dq, dk, dv)`` of full attention from ``run_chunk`` applied to consecutive chunks of
     ``rows`` query rows (the last one shorter).
 
-    ``q``, ``dout``: ``[B, Sq, H, D]``; ``lse``, ``delta``: float32 ``[B, H, Sq]``. ``run_chunk(q_c,
-    dout_c, lse_c, delta_c)`` gets contiguous slices of them and returns the chunk's ``dq_c`` (like
-    ``q_c``) and its fp32 partial ``dk_c``, ``dv_c`` (like K and V), or, where it adds them in
-    place to what it returned for the first chunk, those same tensors again. Returns ``dq`` like
-    ``q`` and the summed ``dk``, ``dv`` in ``kv_dtype``.
+    ``q``, ``dout``: ``[B, Sq, H, D]``; ``lse``, ``delta``: float32 ``[B, H, Sq]``.
+    ``run_chunk(q_c, dout_c, lse_c, delta_c, dk, dv)`` gets contiguous slices of them and the
+    float32 dK/dV sums so far (``None`` for the first chunk); it returns the chunk's ``dq_c``
+    (like ``q_c``) and the sums with the chunk's added: new float32 tensors like K and V for the
+    first chunk, the ones it was given (added to in place) for every later one. Returns ``dq``
+    like ``q`` and the sums in ``kv_dtype``.
     """
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
@@ -97,18 +102,15 @@ def backward_by_query_chunks(
     dk = dv = None
     for start in range(0, seqlen_q, rows):
         stop = min(seqlen_q, start + rows)
-        dq_c, dk_c, dv_c = run_chunk(
+        dq_c, dk, dv = run_chunk(
             q[:, start:stop].contiguous(),
             dout[:, start:stop].contiguous(),
             lse[:, :, start:stop].contiguous(),
             delta[:, :, start:stop].contiguous(),
+            dk,
+            dv,
         )
         dq[:, start:stop] = dq_c
-        if dk is None:  # the first chunk's partial sums become the accumulators
-            dk, dv = dk_c, dv_c
-        elif dk_c is not dk:  # (the same tensors: run_chunk has added in place)
-            dk += dk_c
-            dv += dv_c
     return dq, dk.to(kv_dtype), dv.to(kv_dtype)
 
 

@@ -1,11 +1,12 @@
-"""The Gluon forward (``flashmask.kernels.gluon_kernels.forward``): where the launcher uses it, and that it
-compiles for Hopper into a warp-specialised kernel.
+"""The Gluon forward (``flashmask.kernels.gluon_kernels.forward``): where the launcher uses it,
+and that it compiles for Hopper into a warp-specialised kernel.
 
 Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
 runs the library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked
 ones from 8K keys or under ``--gluon-everywhere``). Here: the routing rules (on the GPU only,
 positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper only, the masked length
-limit) and an sm_90 compile of every variant.
+limit), what the launcher hands the kernel, and an sm_90 compile of every shipped variant
+(``benchmarks/sass_report.py --family gluon_fwd``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 
 from flashmask import kernels, masks
 from flashmask.kernels import hardware, routing, tensors, tiles
-from tests.kernels.sm90_compile import ROOT, compile_reports, json_lines
+from tests.kernels.sm90_compile import compile_reports, json_lines
 from tests.kernels.test_tile_configs import INTERPRETER_WARNING
 
 HOPPER = (9, 0)
@@ -137,15 +138,10 @@ def test_with_a_mask_only_from_8k_keys(monkeypatch):
     assert routing.use_gluon_forward(*short, 0.1, True, cfg)
 
 
-def test_key_tiles_and_slots_per_head_dim(monkeypatch):
-    """128-key tiles in three K/V slots up to D = 128 (``GLUON_FWD_SLOTS``, which a check of the
-    two-Q-buffer form sets to 2), 64-key tiles in two at D = 256."""
+def test_key_tiles_and_slots_per_head_dim():
+    """128-key tiles in three K/V slots up to D = 128, 64-key tiles in two at D = 256."""
     assert [routing.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
         (128, 3), (128, 3), (64, 2)
-    ]  # fmt: skip
-    monkeypatch.setattr(routing, "GLUON_FWD_SLOTS", 2)
-    assert [routing.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
-        (128, 2), (128, 2), (64, 2)
     ]  # fmt: skip
 
 
@@ -163,112 +159,59 @@ def test_default_tiles_use_it_at_head_dim_128_and_without_a_mask_at_64(monkeypat
 
 @pytest.fixture(scope="module")
 def sm90_reports() -> list[dict]:
-    return compile_reports("gluon_forward.py")
+    return compile_reports("gluon_fwd")
 
 
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
-    reports = [r for r in sm90_reports if r["o_tma"] == _ships_tma_o(r)]
+    """Every shipped variant: head dims 64 and 128 (128-key tiles, three K/V slots; also in
+    fp16) and 256 (64-key tiles, two slots), full, causal and masked, skipping and dense mode.
+    The producer gives registers back, the two compute warpgroups take 240 each; Q, K and V in
+    through TMA; O out through two TMA stores (one per warpgroup) except in full attention;
+    spills small; shared memory within the H200's 227 KB per block."""
     variants = {
-        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
-         r["num_buffers"], r["q_buffers"])
-        for r in reports
-    }  # fmt: skip
-    assert len(variants) == 24
-    assert {v[7] for v in variants} == {1, 2}  # two Q buffers: prepared, off
+        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["dtype"]) for r in sm90_reports
+    }
+    assert len(variants) == len(sm90_reports) == 26
     assert {v[0] for v in variants} == set(routing.GLUON_FWD_HEAD_DIMS)
-    assert {v[4] for v in variants} == {64, 128}
-    assert {v[5] for v in variants} == {"bf16", "fp16"}
-    assert {v[6] for v in variants} == {2, 3}
-    for report in reports:
-        # The producer gives registers back, the two compute warpgroups take 240 each.
+    assert {v[4] for v in variants} == {"bfloat16", "float16"}
+    for report in sm90_reports:
+        assert (report["block_n"], report["num_buffers"]) == routing.gluon_forward_tiles(
+            report["head_dim"]
+        ), report
         assert any(s.endswith(" 240;") for s in report["setmaxnreg"]), report
         assert report["warps"] == 12, report  # 4 + 4 compute warps, the producer's warpgroup
-        assert report["HGMMA"] > 0 and report["UTMALDG"] > 0, report
-        # O through two TMA stores (one per warpgroup) except for full attention.
-        assert report["UTMASTG"] == (2 if _ships_tma_o(report) else 0), report
-        # Looping over its query tiles (PERSISTENT), 32 bytes in the dense mode's masked
-        # variant under Triton 3.6 (the H200's; the bit-exactness check's mode), none in the
-        # others.
-        assert report["spill_bytes"] <= 32, report
+        assert report["HGMMA"] > 0 and report["UTMALDG"] > 0 and report["HMMA"] == 0, report
+        full = not report["causal"] and not report["has_mask"]
+        assert report["o_tma"] == (not full), report
+        assert report["UTMASTG"] == (0 if full else 2), report
+        # One atomic per program's next query tile (taken from the launch's counter).
+        assert report["ATOMG"] == 1, report
+        # 32 bytes in the dense mode's masked variant under Triton 3.6 (the H200's; the
+        # bit-exactness check's mode), none in the others; hd256's 64-key tiles spill more.
+        assert report["spill_bytes"] <= (256 if report["head_dim"] == 256 else 32), report
         assert report["shared_kb"] <= 227, report  # the H200's shared memory per block
         if report["has_mask"]:  # partial tiles read the column bounds
             assert report["LDG"] > 16, report
 
 
-def _ships_tma_o(report: dict) -> bool:
-    """``gluon_fwd.o_by_tma`` as shipped (``O_TMA = 2``: every form but full attention),
-    restated so that the test process does not import Gluon."""
-    return report["has_mask"] or report["causal"]
+def test_o_leaves_through_tma_stores_but_in_full_attention(sm90_reports):
+    """With O through TMA stores only the lse rows leave as ``STG``: far fewer than the stores
+    of O from registers that full attention keeps (compiled for the same head dim, mode and
+    dtype)."""
+    by_variant = {
+        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["dtype"]): r for r in sm90_reports
+    }
+    pairs = 0
+    for (d, _, _, dense, dtype), report in by_variant.items():
+        full = by_variant.get((d, False, False, dense, dtype))
+        if report["o_tma"] and full is not None:
+            assert report["STG"] * 8 < full["STG"], (report, full)
+            pairs += 1
+    assert pairs == 18  # three TMA forms x two modes x three head dims
 
 
-# Runs in a process of its own (gluon_fwd imports Gluon): the launcher's check of ``O_TMA``,
-# before anything is launched.
-_O_TMA_CHECK = """
-import json
-from flashmask.kernels.gluon_kernels import forward as gluon_fwd
-errors = {}
-for value in (3, -1):
-    gluon_fwd.O_TMA = value
-    try:
-        gluon_fwd.forward(*[None] * 9)
-    except ValueError as error:
-        errors[value] = str(error)
-print(json.dumps(errors))
-"""
-
-
-def test_launcher_refuses_an_o_store_form_it_does_not_have():
-    """``gluon_fwd.O_TMA`` is 0 (stores from registers), 1 (TMA stores) or 2 (TMA stores but
-    for full attention); anything else is refused, naming the constant, before a launch."""
-    (errors,) = json_lines(["-c", _O_TMA_CHECK])
-    assert set(errors) == {"3", "-1"}
-    assert all("gluon_fwd.O_TMA must be 0, 1 or 2" in message for message in errors.values())
-
-
-# Runs in a process of its own (gluon_fwd imports Gluon): the launcher's checks of the
-# persistent form's constants, before anything is launched.
-_PERSISTENT_CHECK = """
-import json, torch
-from flashmask.kernels.gluon_kernels import forward as gluon_fwd
-errors = {}
-for name, value in (
-    ("PERSISTENT", 2), ("MAX_PROGRAMS", -1), ("MAX_PROGRAMS", 2.5), ("Q_BUFFERS", 3)
-):
-    setattr(gluon_fwd, name, value)
-    try:
-        gluon_fwd.forward(*[None] * 9)
-    except ValueError as error:
-        errors[f"{name}={value}"] = str(error)
-    gluon_fwd.PERSISTENT, gluon_fwd.MAX_PROGRAMS, gluon_fwd.Q_BUFFERS = 1, 0, 1
-# Two Q tiles and three K/V slots at hd128: 256 KB, more than a block's shared memory.
-gluon_fwd.Q_BUFFERS = 2
-q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
-try:
-    gluon_fwd.forward(q, q, q, None, None, 1, False, 0.1, True, 128, 3)
-except ValueError as error:
-    errors["Q_BUFFERS=2 with 3 slots"] = str(error)
-print(json.dumps(errors))
-"""
-
-
-def test_launcher_refuses_persistent_settings_it_does_not_have():
-    """``PERSISTENT`` is 0 or 1, ``MAX_PROGRAMS`` an int from 0 (0: one program per SM) and
-    ``Q_BUFFERS`` 1 or 2, with Q's buffers and the K/V slots within a block's shared memory;
-    anything else is refused, naming the constant, before a launch."""
-    (errors,) = json_lines(["-c", _PERSISTENT_CHECK])
-    assert errors.keys() == {
-        "PERSISTENT=2", "MAX_PROGRAMS=-1", "MAX_PROGRAMS=2.5", "Q_BUFFERS=3",
-        "Q_BUFFERS=2 with 3 slots",
-    }  # fmt: skip
-    assert "gluon_fwd.Q_BUFFERS must be 1 or 2" in errors["Q_BUFFERS=3"]
-    assert "256 KB of shared memory at head dim 128" in errors["Q_BUFFERS=2 with 3 slots"]
-    assert "gluon_fwd.PERSISTENT must be 0 or 1" in errors["PERSISTENT=2"]
-    assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=-1"]
-    assert "gluon_fwd.MAX_PROGRAMS must be an int >= 0" in errors["MAX_PROGRAMS=2.5"]
-
-
-# Runs in a process of its own (gluon_fwd imports Gluon): the grid the launcher asks for, the
-# launch itself recorded instead of run.
+# Runs in a process of its own (the Gluon forward imports Gluon): the grid the launcher asks
+# for, the launch itself recorded instead of run.
 _GRID_CHECK = """
 import json, torch
 from flashmask.kernels import tiles
@@ -277,87 +220,26 @@ launches = []
 def record(kernel, grid, *args, **kwargs):
     # ..., num_items, next-item counter (the lists' counts stand in where none is read)
     counter = "counts" if args[-1] is lists.counts else args[-1].tolist()
-    launches.append([grid, args[-2], counter])
+    launches.append([grid, args[-2], counter, args[4] is not None])
 gluon_fwd.launch_kernel = record
 gluon_fwd.sm_count = lambda device: 132
-for persistent, most, seqlen in ((1, 0, 1024), (1, 0, 8192), (0, 0, 8192), (1, 5, 1024)):
-    gluon_fwd.PERSISTENT, gluon_fwd.MAX_PROGRAMS = persistent, most
+for seqlen, causal in ((1024, False), (8192, True)):
     q = torch.zeros(2, seqlen, 3, 128, dtype=torch.bfloat16)  # tiles x 3 heads x 2 items
     tm = seqlen // 128
     counts = torch.zeros(2, 1, tm, dtype=torch.int32)
     lists = tiles.TileLists(torch.zeros(2, 1, tm, tm, dtype=torch.int32), counts, counts)
-    gluon_fwd.forward(q, q, q, None, lists, 1, False, 0.1, True)
+    gluon_fwd.forward(q, q, q, None, lists, 1, causal, 0.1, True, 128, 3)
 print(json.dumps({"launches": launches}))
 """
 
 
 def test_launcher_runs_one_program_per_sm_over_the_query_tiles():
-    """``PERSISTENT``: as many programs as SMs (fewer where there are fewer query tiles), told
-    the number of work items (tiles x heads x batch) and, where there are more items than
-    programs, handed a zeroed counter from which they take the items past their first; off, or
-    with no more items than SMs, one program per work item and no counter (no zeroing launch);
-    ``MAX_PROGRAMS`` (for checks) caps the programs."""
+    """As many programs as SMs (fewer where there are fewer query tiles), told the number of
+    work items (tiles x heads x batch) and, where there are more items than programs, handed a
+    zeroed counter from which they take the items past their first (else no counter: no
+    zeroing launch); O through TMA (a descriptor) with causal attention, not in full."""
     (seen,) = json_lines(["-c", _GRID_CHECK])
-    assert seen["launches"] == [
-        [[48], 48, "counts"], [[132], 384, [0]], [[384], 384, "counts"], [[5], 48, [0]]
-    ]  # fmt: skip
-
-
-# Runs in a process of its own (gluon_fwd imports Gluon): ``--gluon-fwd-o-tma`` as
-# gpu_check.py and profile_backward.py parse and apply it.
-_O_TMA_OPTION = """
-import argparse, json, sys
-sys.path.insert(0, BENCHMARKS)
-from bench_cases import add_o_tma_option, apply_o_tma_option
-from flashmask.kernels.gluon_kernels import forward as gluon_fwd
-seen = {"shipped": gluon_fwd.O_TMA}
-for argv in ([], ["--gluon-fwd-o-tma", "0"], ["--gluon-fwd-o-tma", "3"]):
-    parser = argparse.ArgumentParser()
-    add_o_tma_option(parser, "the run")
-    parser.error = lambda message: (_ for _ in ()).throw(ValueError(message))
-    try:
-        label = apply_o_tma_option(parser.parse_args(argv).gluon_fwd_o_tma)
-        seen[" ".join(argv)] = [gluon_fwd.O_TMA, label]
-    except ValueError as error:
-        seen[" ".join(argv)] = str(error)
-print(json.dumps(seen))
-""".replace("BENCHMARKS", repr(str(ROOT / "benchmarks")))
-
-
-def test_o_tma_option_sets_the_form_or_keeps_the_shipped_one():
-    """``--gluon-fwd-o-tma 0`` sets ``gluon_fwd.O_TMA`` to 0 and labels the run's variant
-    ``O_TMA=0``; left out, the shipped form stays and there is no label; a form the kernel
-    lacks is the parser's error naming the option."""
-    (seen,) = json_lines(["-c", _O_TMA_OPTION])
-    assert seen["shipped"] == 2 and seen[""] == [2, ""]
-    assert seen["--gluon-fwd-o-tma 0"] == [0, "O_TMA=0"]
-    assert "--gluon-fwd-o-tma" in seen["--gluon-fwd-o-tma 3"]
-
-
-def test_o_tma_form_stores_each_warpgroups_rows_with_one_tma_store(sm90_reports):
-    """``gluon_fwd.O_TMA``: each warpgroup stages its 64 rows of O in its half of the Q tile's
-    buffer and stores them with one TMA store. Against the stores from registers (compiled
-    for the same kernel variant): only the lse rows' stores left as ``STG``, two
-    ``UTMASTG``, the same products."""
-    reports = sm90_reports
-
-    def key(r):
-        return (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["block_n"], r["dtype"],
-                r["num_buffers"])  # fmt: skip
-
-    by_form = {(key(r), r["o_tma"]): r for r in reports}
-    pairs = [
-        (by_form[k, True], by_form[k, False]) for k, tma in by_form if tma and (k, False) in by_form
-    ]
-    assert {(new["head_dim"], new["causal"], new["has_mask"]) for new, _ in pairs} == {
-        (d, c, m) for d in (64, 128) for c, m in ((False, False), (True, True))
-    }
-    for new, old in pairs:
-        assert new["UTMASTG"] == 2 and old["UTMASTG"] == 0, (new, old)
-        assert new["STG"] * 8 < old["STG"], (new, old)
-        assert new["HGMMA"] == old["HGMMA"], (new, old)
-        assert new["shared_kb"] <= old["shared_kb"], (new, old)
-        assert new["spill_bytes"] <= old["spill_bytes"], (new, old)
+    assert seen["launches"] == [[[48], 48, "counts", False], [[132], 384, [0], True]]
 
 
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
@@ -376,7 +258,6 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
 
     fake = types.SimpleNamespace(forward=fake_forward)
     monkeypatch.setitem(sys.modules, "flashmask.kernels.gluon_kernels.forward", fake)
-    monkeypatch.setattr(kernels, "gluon_fwd", fake, raising=False)
     monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: True)
     cfg = replace(kernels.tile_config(128, has_mask=False), fwd_gluon=True)
     q = torch.randn(1, 4, 256, 128, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
@@ -437,12 +318,10 @@ def test_list_shapes_follow_the_routing(monkeypatch):
     monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: False)
     monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: False)
     assert routing.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(64, 32, True)]
-    # The Triton backward: dK/dV lists, plus the dQ pass's unless dQ goes through atomics.
+    # The Triton backward: the dK/dV pass's lists and the dQ pass's, deterministic or not.
     both = [(32, 64, False), (64, 16, True)]
     assert routing.backward_list_shapes(q, q, q, q, None, True, cfg) == both
-    atomic = replace(cfg, atomic_dq=True)
-    assert routing.backward_list_shapes(q, q, q, q, None, False, atomic) == both[:1]
-    assert routing.backward_list_shapes(q, q, q, q, None, True, atomic) == both
+    assert routing.backward_list_shapes(q, q, q, q, None, False, cfg) == both
 
 
 def test_tiles_per_head_dim_fit_the_h200_shared_memory():

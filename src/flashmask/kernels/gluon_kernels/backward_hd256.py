@@ -2,10 +2,10 @@
 in one pass, dQ added through TMA reduce-adds (fp32, not bit-reproducible: the launcher uses it
 only for ``deterministic=False``).
 
-The head-dim-128 kernel's layout (``kernels.gluon_bwd``: each of two consumer warpgroups owns 64
-of a program's 128 keys with the whole head dim of dK and dV) does not carry over: at D = 256
-those two accumulators alone would take 256 registers per thread. Here a program owns
-``BLOCK_N = 64`` keys and the warpgroups split the work the other way:
+The head-dim-128 kernel's layout (``backward``: each of two consumer warpgroups owns 64 of a
+program's 128 keys with the whole head dim of dK and dV) does not carry over: at D = 256 those
+two accumulators alone would take 256 registers per thread. Here a program owns ``BLOCK_N = 64``
+keys and the warpgroups split the work the other way:
 
 * ``S^T = K Q^T`` and ``dP^T = V dO^T`` ([64 keys, 64 queries], the head dim reduced): each
   warpgroup computes the columns of 32 queries, then ``P^T`` and ``dS^T`` (fp32, as the Triton
@@ -13,19 +13,17 @@ those two accumulators alone would take 256 registers per thread. Here a program
 * after a barrier, each warpgroup owns half the head dim: ``dV_half += P^T dO_half``,
   ``dK_half += dS^T Q_half`` (64 + 64 accumulator registers) and ``dQ_half = dS K_half``, all
   with both operands in shared memory; the dQ tile goes to the writer warps, dK/dV are stored
-  at the end.
+  at the end (through the K/V buffers and TMA stores with a mask, from registers without one).
 
 Shared memory: K and V 32 KB each, one Q/dO slot 64 KB (two would not fit), ``P^T``/``dS^T``
-double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB. The producer warp, the dQ
-writer, the barrier protocol and the tile-list walk (column-major lists at 64x64 tiles) are
-``kernels.gluon_bwd``'s, and so is the launcher (``gluon_bwd.launch``).
+double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB. The producer warp (here staging
+each tile's lse ready to use), the dQ writer, the barrier protocol and the tile-list walk
+(column-major lists at 64x64 tiles) are ``backward``'s, and so is the launcher
+(``backward_launch``); this backward never splits the query rows.
 
-Measured on the H200 (bf16, ``benchmarks/results/gluon_backward_hd256_s9.log``): 1.43-1.69x
-the Triton hd256 backward on full, causal and four interval masks at 8K and 32K (full 32K:
-59.4 ms against 96.9, 370 TFLOP/s); the writer's 16-byte ``red.global`` adds instead of TMA
-reduce-adds (``DQ_TMA = False``) were 1.24-1.39x slower. Import this module only where the
-interpreter is off (Gluon has none); the H200 check (``benchmarks/gpu_check.py``) proves its
-results, the CPU suite compiles it for sm_90.
+Measured on the H200 against the Triton hd256 backward: 1.43-1.69x on full, causal and four
+interval masks at 8K and 32K (``docs/performance.md``). Import this module only where the
+interpreter is off (Gluon has none).
 """
 
 from __future__ import annotations
@@ -41,71 +39,43 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashmask.kernels.config import GLUON_BWD256_KEYS
-from flashmask.kernels.gluon_kernels import backward as gluon_bwd
+from flashmask.kernels.gluon_kernels import backward_launch
 from flashmask.kernels.gluon_kernels.backward import (
     _bwd_dq_writer_partition,
     _bwd_load_partition,
-    _head_list,
     _partition_barrier,
     allocate_operands,
     allocate_rings,
     await_tile,
+    consumer_head,
     hand_dq_to_writer,
-    row_terms,
+    issue_scores,
     transposed_probabilities,
     write_dk_dv,
 )
-from flashmask.kernels.gluon_kernels.forward import (
-    launched_program,
-    load_column_bounds,
-    require_form,
-)
+from flashmask.kernels.gluon_kernels.forward import launched_program
+from flashmask.kernels.tiles import TileLists
 
-BLOCK_M = gluon_bwd.BLOCK_M  # queries per tile
+BLOCK_M = backward_launch.BLOCK_M  # queries per tile
 BLOCK_N = GLUON_BWD256_KEYS  # keys per program
 # One Q/dO slot and one fp32 dQ buffer: 224 KB with K, V and the P^T/dS^T buffers.
 NUM_BUFFERS = 1
 DQ_BUFFERS = 1
-# dQ through TMA reduce-adds (False: the writer's 16-byte red.global adds, kept for measurement;
-# read when a call launches).
-DQ_TMA = True
-# As ``gluon_bwd.ROW_TERMS_SMEM``'s form 2: the producer stages each tile's lse (ready to use)
-# and delta rows in shared memory; the consumers read lse before issuing the tile's scores and
-# delta where it is used. Measured on the H200 (``results/gluon_backward_row_terms_hd256_s11.log``):
-# 1.00-1.04x the unstaged kernel (0 is kept for measurement) on six masks at 8K and 32K
-# (causal 32K 27.5 -> 26.4 ms); delta read once the scores are in lost 2.5% on causal 32K.
-ROW_TERMS_SMEM = 2
-# dK and dV through the K/V tiles' buffers and TMA stores, as ``gluon_bwd.DKDV_TMA``. Measured
-# on the H200 against the stores from registers (``results/gluon_backward_dkdv_tma_hd256_s21.log``,
-# dK/dV bitwise equal): with a mask 1.00-1.10x (8K sliding_window 1.440 -> 1.310 ms,
-# causal_document 2.537 -> 2.445, document 4.567 -> 4.451; 32K +0.3-1.6%), without one mixed
-# (full 8K +0.6%, 32K -1.9%; causal 8K +1.6%, 32K -0.6%). So 2 (the default) is TMA stores with
-# a mask only; 1 everywhere and 0 nowhere are kept for measurement.
-DKDV_TMA = 2
-
-
-@gluon.jit
-def _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st):
-    """``S^T = K Q^T`` and ``dP^T = V dO^T`` of one tile issued (asynchronous, not awaited)."""
-    st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    return st, dpt
 
 
 @gluon.jit
 def _tile_products(
-    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse, delta,
-    delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
+    k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse, delta_row, lts,
+    lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     CAUSAL: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
 ):  # fmt: skip
     """One tile (list ``entry``, query rows ``rows`` with their ``lse``) from its issued scores
     ``st``/``dpt``: ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared
     memory, then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
-    awaited): ``(dv, dk, dq)`` pending. The rows' ``delta`` is given, or with ``ROW_TERMS_SMEM``
-    read from the staged ``delta_row`` where it is used."""
+    awaited): ``(dv, dk, dq)`` pending. The rows' delta is read from the producer's staged
+    ``delta_row`` where it is used."""
     dtype: gl.constexpr = k_smem.dtype
     query_layout: gl.constexpr = rows.type.layout
     scores = warpgroup_mma_wait(1, deps=(st,))
@@ -114,8 +84,7 @@ def _tile_products(
         HAS_UPPER, CAUSAL,
     )  # fmt: skip
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
-    if ROW_TERMS_SMEM:
-        delta = delta_row.load(query_layout)
+    delta = delta_row.load(query_layout)
     dst = pt * (dpt - delta[None, :])
     # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
     # tiles ago, before the previous tile's barrier.
@@ -134,24 +103,24 @@ def _tile_products(
 @gluon.jit
 def _bwd256_compute_partition(
     k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, dq_full,
-    dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, b, h_kv,
-    n_tile, seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-    delta_bufs, dk_desc, dv_desc,
+    dq_empty, entries_ptr, counts_ptr, bounds_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q,
+    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs, dk_desc,
+    dv_desc,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
-    accumulating products split by head dim (module docstring); ``lse_bufs``/``delta_bufs``:
-    the producer's rows with ``ROW_TERMS_SMEM``; dK/dV stored through ``dk_desc``/``dv_desc``
-    with ``DKDV_TMA``."""
+    accumulating products split by head dim (module docstring); ``lse_bufs``/``delta_bufs``
+    hold the producer's rows (the lse ready to use); dK/dV stored through
+    ``dk_desc``/``dv_desc`` with ``DKDV_TMA``, else from registers (added to what they hold with
+    ``ADD_DKDV``)."""
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -175,36 +144,29 @@ def _bwd256_compute_partition(
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(heads_per_kv):
-        h, mask_head, count, entries = _head_list(
-            g, b, h_kv, n_tile, entries_ptr, counts_ptr, heads_per_kv, heads_per_mask_head,
-            num_mask_heads, num_m_tiles, num_n_tiles,
+        count, entries, lts, lte, uts, ute = consumer_head(
+            g, b, h_kv, n_tile, keys, entries_ptr, counts_ptr, bounds_ptr, seqlen_k,
+            heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+            HAS_MASK, HAS_UPPER,
         )  # fmt: skip
-        lts, lte, uts, ute = load_column_bounds(
-            bounds_ptr + mask_head.to(gl.int64) * 4 * seqlen_k, keys, seqlen_k, HAS_MASK, HAS_UPPER
-        )
-        row_base = (b * num_heads_q + h).to(gl.int64) * seqlen_q
         for j in range(count):
             entry, m_tile, slot, q_smem, do_smem = await_tile(
                 entries, j, it, q_bufs, do_bufs, ready
             )
             rows = m_tile * BLOCK_M + offs_m
-            delta_row = delta_bufs
-            if ROW_TERMS_SMEM:
-                # Read before the tile's products are issued (see gluon_bwd's consumers).
-                lse = lse_bufs.index(slot).load(query_layout)
-                delta = lse
-                delta_row = delta_bufs.index(slot)
-            st, dpt = _issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
-            if not ROW_TERMS_SMEM:
-                lse, delta = row_terms(lse_ptr, delta_ptr, row_base, rows)
+            # Read before the tile's products are issued: the first use of its registers is the
+            # exponent, after the scores' wait.
+            lse = lse_bufs.index(slot).load(query_layout)
+            delta_row = delta_bufs.index(slot)
+            st, dpt = issue_scores(k_smem, v_smem, q_smem, do_smem, zero_st)
             dv, dk, dq = _tile_products(
                 k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse,
-                delta, delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it,
-                qk_scale, HAS_MASK, HAS_UPPER, CAUSAL, ROW_TERMS_SMEM,
+                delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
+                HAS_MASK, HAS_UPPER, CAUSAL,
             )  # fmt: skip
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             mbarrier.arrive(empty.index(slot), count=1)
-            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale, DQ_TMA)
+            hand_dq_to_writer(dq, dq_bufs, dq_full, dq_empty, it, softmax_scale)
             it += 1
 
     # With DKDV_TMA each warpgroup overwrites only its own head-dim half of K and V, which only
@@ -212,18 +174,16 @@ def _bwd256_compute_partition(
     # meeting before the stores is one barrier more than this needs.
     write_dk_dv(
         dk, dv, k_smem, v_smem, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, n_tile, seqlen_k,
-        stride_kb, stride_ks, stride_kh, softmax_scale, False, DKDV_TMA,
+        stride_kb, stride_ks, stride_kh, softmax_scale, ADD_DKDV, DKDV_TMA,
     )  # fmt: skip
 
 
 @gluon.jit
 def gluon_bwd256_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr,
-    dk_desc, dv_desc, bounds_ptr,
-    entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh, stride_kb,
-    stride_ks, stride_kh,
-    seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-    num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
+    q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc,
+    dv_desc, bounds_ptr, entries_ptr, counts_ptr, order_ptr, stride_dqb, stride_dqs, stride_dqh,
+    stride_kb, stride_ks, stride_kh, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
+    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, qk_scale, softmax_scale,
     CAUSAL: gl.constexpr,
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
@@ -231,18 +191,17 @@ def gluon_bwd256_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
+    DQ_BUFFERS: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     WRITER_REGISTERS: gl.constexpr,
-    DQ_TMA: gl.constexpr,
-    DQ_BUFFERS: gl.constexpr,
-    ROW_TERMS_SMEM: gl.constexpr,
     ORDERED: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
 ):  # fmt: skip
-    """Grid ``(key tiles, kv heads, batch)``, arguments as ``gluon_bwd.gluon_bwd_kernel``'s: dK
-    and dV (sharing K's strides; with ``DKDV_TMA`` through ``dk_desc``/``dv_desc``, else
-    stored from registers and ``None``) and dQ added to the fp32 ``dq_ptr`` (with ``DQ_TMA``
-    through ``dq_desc`` and TMA reduce-adds)."""
+    """Grid ``(key tiles, kv heads, batch)``, arguments as ``backward.gluon_bwd_kernel``'s
+    (``stride_dq*`` unused likewise): dK and dV (sharing K's strides; with ``DKDV_TMA`` through
+    ``dk_desc``/``dv_desc``, else stored from registers and ``None``) and dQ added to the fp32
+    accumulator through ``dq_desc``."""
     dtype: gl.constexpr = q_desc.dtype
     n_tile, h_kv, b = launched_program(order_ptr, num_n_tiles, num_heads_q // heads_per_kv, ORDERED)
 
@@ -252,43 +211,41 @@ def gluon_bwd256_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty = allocate_rings(
-        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA, 1 + (ROW_TERMS_SMEM > 0)
+    kv_bar, ready, empty, dq_bufs, dq_full, dq_empty, lse_bufs, delta_bufs = allocate_rings(
+        dq_desc, BLOCK_M, HEAD_DIM, NUM_BUFFERS, DQ_BUFFERS
     )
-    lse_bufs, delta_bufs = gluon_bwd.allocate_row_terms(
-        lse_ptr, delta_ptr, BLOCK_M, NUM_BUFFERS, ROW_TERMS_SMEM
-    )
+    # The consumers are the default partition; the producer warp and the dQ writer warps the
+    # workers (``backward``'s).
     gl.warp_specialize(
         [
             (
                 _bwd256_compute_partition,
                 (
                     k_smem, v_smem, q_bufs, do_bufs, pt_bufs, ds_bufs, dq_bufs, kv_bar, ready,
-                    empty, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, lse_ptr,
-                    delta_ptr, dk_ptr, dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, num_heads_q,
-                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
-                    stride_kb, stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs,
-                    delta_bufs, dk_desc, dv_desc, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, DQ_TMA, ROW_TERMS_SMEM, DKDV_TMA,
+                    empty, dq_full, dq_empty, entries_ptr, counts_ptr, bounds_ptr, dk_ptr,
+                    dv_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
+                    heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb,
+                    stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
+                    dk_desc, dv_desc, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    ADD_DKDV, DKDV_TMA,
                 ),
             ),
             (
                 _bwd_load_partition,
                 (
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar,
-                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q,
-                    seqlen_k, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
-                    num_n_tiles, lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M,
-                    BLOCK_N, HEAD_DIM, ROW_TERMS_SMEM,
+                    ready, empty, entries_ptr, counts_ptr, b, h_kv, n_tile, seqlen_q, seqlen_k,
+                    heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
+                    lse_bufs, delta_bufs, lse_ptr, delta_ptr, num_heads_q, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, True,
                 ),
             ),
             (
                 _bwd_dq_writer_partition,
                 (
-                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_ptr, dq_desc, b,
-                    h_kv, n_tile, seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
-                    num_m_tiles, num_n_tiles, stride_dqb, stride_dqs, stride_dqh, None,
-                    num_heads_q, BLOCK_M, HEAD_DIM, DQ_TMA, False,
+                    dq_bufs, dq_full, dq_empty, entries_ptr, counts_ptr, dq_desc, b, h_kv, n_tile,
+                    seqlen_q, heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles,
+                    num_n_tiles, BLOCK_M, HEAD_DIM,
                 ),
             ),
         ],
@@ -305,7 +262,7 @@ def backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     bounds: torch.Tensor | None,
-    lists,
+    lists: TileLists,
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
@@ -313,32 +270,16 @@ def backward(
     order: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` as ``gluon_bwd.backward``, at head dim 256 (``lists``: column-major at
-    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``order``, ``dq_accumulator`` as there)."""
-    if ROW_TERMS_SMEM not in (0, 2):
-        raise ValueError(f"gluon_bwd256.ROW_TERMS_SMEM must be 0 or 2, got {ROW_TERMS_SMEM}")
-    require_form("gluon_bwd256.DKDV_TMA", DKDV_TMA)
-    return gluon_bwd.launch(
-        gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS, DQ_TMA,
+    """``(dq, dk, dv)`` as ``backward.backward``, at head dim 256 (``lists``: column-major at
+    ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
+    # dK/dV through TMA stores with a mask only: without one they measured mixed.
+    return backward_launch.launch(
+        gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        order=order, dq_accumulator=dq_accumulator, ROW_TERMS_SMEM=ROW_TERMS_SMEM,
-        DKDV_TMA=dkdv_by_tma(causal, bounds is not None),
+        dkdv_tma=bounds is not None, order=order, dq_accumulator=dq_accumulator,
     )  # fmt: skip
 
 
-def dkdv_by_tma(causal: bool, masked: bool) -> bool:
-    """Whether a backward launch with these flags stores dK/dV through TMA (``DKDV_TMA``; as
-    ``gluon_bwd.dkdv_by_tma``, whose arguments it takes: here the form does not depend on
-    ``causal``)."""
-    return DKDV_TMA == 1 or (DKDV_TMA == 2 and masked)
-
-
-def first_store_dq() -> bool:
-    """Whether :func:`backward` takes per-tile flags instead of a zeroed dQ accumulator
-    (``gluon_bwd.DQ_FIRST_STORE``): never at head dim 256."""
-    return False
-
-
 def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
-    """Always: this backward never splits the query rows (``gluon_bwd.one_launch``)."""
+    """Always: this backward never splits the query rows (``backward.one_launch``)."""
     return True

@@ -1,13 +1,14 @@
 """Warp-specialised forward for Hopper (sm_90), written in Gluon, on FlashAttention-3's
 ping-pong schedule.
 
-Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpgroups on sm_90
-(``benchmarks/NOTES.md``, change 12); Gluon, which ships with Triton, does. This kernel:
+Triton does not split a ``tl.range`` loop into a load warp and compute warpgroups on sm_90;
+Gluon, which ships with Triton, does. A 1-D grid of one program per SM takes the query tiles one
+after another (heaviest first, from a counter in the launch order), so that the next tile's
+first K/V loads run under this tile's last products and its O stores. Per program:
 
-* one producer warp (24 registers after ``setmaxnreg``) loads the 128-row query tile once and
-  then the K/V tiles of the query tile's list (the row-major list ``kernels.prepare`` builds)
-  into a ring of ``NUM_BUFFERS`` shared-memory slots, each guarded by a "ready" and an "empty"
-  mbarrier;
+* one producer warp (24 registers after ``setmaxnreg``) loads each query tile's 128 rows of Q
+  and the K/V tiles of its list (the row-major list ``preparation.prepare`` builds) into a ring of
+  ``num_buffers`` shared-memory slots, each guarded by a "ready" and an "empty" mbarrier;
 * two consumer warpgroups, each a partition of its own owning 64 of the tile's query rows, take
   turns at the tensor cores: warpgroup ``w`` waits for its turn (mbarrier ``turns[w]``), issues
   ``S_j = Q_w K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``, hands the turn over and
@@ -21,24 +22,16 @@ Triton 3.6 does not split a ``tl.range`` loop into a load warp and compute warpg
   arrivals); three slots (224 KB at hd128) keep the producer ahead of the warpgroup that lags by
   half a step;
 * the first iteration's "previous" product is ``0 · V_0`` (exact zeros into a zero accumulator),
-  which keeps the loop free of a data-dependent branch around asynchronous tokens.
+  which keeps the loop free of a data-dependent branch around asynchronous tokens;
+* each warpgroup's 64 rows of O leave through its half of the Q tile's buffer and one TMA store,
+  except in full attention (no mask, not causal), where stores from registers measured faster.
 
-Each query row sees the same arithmetic in the same order as in the sixth session's lockstep
-kernel (both warpgroups in one partition), and on the H200 the outputs and lse matched it bit for
-bit on every case measured, while the ping-pong ran 5-22% faster: full 32K 502 -> 611 TFLOP/s,
-causal 505 -> 592 (``benchmarks/results/gluon_pingpong_s7.log``). Against the Triton forward it
-is 1.22-1.31x on full/causal and, at 32K, 1.04-1.28x on 11 of the 12 masks. Since the
-twenty-third session one program per SM takes the query tiles one after another
-(``PERSISTENT``), from a counter in the launch order, so that the next tile's first K/V loads
-run under this tile's last products and its O stores; with that the launcher uses it at hd128 on
-Hopper without a mask and with an interval mask from 8K keys
-(``kernels.GLUON_FWD_MIN_MASKED_SEQLEN``; ``results/gluon_forward_short_s23.log``). Descriptors
-are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by 128 and ``D``
-in {64, 128} (``kernels.gluon_forward_eligible``).
-
-Gluon has no CPU interpreter: the CPU suite compiles this kernel for sm_90 (``tests/kernels/
-test_gluon_fwd.py``) and the H200 check (``benchmarks/gpu_check.py``) proves its results. Import
-this module only where the interpreter is off (Gluon refuses to load under it).
+Each choice was measured on the H200 against its alternative (``docs/performance.md``).
+Descriptors are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by
+128 and ``D`` in {64, 128, 256} (``routing.gluon_forward_eligible``). Gluon has no CPU
+interpreter: the CPU suite compiles this kernel for sm_90 (``benchmarks/sass_report.py``) and the
+H200 check (``benchmarks/gpu_check.py``) proves its results. Import this module only where the
+interpreter is off (Gluon refuses to load under it).
 """
 
 from __future__ import annotations
@@ -58,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashmask.kernels.config import GLUON_FWD_TILE
 from flashmask.kernels.launch import launch_kernel
+from flashmask.kernels.tiles import TileLists
 from flashmask.kernels.triton_kernels.forward import LOG2E_VALUE
 
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
@@ -72,49 +66,12 @@ partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 LOG2E = gl.constexpr(LOG2E_VALUE)
 
 BLOCK_M = GLUON_FWD_TILE
-BLOCK_N = GLUON_FWD_TILE
-NUM_BUFFERS = 3
 # Warps per compute partition (one warpgroup); 12 warps in all with the second compute
 # warpgroup and the producer's (padded) warpgroup: 168 registers each at launch, and the
 # producer gives its registers back through setmaxnreg, so the compute warps can hold 240.
 NUM_WARPS = 4
 MAX_REGISTERS = 168
 COMPUTE_REGISTERS = 240
-# Each warpgroup's 64 rows of O leave through shared memory and one TMA store (its half of the Q
-# tile's buffer, free once its last ``Q K^T`` is in) instead of one 2-byte store per element
-# from the MMA layout. Measured on the H200 (twentieth session,
-# ``results/gluon_forward_o_tma*_s20.log``, hd128): sliding_window and share_question 4.5-14%
-# faster at 8K and 32K, document 3.5% at 8K and level at 32K, causal 7.3% / 1.1%; full attention
-# 3.3% / 1.6% slower (hd64: -0.7% / -1.0%). 2: TMA stores except for full attention (no mask,
-# not causal); 1: everywhere; 0: nowhere (the last two for measurement).
-O_TMA = 2
-# One program per SM, each taking query tiles one after another (1), instead of one program per
-# query tile (0). A one-program-per-tile launch paid ~7 us per program besides its key tiles,
-# 218 us of an 8K sliding-window forward of 479 us (``results/program_overhead_s22.log``): the
-# Q load, the pipeline's fill, O's and lse's stores and the launch itself, none of which another
-# program could overlap at one 224 KB program per SM. Looping, the next tile's first K/V tiles
-# load under this tile's last products and its O stores. The tiles are taken dynamically (a
-# counter, in the launch order): statically strided, programs of unequal lists lost up to 18%
-# (twenty-second session, ``results/gluon_forward_persistent_vs_s21_s22.log``). Against one
-# program per tile in one run, with an identical copy of that kernel as the noise's measure
-# (``results/gluon_forward_versions_s23.log``): 1.03-1.07x on 8K sliding_window,
-# share_question and global_sliding_window (the short lists), level within that noise (+-3%)
-# elsewhere; which made it faster than the Triton forward on masks from 8K keys.
-PERSISTENT = 1
-# With PERSISTENT, at most this many programs (0: one per SM). For checks only: the GPU check's
-# cases have at most ~128 query tiles, fewer than the H200's 132 SMs, so only a smaller grid
-# makes their programs loop (``benchmarks/gpu_check.py --gluon-fwd MAX_PROGRAMS=3``).
-MAX_PROGRAMS = 0
-# Q tiles in shared memory (1 or 2). With two, a persistent program loads its next tile's Q
-# while the current one computes, instead of after its O is stored. At hd128 they fit beside
-# two K/V slots only (192 KB), not three, and that loss decides: measured in the twenty-fourth
-# session (``results/gluon_forward_q_buffers_s24.log``), two Q buffers gained 2-9% over two
-# slots alone, but two slots lose 3-12% against three, so Q_BUFFERS=2 was 0.90-0.99x the
-# shipped kernel on 11 of 12 masks at 8K and 32K (1.05x on 8K sliding_window only). Kept at
-# one; the form stays for hd64 and future measurement (``gpu_session.sh gluon-q-buffers``).
-Q_BUFFERS = 1
-# Hopper's shared memory per block (227 KB), which Q's buffers and the K/V slots must fit.
-SHARED_MEMORY_BYTES = 227 * 1024
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -197,8 +154,7 @@ def publish_item(items, item_ready, item_empty, w, t):
 
 @gluon.jit
 def receive_item(items, item_ready, item_empty, t):
-    """A consumer partition (a warpgroup of the forward; the backward's consumers or dQ
-    writer): the program's ``t``-th work item, from the producer's item ring."""
+    """A consumer warpgroup: the program's ``t``-th work item, from the producer's item ring."""
     slot = t % 2
     mbarrier.wait(item_ready.index(slot), (t // 2) & 1)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -209,7 +165,7 @@ def receive_item(items, item_ready, item_empty, t):
 
 @gluon.jit
 def load_partition(
-    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
+    q_desc, k_desc, v_desc, q_buf, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty,
     items, item_ready, item_empty, next_item_ptr,
     bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, seqlen_q, seqlen_k, num_heads_q,
     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
@@ -221,10 +177,8 @@ def load_partition(
     """Producer warp: the program's work items (its own first, then each next one from the
     launch's counter ``next_item_ptr``, handed to the consumers through the item ring), and for
     each query tile the first key tiles of its list, its Q tile once both warpgroups have
-    stored the O of the tile that last used its Q buffer, then the rest; the K/V ring's steps
-    run on across tiles."""
+    stored the previous tile's O, then the rest; the K/V ring's steps run on across tiles."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    q_buffers: gl.constexpr = q_bufs.type.shape[0]
     programs = gl.num_programs(0)
     # One program per item (the grid has them all): no counter to take the next from.
     dynamic = programs < num_items
@@ -239,25 +193,21 @@ def load_partition(
         )  # fmt: skip
         kv_row_base = b * seqlen_k
         kv_col = h_kv * HEAD_DIM
-        # After the program's first tile, with one Q buffer, key tiles first: their slots free
-        # as the previous tile's products finish, its Q rows only after its O is stored, so
-        # these loads run under that tile's epilogue. On the first, or with two Q buffers (the
-        # one this tile takes was freed a tile ago), Q first.
+        # After the program's first tile, key tiles first: their slots free as the previous
+        # tile's products finish, the Q buffer only after its O is stored, so these loads run
+        # under that tile's epilogue. On the first tile, Q first.
         first = gl.minimum(count, num_buffers)
         early = gl.where(t == 0, 0, first)
-        if q_buffers > 1:
-            early = 0
         for it in range(early):
             load_kv(
                 k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
                 kv_row_base, kv_col, BLOCK_N,
             )  # fmt: skip
-        q_slot = t % q_buffers
-        mbarrier.wait(q_empty.index(q_slot), ((t // q_buffers) & 1) ^ 1)
-        q_bar = q_ready.index(q_slot)
+        mbarrier.wait(q_empty.index(0), (t & 1) ^ 1)
+        q_bar = q_ready.index(0)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         q_row = b * seqlen_q + m_tile * BLOCK_M
-        tma_load(q_desc, [q_row, h * HEAD_DIM], q_bar, q_bufs.index(q_slot))
+        tma_load(q_desc, [q_row, h * HEAD_DIM], q_bar, q_buf.index(0))
         for it in range(early, first):
             load_kv(
                 k_desc, v_desc, k_bufs, v_bufs, kv_ready, kv_empty, entries, it, step + it,
@@ -339,7 +289,7 @@ def finish_rows(
 ):  # fmt: skip
     """A consumer warpgroup's end of a query tile: the last tile's ``P V`` (from slot ``last``,
     which it then releases; none for an empty list) and its 64 rows of O (``out_ptr``: the
-    head's output, rows ``out_row0 + WG * 64 ...``; with an ``o_desc``, ``O_TMA``, through its
+    head's output, rows ``out_row0 + WG * 64 ...``; with an ``o_desc``, through its
     Q rows' buffer ``q_half`` and one TMA store to ``[o_row, o_col]`` of ``o_desc``) and lse
     (from ``lse_row0 + WG * 64``)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -372,7 +322,7 @@ def finish_rows(
 
 @gluon.jit
 def _compute_partition(
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items, item_ready,
+    q_buf, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items, item_ready,
     item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr, num_items, out_ptr, lse_ptr,
     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q, heads_per_kv,
     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, qk_scale, o_desc,
@@ -391,9 +341,8 @@ def _compute_partition(
     the other warpgroup; then O and lse of its rows (O through ``o_desc`` where given), after
     which its Q rows are the producer's again."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
-    q_buffers: gl.constexpr = q_bufs.type.shape[0]
     half: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_bufs.dtype
+    dtype: gl.constexpr = q_buf.dtype
     s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -422,9 +371,8 @@ def _compute_partition(
         acc = gl.zeros([half, HEAD_DIM], gl.float32, o_layout)
         p_prev = gl.convert_layout(zero_s.to(dtype), p_layout)
         rows = m_tile * BLOCK_M + WG * half + gl.arange(0, half, row_layout)
-        q_slot = t % q_buffers
-        q_half = q_bufs.index(q_slot).slice(WG * half, half)
-        mbarrier.wait(q_ready.index(q_slot), (t // q_buffers) & 1)
+        q_half = q_buf.index(0).slice(WG * half, half)
+        mbarrier.wait(q_ready.index(0), t & 1)
         for it in range(count):
             # The previous tile's slot (the first tile's own: 0 · V_0, exact zeros).
             prev = gl.maximum(step + it - 1, step) % num_buffers
@@ -439,7 +387,7 @@ def _compute_partition(
             q_row0 + WG * half, h * HEAD_DIM, WG,
         )  # fmt: skip
         # Its Q rows are read (and, with o_desc, stored from): another tile's may load.
-        mbarrier.arrive(q_empty.index(q_slot), count=1)
+        mbarrier.arrive(q_empty.index(0), count=1)
         w = receive_item(items, item_ready, item_empty, t)
         step += count
         t += 1
@@ -480,9 +428,7 @@ def launched_program(order_ptr, tiles, heads, ORDERED: gl.constexpr):
 def work_item(w, order_ptr, tiles, heads, ORDERED: gl.constexpr):
     """``(p, h, b)``: the position in the grid ``(tiles, heads, batch)`` of work item ``w``
     (its linear index there or, with ``ORDERED``, the item ``order_ptr`` gives it:
-    ``kernels.tiles.program_order``, decoded as :func:`launched_program` decodes it; that one
-    stays separate: calling this from it changes the backward kernels' SASS, which the H200
-    has not checked)."""
+    ``kernels.tiles.program_order``, decoded as :func:`launched_program` decodes it)."""
     item = w
     if ORDERED:
         item = gl.load(order_ptr + w)
@@ -537,24 +483,25 @@ def gluon_fwd_kernel(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
-    Q_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
 ):  # fmt: skip
     """A 1-D grid over the ``num_items = query tiles x query heads x batch`` work items,
     heaviest query tiles first (with ``ORDERED``, in the order of ``order_ptr``:
-    ``kernels.tiles.program_order``): program ``i`` takes items ``i, i + grid, ...`` (one each
-    when the grid has them all; ``PERSISTENT``: one program per SM, each looping), Q in
-    ``Q_BUFFERS`` buffers of a tile each and K/V in ``NUM_BUFFERS`` slots. O is stored through
-    ``o_desc`` (``O_TMA``: a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view) unless it
-    is ``None``."""
+    ``kernels.tiles.program_order``): program ``i`` takes item ``i`` and then, while the grid
+    has fewer programs than items, each next one from the zeroed counter ``next_item_ptr``
+    (unread when the grid has them all). Q in one tile's buffer, K/V in ``NUM_BUFFERS`` slots.
+    O is stored through ``o_desc`` (a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view)
+    unless it is ``None``."""
     dtype: gl.constexpr = q_desc.dtype
 
-    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS, BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
-    # Each Q buffer's tile loaded (q_ready) and free for another (q_empty: both warpgroups).
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    # The Q tile loaded (q_ready) and free for the next (q_empty: both warpgroups). The Q tile
+    # and these barriers are arrays of one (``.index(0)``): shared memory keeps the layout the
+    # kernel was measured with.
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     # The producer's work items for the consumers: two slots, each read by both warpgroups.
     items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -562,9 +509,8 @@ def gluon_fwd_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both warpgroups release a Q tile
+    mbarrier.init(q_ready.index(0), count=1)
+    mbarrier.init(q_empty.index(0), count=2)  # both warpgroups release the Q tile
     for i in gl.static_range(2):
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)
@@ -581,7 +527,7 @@ def gluon_fwd_kernel(
             (
                 _compute_partition,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    q_buf, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
                     item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
                     num_items, out_ptr, lse_ptr,
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
@@ -593,7 +539,7 @@ def gluon_fwd_kernel(
             (
                 _compute_partition,
                 (
-                    q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
+                    q_buf, k_bufs, v_bufs, q_ready, q_empty, kv_ready, kv_empty, turns, items,
                     item_ready, item_empty, bounds_ptr, entries_ptr, counts_ptr, order_ptr,
                     num_items, out_ptr, lse_ptr,
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
@@ -605,7 +551,7 @@ def gluon_fwd_kernel(
             (
                 load_partition,
                 (
-                    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
+                    q_desc, k_desc, v_desc, q_buf, k_bufs, v_bufs, q_ready, q_empty, kv_ready,
                     kv_empty, items, item_ready, item_empty, next_item_ptr, bounds_ptr,
                     entries_ptr, counts_ptr, order_ptr, num_items,
                     seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
@@ -635,62 +581,36 @@ def shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-def require_form(name: str, value: int) -> None:
-    """Refuse a kernel-form constant (``name``, e.g. ``"gluon_fwd.O_TMA"``) whose ``value`` is not
-    one of the forms 0, 1 or 2 the kernels have, before anything is launched."""
-    if value not in (0, 1, 2):
-        raise ValueError(f"{name} must be 0, 1 or 2, got {value}")
-
-
-def o_by_tma(causal: bool, masked: bool) -> bool:
-    """Whether a forward launch with these flags stores O through TMA (``O_TMA``)."""
-    return O_TMA == 1 or (O_TMA == 2 and (masked or causal))
-
-
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bounds: torch.Tensor | None,
-    lists,
+    lists: TileLists,
     num_mask_heads: int,
     causal: bool,
     softmax_scale: float,
     skip_tiles: bool,
-    block_n: int = BLOCK_N,
-    num_buffers: int = NUM_BUFFERS,
+    block_n: int,
+    num_buffers: int,
     *,
     order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
-    ``kernels.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
+    ``routing.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
 
     ``bounds`` (``[B, Hm, 4, Sk]`` normalised column bounds, ``None`` without a mask) and
     ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
-    tiles) come from ``kernels.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a mask).
-    ``block_n`` (dividing Sk) is the key tile and ``num_buffers`` the K/V slots: the launcher
-    passes ``kernels.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256);
-    other choices are for measurement (``benchmarks/gluon_forward.py --block-n --buffers``).
-    ``order`` (``kernels.program_order``, ``None``: the grid's natural order) is the order in
-    which the query tiles are taken (by the programs, one per SM with ``PERSISTENT``)."""
-    require_form("gluon_fwd.O_TMA", O_TMA)
-    if PERSISTENT not in (0, 1):
-        raise ValueError(f"gluon_fwd.PERSISTENT must be 0 or 1, got {PERSISTENT}")
-    if not isinstance(MAX_PROGRAMS, int) or MAX_PROGRAMS < 0:
-        raise ValueError(f"gluon_fwd.MAX_PROGRAMS must be an int >= 0, got {MAX_PROGRAMS!r}")
-    if Q_BUFFERS not in (1, 2):
-        raise ValueError(f"gluon_fwd.Q_BUFFERS must be 1 or 2, got {Q_BUFFERS}")
+    tiles) come from ``preparation.prepare_cached``; ``num_mask_heads`` is ``Hm`` (1 without a
+    mask).
+    ``block_n`` (dividing Sk) is the key tile and ``num_buffers`` the K/V slots:
+    ``routing.gluon_forward_tiles(D)`` (128 and 3 up to D = 128, 64 and 2 at D = 256).
+    ``order`` (``preparation.program_order``, ``None``: the grid's natural order) is the order in
+    which the programs, one per SM, take the query tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    tiles_bytes = (Q_BUFFERS * BLOCK_M + 2 * num_buffers * block_n) * d * q.element_size()
-    if tiles_bytes > SHARED_MEMORY_BYTES:
-        raise ValueError(
-            f"gluon_fwd.Q_BUFFERS = {Q_BUFFERS} Q tiles and num_buffers = {num_buffers} K/V "
-            f"slots of {block_n} keys take {tiles_bytes // 1024} KB of shared memory at head "
-            f"dim {d}, more than the {SHARED_MEMORY_BYTES // 1024} KB a block has"
-        )
     tm, tn = lists.entries.shape[-2:]
     q2, k2, v2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v))
     half = BLOCK_M // 2  # O stores move each warpgroup's 64 rows
@@ -701,14 +621,12 @@ def forward(
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     o_desc = None
-    if o_by_tma(causal, bounds is not None):  # each warpgroup's 64 rows: half of Q's tile
+    if causal or bounds is not None:  # O through TMA stores, but for full attention
         o_desc = TensorDescriptor.from_tensor(
             out.view(b * sq, hq * d), [half, d], shared_layout(half, d, q.dtype)
         )
     num_items = tm * hq * b
-    programs = num_items
-    if PERSISTENT:
-        programs = min(num_items, MAX_PROGRAMS or sm_count(q.device))
+    programs = min(num_items, sm_count(q.device))
     # Items past the first ``programs`` are taken from this counter, one at a time.
     next_item = lists.counts  # not read with one program per item
     if programs < num_items:
@@ -722,9 +640,7 @@ def forward(
         softmax_scale * LOG2E_VALUE, num_items, next_item,
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, HEAD_DIM=d,
-        NUM_BUFFERS=num_buffers, Q_BUFFERS=Q_BUFFERS, COMPUTE_REGISTERS=COMPUTE_REGISTERS,
-        num_warps=NUM_WARPS,
-        maxnreg=MAX_REGISTERS,
+        BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
+        COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
