@@ -4,7 +4,7 @@ into a warp-specialised kernel.
 
 Its dQ goes through fp32 reduce-adds, so it serves ``deterministic=False`` only; the bit-exact
 guarantees (skip == dense, repeat == repeat) stay with the Triton kernels. Gluon has no CPU
-interpreter: the H200 check (``benchmarks/gpu_check.py``, its ``det=False`` cases) proves its
+interpreter: the GPU tests (``tests/gpu``, their non-deterministic cases) prove its
 results; here the routing rules and an sm_90 compile of every shipped variant
 (``benchmarks/sass_report.py --family gluon_bwd``).
 """
@@ -102,7 +102,7 @@ def test_with_a_mask_only_from_4k_keys_at_hd128_and_8k_at_hd64(monkeypatch, head
     assert routing.use_gluon_backward(*short, False, True, False, cfg)  # no mask: any length
     assert not routing.use_gluon_backward(*short, False, True, True, cfg)
     assert routing.use_gluon_backward(*long, False, True, True, cfg)
-    # gpu_check --gluon-everywhere:
+    # With the thresholds lifted (the GPU tests' Gluon cases on short masks):
     monkeypatch.setattr(routing, "GLUON_BWD_MIN_MASKED_SEQLEN", {})
     assert routing.use_gluon_backward(*short, False, True, True, cfg)
 

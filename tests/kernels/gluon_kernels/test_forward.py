@@ -1,9 +1,9 @@
 """The Gluon forward (``flashmask.kernels.gluon_kernels.forward``): where the launcher uses it,
 and that it compiles for Hopper into a warp-specialised kernel.
 
-Gluon has no CPU interpreter, so its results are proven on the H200 (``benchmarks/gpu_check.py``
-runs the library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked
-ones from 8K keys or under ``--gluon-everywhere``). Here: the routing rules (on the GPU only,
+Gluon has no CPU interpreter, so its results are proven on a GPU (``tests/gpu`` runs the
+library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked ones from
+8K keys or, with the thresholds lifted, short ones). Here: the routing rules (on the GPU only,
 positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper only, the masked length
 limit), what the launcher hands the kernel, and an sm_90 compile of every shipped variant
 (``benchmarks/sass_report.py --family gluon_fwd``).
@@ -133,7 +133,7 @@ def test_with_a_mask_only_from_8k_keys(monkeypatch):
     assert routing.use_gluon_forward(*short, 0.1, False, cfg)  # no mask: any length
     assert not routing.use_gluon_forward(*short, 0.1, True, cfg)
     assert routing.use_gluon_forward(*long, 0.1, True, cfg)
-    # gpu_check --gluon-everywhere:
+    # With the thresholds lifted (the GPU tests' Gluon cases on short masks):
     monkeypatch.setattr(routing, "GLUON_FWD_MIN_MASKED_SEQLEN", 0)
     assert routing.use_gluon_forward(*short, 0.1, True, cfg)
 

@@ -29,7 +29,7 @@ Each choice above was measured on the H200 against its alternative (``docs/perfo
 At head dim 256 ``backward_hd256`` splits the work differently and reuses this module's producer,
 dQ writer and helpers; ``backward_launch`` holds the host side of both. Gluon has no CPU
 interpreter: the CPU suite compiles the kernels for sm_90 (``benchmarks/sass_report.py``), the
-H200 check (``benchmarks/gpu_check.py``, its ``det=False`` cases) proves their results. Import
+GPU tests (``tests/gpu``, their non-deterministic cases) prove their results. Import
 this module only where the interpreter is off.
 """
 

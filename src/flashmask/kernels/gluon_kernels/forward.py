@@ -30,7 +30,7 @@ Each choice was measured on the H200 against its alternative (``docs/performance
 Descriptors are 2-D over ``[B * S, H * D]``, so it needs contiguous inputs, ``S`` divisible by
 128 and ``D`` in {64, 128, 256} (``routing.gluon_forward_eligible``). Gluon has no CPU
 interpreter: the CPU suite compiles this kernel for sm_90 (``benchmarks/sass_report.py``) and the
-H200 check (``benchmarks/gpu_check.py``) proves its results. Import this module only where the
+GPU tests (``tests/gpu``) prove its results. Import this module only where the
 interpreter is off (Gluon refuses to load under it).
 """
 
