@@ -567,8 +567,9 @@ def intersect(first: FlashMask, second: FlashMask, *, seqlen_q: int | None = Non
     smallest form that holds them.
 
     Args:
-        first, second: masks over the same ``Sk``; batch and head dimensions broadcast (each 1 or
-            equal).
+        first: a mask over ``Sk`` keys.
+        second: a mask over the same ``Sk``; batch and head dimensions broadcast against
+            ``first``'s (each 1 or equal).
         seqlen_q: the query length both masks are read with; by default the ``seqlen_q`` the
             masks carry (``Sk`` when neither has one). It must agree with the masks' own. Causal
             alignment is bottom-right as everywhere else.

@@ -72,8 +72,10 @@ def merge_partials(
     """Combine two softmax-normalised partial results over disjoint key sets.
 
     Args:
-        out_a, out_b: ``[B, S, H, D]`` partial outputs (``out_a`` may be None: first block).
-        lse_a, lse_b: ``[B, H, S]`` their log-sum-exps, ``-inf`` where a block sees no key.
+        out_a: ``[B, S, H, D]`` partial output so far (None before the first block).
+        lse_a: ``[B, H, S]`` its log-sum-exp, ``-inf`` where it sees no key.
+        out_b: ``[B, S, H, D]`` the next block's partial output.
+        lse_b: ``[B, H, S]`` its log-sum-exp, ``-inf`` where the block sees no key.
 
     Returns:
         ``(out, lse)`` in the dtype of ``lse_b`` (float32 or float64): ``lse = log(e^a + e^b)``,

@@ -343,7 +343,9 @@ def resolve_mask(
     causal (``causal=True``) / full attention.
 
     Args:
-        batch, seqlen_q, seqlen_k: ``B``, ``Sq``, ``Sk`` of the attention call.
+        batch: ``B`` of the attention call.
+        seqlen_q: ``Sq`` of the attention call.
+        seqlen_k: ``Sk`` of the attention call.
         device: where the mask must live (the query's device).
         causal: the attention module's causality (used for every mask but an explicit one).
         explicit: a :class:`FlashMask` or int32 ``startend_row_indices [B or 1, Hm, Sk, C]``.
