@@ -47,11 +47,12 @@ def plan_forward(
     masked = startend_row_indices is not None
     use_gluon = routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
     shapes = routing.forward_shapes(use_gluon, q.shape[-1], config)
+    # The backward's lists (its dout is shaped and typed like q), to be built in one go.
+    gluon_backward = backward_follows and routing.use_gluon_backward(
+        q, k, v, q, deterministic, True, masked, config
+    )
     if backward_follows:
-        # The backward's (its dout is shaped and typed like q), to be built in one go.
-        backward_shapes = routing.backward_list_shapes(
-            q, k, v, q, startend_row_indices, deterministic, config
-        )
+        backward_shapes = routing.backward_shapes(gluon_backward, q.shape[-1], config)
         shapes += [shape for shape in backward_shapes if shape not in shapes]
     # The launch orders, with a mask only: without one the grid's own order stays (full
     # attention's lists are all alike, and causal's already launch longest first per head;
@@ -59,12 +60,9 @@ def plan_forward(
     orders: list[OrderRequest] = []
     if masked:
         orders.append((shapes[0], (q.shape[2], True)))
-        if backward_follows and routing.use_gluon_backward(
-            q, k, v, q, deterministic, True, True, config
-        ):
+        if gluon_backward:
             # The Gluon backward's order too, in the same launch (the backward then finds it).
-            gluon_shape = routing.backward_shapes(True, q.shape[-1], config)[0]
-            orders.append((gluon_shape, (k.shape[2], False)))
+            orders.append((backward_shapes[0], (k.shape[2], False)))
     return ForwardPlan(use_gluon, shapes, orders)
 
 

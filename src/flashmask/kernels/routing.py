@@ -202,8 +202,8 @@ def forward_list_shapes(
     config: TileConfig,
 ) -> list[tuple[int, int, bool]]:
     """The tile lists (``prepare``'s ``(tile_m, tile_n, row_major)`` shapes) that
-    :func:`forward` prepares for these inputs with ``config``: those of the kernel it routes
-    them to (for a benchmark that times mask preparation alone, as ``flashmask bench`` does)."""
+    the forward prepares for these inputs with ``config``: those of the kernel it routes them
+    to."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_forward(q, k, v, softmax_scale, masked, config)
     return forward_shapes(use_gluon, q.shape[-1], config)
@@ -218,8 +218,8 @@ def backward_list_shapes(
     deterministic: bool,
     config: TileConfig,
 ) -> list[tuple[int, int, bool]]:
-    """The tile lists :func:`backward` prepares for these inputs with ``config`` (skipping
-    mode), like :func:`forward_list_shapes`."""
+    """The tile lists the backward prepares for these inputs with ``config`` (skipping mode),
+    like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config)
     return backward_shapes(use_gluon, q.shape[-1], config)
