@@ -63,6 +63,36 @@ class TileConfig:
     bwd_gluon: bool = False
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the split-KV kernels (``triton_kernels.decode``) for few queries over many keys.
+
+    ``block_n``: keys per tile (the mask's lists are built at this width); ``warps``, ``stages``:
+    the split kernel's warps and pipeline stages; ``max_rows``: the most packed rows (queries x
+    query heads per key/value head) one program holds, which also bounds which calls route
+    here (:func:`~.routing.use_decode`); ``programs_per_sm``: splits are added until the launch
+    has about this many programs per streaming multiprocessor; ``max_splits``: at most this many
+    splits per row tile.
+    """
+
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 3
+    max_rows: int = 128
+    programs_per_sm: int = 4
+    max_splits: int = 128
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """The split-KV tiles for a head dimension (16-key tiles under the interpreter, so that the
+    CPU tests' short caches still split into several tiles)."""
+    if hardware.interpreting():
+        return DecodeConfig(block_n=16, warps=4, stages=1)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, stages=2)
+    return DecodeConfig()
+
+
 # Shared memory per block from which the H200-tuned tiles fit (Hopper offers 227 KB; the largest
 # forward tile, 128x128 with 3 stages at D = 128, needs 224 KB).
 _HOPPER_SHARED_MEMORY = 200 * 1024

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmask.kernels import preparation, routing, tensors, tiles
-from flashmask.kernels.config import TileConfig, with_fitting_config
+from flashmask.kernels import decode_launcher, preparation, routing, tensors, tiles
+from flashmask.kernels.config import DecodeConfig, TileConfig, decode_config, with_fitting_config
 from flashmask.kernels.launch import launch_kernel
 
 ListShape = tuple[int, int, bool]
@@ -101,8 +101,13 @@ def forward(
     skip_tiles: bool = True,
     config: TileConfig | None = None,
     deterministic: bool = False,
+    decode: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
+
+    Few queries over many keys (:func:`~.routing.use_decode`) run the split-KV kernels of
+    :mod:`.decode_launcher` with ``decode`` (default :func:`~.config.decode_config`); other
+    calls the training forward.
 
     ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
     Without ``config`` the tiles are :func:`tile_config`'s for the device, made smaller if a
@@ -111,11 +116,14 @@ def forward(
     forward's, in the same launches (a new mask's summaries and lists in two launches rather
     than four), so that its backward finds them prepared.
     """
+    decode = decode or decode_config(q.shape[-1])
+    if routing.use_decode(q, k, skip_tiles, decode):
+        return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:
         return with_fitting_config(
             lambda cfg: forward(
                 q, k, v, startend_row_indices, causal, softmax_scale,
-                skip_tiles=skip_tiles, config=cfg, deterministic=deterministic,
+                skip_tiles=skip_tiles, config=cfg, deterministic=deterministic, decode=decode,
             ),
             q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip

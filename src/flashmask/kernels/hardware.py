@@ -22,6 +22,23 @@ def _shared_memory_of(index: int) -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None)
 
 
+@functools.cache
+def _multiprocessors_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Under the interpreter (no GPU): a stand-in SM count, so the split-KV kernels still split.
+INTERPRETER_MULTIPROCESSORS = 4
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H100/H200); a small stand-in off CUDA
+    (the interpreter), where it only decides how many programs a launch splits into."""
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return _multiprocessors_of(cuda_index(device))
+
+
 def device_shared_memory(device: torch.device) -> int | None:
     """Shared memory per block (bytes) a kernel may opt into on ``device``; ``None`` off CUDA."""
     if device.type != "cuda":

@@ -18,6 +18,7 @@ from flashmask.kernels.config import (
     GLUON_FWD_HEAD_DIMS,
     GLUON_FWD_SLOTS,
     GLUON_FWD_TILE,
+    DecodeConfig,
     TileConfig,
 )
 
@@ -156,6 +157,18 @@ def use_gluon_backward(
         and gluon_backward_eligible(q, k, v, dout, capability)
         and gluon_available()
     )
+
+
+def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: DecodeConfig) -> bool:
+    """Whether a forward runs the split-KV kernels (``triton_kernels.decode``): more keys than
+    queries (a cache: decoding or chunked prefill), and few enough queries that all of them,
+    times the query heads of a key/value head, fit one program's ``decode.max_rows`` rows. The
+    training forward reads each K/V tile once per query head and, for a short query tile, runs
+    too few programs to fill the GPU; the split-KV kernels read it once per key/value head and
+    split the keys. Only the skipping mode (the dense mode is the training kernels' proof)."""
+    seqlen_q, heads_q = q.shape[1], q.shape[2]
+    group = heads_q // k.shape[2]
+    return skip_tiles and k.shape[1] > seqlen_q and seqlen_q * group <= decode.max_rows
 
 
 def forward_shapes(
