@@ -29,7 +29,15 @@ from dataclasses import dataclass, replace  # noqa: E402
 import pytest  # noqa: E402
 
 from flashmask import kernels  # noqa: E402
-from flashmask.kernels import TileConfig, backward_launcher, hardware, preparation, tensors, tiles  # noqa: E402
+from flashmask.kernels import (  # noqa: E402
+    TileConfig,
+    backward_launcher,
+    hardware,
+    preparation,
+    routing,
+    tensors,
+    tiles,
+)
 from flashmask.mask import FlashMask, TileClass  # noqa: E402
 from flashmask.reference import reference_backward, reference_forward  # noqa: E402
 from tests.tolerance import (  # noqa: E402
@@ -589,6 +597,13 @@ def test_skipping_tiles_is_bit_exact(case):
     check_against_reference(skipping, x, case.causal, case.id)
 
 
+@pytest.fixture
+def training_forward(monkeypatch):
+    """Route every forward to the training kernels (off the split-KV ones that calls with more
+    keys than queries take, ``test_decode.py``): for tests of the training forward's launch."""
+    monkeypatch.setattr(routing, "use_decode", lambda *args: False)
+
+
 LAUNCH_CASES = [
     Case("causal-C2", 48, 64, 4, 2, 2, 64, batch=2),  # divides the tiles: unmasked loads
     Case("noncausal-C4", 37, 50, 4, 1, 1, 40, mask="random"),  # ragged, padded head dim
@@ -610,7 +625,7 @@ def test_one_grid_backward_changes_no_bit(case):
 
 
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch):
+def test_running_the_longest_lists_first_changes_no_bit(case, monkeypatch, training_forward):
     """With a mask, the forward's programs in ``preparation.program_orders`` (longest lists first)
     against the grid's natural order (no order handed over): the same bits, since the order
     only moves programs between SMs. Under a causal mask, whose lists differ in length across
@@ -662,7 +677,7 @@ def _tma_tiles(head_dim: int) -> TileConfig:
 
 @pytest.mark.skipif(not TMA_AVAILABLE, reason="TMA needs compute capability 9.0")
 @pytest.mark.parametrize("case", LAUNCH_CASES, ids=[c.id for c in LAUNCH_CASES])
-def test_tma_loads_change_no_bit(case, monkeypatch):
+def test_tma_loads_change_no_bit(case, monkeypatch, training_forward):
     """The forward's Q/K/V tiles read through TMA descriptors (``TileConfig.fwd_tma``) hold the
     same values as the pointer loads, zeros past the sequence and past the head dim included."""
     x = make_inputs(case, torch.float16)
@@ -723,7 +738,7 @@ def test_tma_falls_back_to_pointer_loads_when_strides_forbid_it(monkeypatch):
     [Case("causal-C2", 50, 50, 2, 2, 2, 64, mask="structured"), Case("nomask-full", 33, 48)],
     ids=lambda c: c.id,
 )
-def test_zero_and_negative_softmax_scale(case, scale):
+def test_zero_and_negative_softmax_scale(case, scale, training_forward):
     """``softmax_scale <= 0`` (the scores scaled before the row max, since a non-positive factor
     does not preserve the max): matches the reference, and skipping stays bit-exact."""
     x = make_inputs(case, torch.float16)

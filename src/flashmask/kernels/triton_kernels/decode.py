@@ -154,9 +154,7 @@ def decode_split_kernel(
     row_index = (b64 * num_heads_q + heads) * seqlen_q + queries
     if SPLIT:
         part = row_index * num_splits + split
-        tl.store(
-            PartOut + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None]
-        )
+        tl.store(PartOut + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(PartLse + part, lse2, mask=row_ok)
     else:
         o_ptrs = (
