@@ -1,4 +1,5 @@
-"""Model-level mask policies: ``apply_flashmask``, schedules and streaming generation.
+"""Model-level mask policies: ``apply_flashmask`` and schedules (streaming generation:
+``test_streaming.py``).
 
 Each policy is checked against the dense definition: the mask every layer applies (recorded from
 the backend) equals the policy's dense mask AND the batch's document mask, and a uniform policy
@@ -21,11 +22,6 @@ from flashmask.integrations.policy import (
     apply_flashmask,
     layer_mask,
     remove_flashmask,
-)
-from flashmask.integrations.streaming import (
-    cache_nbytes,
-    stream_generate,
-    streaming_cache,
 )
 from tests.integrations.tiny import additive, tiny_model
 
@@ -229,47 +225,3 @@ def test_schedule_rejects_bad_milestones():
         MaskSchedule([(5, "causal")])
     with pytest.raises(ValueError, match="increase"):
         MaskSchedule([(0, "causal"), (0, "full")])
-
-
-@pytest.mark.parametrize("prefill_chunk", [None, 5], ids=["one-prefill", "chunked-prefill"])
-def test_streaming_generation_equals_full_context_generation(prefill_chunk):
-    """The bounded cache evicts only keys no future query can see, so greedy tokens are the
-    same as generating with the whole history under the same windowed policy."""
-    window, sinks = 4, 2
-    model = tiny_model(num_hidden_layers=2).to(torch.float32)
-    apply_flashmask(model, mask=[MaskSpec("sliding_window", window, sinks), MaskSpec("causal")])
-    prompt = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(3))
-    full = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    tokens, cache = stream_generate(model, prompt, 12, prefill_chunk=prefill_chunk)
-    assert torch.equal(tokens, full[:, prompt.shape[1] :])
-    windowed, growing = cache.layers
-    assert windowed.keys.shape[-2] == window + sinks  # bounded
-    assert growing.keys.shape[-2] == 17 + 11  # the causal layer keeps everything
-    assert windowed.get_seq_length() == growing.get_seq_length() == 28
-
-
-def test_streaming_cache_memory_is_bounded_by_window_and_sinks():
-    model = tiny_model(num_hidden_layers=2).to(torch.float32)
-    apply_flashmask(model, mask="sliding_window", window=3, sink_tokens=1)
-    cache = streaming_cache(model)
-    _, cache = stream_generate(model, torch.arange(40).view(1, -1), 5, prefill_chunk=8, cache=cache)
-    per_layer = (
-        2 * (3 + 1) * model.config.num_key_value_heads * 16 * 4
-    )  # k+v, tokens, heads, D, fp32
-    assert cache_nbytes(cache) == 2 * per_layer
-
-
-def test_hybrid_window_example_runs(capsys):
-    """examples/hybrid_window_streaming.py: schedule, training steps, streaming, memory printout."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[2] / "examples" / "hybrid_window_streaming.py"
-    spec = importlib.util.spec_from_file_location("hybrid_window_streaming", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    example.main(["--steps", "5", "--seqlen", "64", "--new-tokens", "40"])
-    out = capsys.readouterr().out
-    assert "step 4: window  32" in out
-    # Generation runs at the schedule's last step (4): window 32 plus 4 sinks stay cached.
-    assert "windowed layer cache: 36 keys" in out
