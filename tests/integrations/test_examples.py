@@ -1,4 +1,5 @@
-"""The training examples run end to end on CPU (a few steps each) and learn."""
+"""The examples run end to end on CPU: the training ones (a few steps each) learn, the
+generation one streams with a bounded cache."""
 
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ def test_examples_agree_across_backends(example):
         for attn in ("flashmask", "sdpa")
     }
     assert losses["flashmask"] == pytest.approx(losses["sdpa"], rel=1e-4)
+
+
+def test_generation_example_streams_with_a_bounded_cache(example, capsys):
+    """examples/generate_window_sinks.py: ragged left-padded prompts (1 to 120 tokens) under a
+    window of 32 plus 4 sinks; each row's cache is bounded and rows equal their solo runs."""
+    summary = example("generate_window_sinks").main(["--device", "cpu", "--new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert "generate_window_sinks [tiny, cpu, float32]" in out and "tokens/s" in out
+    assert summary["tokens_per_s"] > 0
+    # tiny config: 2 layers, 4 rows, k + v of 2 kv heads x 16 dims in float32 per key.
+    per_key = 2 * 2 * 16 * 4
+    assert summary["cache_bytes"] == 2 * 4 * (32 + 4) * per_key
+    # Without eviction: the 120 padded prompt columns and 15 decoded tokens in the cache.
+    assert summary["full_cache_bytes"] == 2 * 4 * (120 + 15) * per_key
+    assert summary["rows_equal_alone"] == 4
 
 
 def test_e2e_benchmark_smoke_mode_writes_its_report(tmp_path, monkeypatch):
