@@ -242,6 +242,22 @@ def test_generation_continues_from_a_padded_cache():
     assert torch.equal(torch.cat([first, rest], dim=1), whole)
 
 
+def test_cache_rows_can_be_repeated_and_selected_with_their_positions():
+    """transformers' batch operations move the position record with the keys: repeating every
+    row twice, then keeping copies of rows 2 and 0, continues those rows exactly."""
+    rows = prompts()
+    ids, mask = left_pad(rows)
+    model = float32_model()
+    apply_flashmask(model, mask=[MaskSpec("sliding_window", 4, 2), MaskSpec("causal")])
+    whole, _ = stream_generate(model, ids, NEW, attention_mask=mask, prefill_chunk=3)
+    first, cache = stream_generate(model, ids, 3, attention_mask=mask, prefill_chunk=3)
+    cache.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([4, 1]))  # copies of rows 2 and 0
+    rest, _ = stream_generate(model, first[[2, 0], -1:], NEW - 3, cache=cache)
+    assert torch.equal(rest, whole[[2, 0], 3:])
+    assert cache.next_position().tolist() == [LENGTHS[2] + NEW - 1, LENGTHS[0] + NEW - 1]
+
+
 def test_policies_are_restored_after_generation_and_after_an_error():
     model = float32_model()
     apply_flashmask(model, mask="sliding_window", window=4, sink_tokens=1)

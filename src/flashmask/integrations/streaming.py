@@ -93,9 +93,12 @@ class _PositionRecord:
         next_position: int64 ``[B]``, the position the next real token of each row gets.
         call_positions: int64 ``[B, Sk]``, the positions of the keys returned by the last update
             (the keys the current forward's queries attend to).
-        call_query_start: int64 ``[B]``, the position of the first query of the last update when
-            its real tokens are counted back from its last one (left padding inside a chunk gives
-            padded queries positions below it, never seen by anything).
+        call_query_start: int64 ``[B]``, the position of the last update's first query, counted
+            back from its last one (a chunk's real tokens end it: left padding). Padded queries
+            stand below the row's first position; their outputs are never read.
+
+    The batch operations of transformers' layers (``batch_select_indices``, ``reorder_cache``,
+    ``batch_repeat_interleave``) move the record's rows with the keys'.
     """
 
     positions: torch.Tensor | None
@@ -135,6 +138,20 @@ class _PositionRecord:
             index = index.to(self.positions.device)
             self.positions = self.positions[index]
             self.next_position = self.next_position[index]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_record_rows(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_record_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None:
+            rows = torch.arange(self.positions.shape[0], device=self.positions.device)
+            self._select_record_rows(rows.repeat_interleave(repeats))
 
 
 class FullLayer(_PositionRecord, DynamicLayer):
@@ -176,20 +193,6 @@ class FullLayer(_PositionRecord, DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._clear_record()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_record_rows(indices)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_record_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            rows = torch.arange(self.positions.shape[0], device=self.positions.device)
-            self._select_record_rows(rows.repeat_interleave(repeats))
 
 
 class StreamingLayer(_PositionRecord, DynamicLayer):
@@ -284,20 +287,6 @@ class StreamingLayer(_PositionRecord, DynamicLayer):
         self.cumulative_length = 0
         self._clear_record()
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_record_rows(indices)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_record_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            rows = torch.arange(self.positions.shape[0], device=self.positions.device)
-            self._select_record_rows(rows.repeat_interleave(repeats))
-
 
 class StreamingCache(Cache):
     """A transformers ``Cache`` of :class:`FullLayer` / :class:`StreamingLayer` (one per layer).
@@ -345,8 +334,8 @@ def streaming_cache(model: torch.nn.Module) -> StreamingCache:
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes held by the keys and values of a cache (the position record, ``8 * B`` bytes per
-    kept key, is not counted)."""
+    """Bytes held by the keys and values of a cache (the position record of a
+    :class:`StreamingCache`, 8 bytes per row and kept key, is not counted)."""
     total = 0
     for layer in cache.layers:
         if layer.is_initialized:
