@@ -270,7 +270,9 @@ class StreamingLayer(_PositionRecord, DynamicLayer):
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older 5.x pass the cache positions
+            query_length = query_length.shape[0]
         stored = self.keys.shape[-2] if self.is_initialized else 0
         return stored + query_length, 0
 
@@ -309,9 +311,12 @@ class StreamingCache(Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().update(
-            key_states, value_states, layer_idx, *args, token_mask=self.token_mask, **kwargs
-        )
+        """Update layer ``layer_idx`` with the new states ``[B, H, q, D]`` and ``token_mask``.
+
+        The layer is called directly: transformers' ``Cache.update`` forwards no extra keyword
+        in some 5.x versions, and these layers need none of its ``cache_kwargs``.
+        """
+        return self.layers[layer_idx].update(key_states, value_states, token_mask=self.token_mask)
 
     def next_position(self) -> torch.Tensor | None:
         """int64 ``[B]``: the position the next real token of each row gets (``None`` while
