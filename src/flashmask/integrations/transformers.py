@@ -23,7 +23,12 @@ Which mask it applies, first match wins:
    query length than the call's (e.g. a training mask reused during generation) is an error too
    (:meth:`~flashmask.FlashMask.with_seqlen_q`);
 2. ``cu_seq_lens_q`` (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
-   one causal document per segment;
+   one causal document per segment. With ``cu_seq_lens_k`` covering more keys than queries
+   (continuous batching, ``model.generate_batch``: each request's new tokens are its queries, its
+   cached and new tokens its keys), segment ``r``'s queries see only segment ``r``'s keys, causal
+   with the segment's last query at its last key. Every such layout is one visible run of query
+   rows per key column, a non-causal ``C = 2`` FlashMask; ``cu_seq_lens_q`` alone over more keys
+   than queries is an error (the keys' segments would be unknown);
 3. a 2-D padding mask ``attention_mask [B, Sk]`` with zeros: padded keys are hidden from every
    query; when each row's real tokens are one contiguous run (left or right padding) padded
    queries see nothing (output 0), otherwise they see the real keys before them, as in SDPA;
@@ -220,6 +225,7 @@ def flashmask_attention_forward(
     flashmask_bidirectional: bool = False,
     position_ids: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [B, Hq, Sq, D]``, ``key``/``value
@@ -234,7 +240,9 @@ def flashmask_attention_forward(
     Raises:
         ValueError: a non-causal explicit mask on a causal module without
             ``flashmask_bidirectional=True``; a FlashMask built for another query length;
-            unsupported arguments (dropout while training, ``softcap``, ``s_aux``).
+            unsupported arguments (dropout while training, ``softcap``, ``s_aux``);
+            cumulative lengths that cannot describe the call (see :func:`resolve_mask`); a
+            layer mask policy with ``cu_seq_lens_k`` over more keys than queries.
         TypeError: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` that are not integer tensors.
     """
     if dropout:
@@ -249,8 +257,8 @@ def flashmask_attention_forward(
         raise ValueError("the flashmask attention backend does not support attention sinks (s_aux)")
     if flashmask is not None and startend_row_indices is not None:
         raise ValueError("pass either flashmask or startend_row_indices, not both")
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        _check_integer_tensor(name, cu_seq_lens_q if name == "cu_seq_lens_q" else kwargs.get(name))
+    _check_integer_tensor("cu_seq_lens_q", cu_seq_lens_q)
+    _check_integer_tensor("cu_seq_lens_k", cu_seq_lens_k)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
 
     # [B, H, S, D] -> [B, S, H, D] views; the kernels take strided inputs.
@@ -259,6 +267,14 @@ def flashmask_attention_forward(
     # A layer policy from apply_flashmask supplies the causal structure itself; the batch then
     # contributes only its boundaries (documents, padding) as a non-causal mask.
     has_policy = policy_of(module) is not None
+    if has_policy and cu_seq_lens_k is not None and seqlen_q != seqlen_k:
+        # A policy's masks put every query at the end of all the keys; here each segment's queries
+        # stand at the end of their own segment of keys.
+        raise ValueError(
+            "a layer mask policy (apply_flashmask) cannot be combined with cu_seq_lens_k covering "
+            f"more keys ({seqlen_k}) than queries ({seqlen_q}), as in continuous batching; remove "
+            "the policy (flashmask.remove_flashmask) for this kind of generation"
+        )
     if causal and not has_policy:
         _check_explicit_is_causal(flashmask, startend_row_indices, flashmask_bidirectional)
     mask = resolve_mask(
@@ -271,6 +287,7 @@ def flashmask_attention_forward(
         attention_mask=attention_mask,
         position_ids=position_ids,
         cu_seq_lens_q=cu_seq_lens_q,
+        cu_seq_lens_k=cu_seq_lens_k,
         sliding_window=sliding_window,
     )
     if has_policy:
@@ -337,6 +354,7 @@ def resolve_mask(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> FlashMask | None:
     """The FlashMask the backend applies (see the module docstring), or ``None`` for plain
@@ -353,8 +371,20 @@ def resolve_mask(
             nonzero = real token) or a 4-D dense mask (bool True = attend, or additive float
             with 0 = attend).
         position_ids: ``[B or 1, Sq]`` positions; restarts mark packed documents.
-        cu_seq_lens_q: int ``[N + 1]`` cumulative document lengths over the flattened batch.
+        cu_seq_lens_q: int ``[N + 1]`` cumulative query lengths of ``N`` segments (documents or
+            requests) over the flattened batch.
+        cu_seq_lens_k: int ``[N + 1]`` cumulative key lengths of the same segments. When it
+            differs from ``cu_seq_lens_q`` (continuous batching: a request's keys are its cached
+            tokens followed by its new ones), segment ``r``'s queries see only segment ``r``'s
+            keys, causally with the segment's last query at its last key. Needs ``B = 1``
+            unless it equals ``cu_seq_lens_q``.
         sliding_window: transformers' window ``w``: query ``i`` sees keys ``(i - w, i]``.
+
+    Raises:
+        ValueError: ``cu_seq_lens_k`` without ``cu_seq_lens_q``; ``cu_seq_lens_q`` alone when
+            ``Sq != Sk`` (the keys' segments are unknown); cumulative lengths that do not rise
+            from 0 within the call's tokens (checked outside ``torch.compile`` tracing and CUDA
+            graph capture, where reading them would need a host sync).
     """
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
@@ -381,7 +411,25 @@ def resolve_mask(
         )
 
     # The one batch-describing input that applies, first match wins.
-    if cu_seq_lens_q is not None and seqlen_q == seqlen_k:
+    memo_extra: tuple[Any, ...] = ()
+    if cu_seq_lens_k is not None:
+        if cu_seq_lens_q is None:
+            raise ValueError(
+                "cu_seq_lens_k was passed without cu_seq_lens_q: pass both (cumulative query and "
+                "key lengths of the same segments)"
+            )
+        kind, source = "cu_seq_lens", cu_seq_lens_k
+        # The mask depends on both tensors: the entry is keyed by cu_seq_lens_k and names
+        # cu_seq_lens_q by id and version; the entry holds cu_seq_lens_q (see below), so that id
+        # cannot be reused by another tensor while the entry exists.
+        memo_extra = (id(cu_seq_lens_q), cu_seq_lens_q._version)
+    elif cu_seq_lens_q is not None:
+        if seqlen_q != seqlen_k:
+            raise ValueError(
+                f"cu_seq_lens_q was passed for {seqlen_q} queries over {seqlen_k} keys: pass "
+                "cu_seq_lens_k too (the cumulative key length of every segment), otherwise which "
+                "keys a segment's queries may see is unknown"
+            )
         kind, source = "cu_seq_lens_q", cu_seq_lens_q
     elif attention_mask is not None:
         kind, source = "attention_mask", attention_mask
@@ -392,15 +440,34 @@ def resolve_mask(
 
     def derive() -> FlashMask | None:
         return _derived_mask(
-            batch, seqlen_q, seqlen_k, device, causal, kind, source, sliding_window
+            batch,
+            seqlen_q,
+            seqlen_k,
+            device,
+            causal,
+            kind,
+            source,
+            sliding_window,
+            cu_seq_lens_q=cu_seq_lens_q,
         )
 
-    if source is None:
+    if source is None or torch.compiler.is_compiling():
         return derive()
     # Every layer of a forward gets the same source tensor: derive its mask once, so the layers
     # also share one startend_row_indices tensor (and the kernels' preparation of it).
-    key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window)
+    key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window, kind, *memo_extra)
+    if kind == "cu_seq_lens":
+        return _LAYER_MEMO.get(source, key, lambda: (cu_seq_lens_q, derive()))[1]
     return _LAYER_MEMO.get(source, key, derive)
+
+
+def _may_sync() -> bool:
+    """Whether values may be read back to the host (data-dependent checks and shortcuts): not
+    while ``torch.compile`` traces, nor while a CUDA graph is being captured (a read there would
+    break the graph or fail the capture). The masks themselves never need a read."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _derived_mask(
@@ -412,15 +479,49 @@ def _derived_mask(
     kind: str | None,
     source: torch.Tensor | None,
     sliding_window: int | None,
+    *,
+    cu_seq_lens_q: torch.Tensor | None = None,
 ) -> FlashMask | None:
-    """The mask of the batch-describing input ``source`` (``kind``: ``"cu_seq_lens_q"``,
-    ``"attention_mask"`` or ``"position_ids"``; ``None``: none applies) and the window;
-    ``None`` when nothing narrows plain causal / full attention."""
+    """The mask of the batch-describing input ``source`` (``kind``: ``"cu_seq_lens"`` (source:
+    ``cu_seq_lens_k``), ``"cu_seq_lens_q"``, ``"attention_mask"`` or ``"position_ids"``;
+    ``None``: none applies) and the window; ``None`` when nothing narrows plain causal / full
+    attention. Built from tensor operations alone, so it traces and captures without host syncs;
+    checks that read values run only where :func:`_may_sync` allows."""
     # Per key column j: masked query rows [lts_j, Sq), plus [0, ute_j) when not causal.
     cols = torch.arange(seqlen_k, device=device)
     lts = torch.full((batch, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
     ute = torch.zeros_like(lts)
+    # The query row that stands at key column j's position: bottom-right alignment over the whole
+    # call unless segments place their queries at the end of their own keys.
+    anchor = cols - (seqlen_k - seqlen_q)
+    aligned = True  # whether anchor is the whole call's bottom-right alignment (the causal form)
     shaped = False  # whether anything narrows plain causal / full attention
+    if kind == "cu_seq_lens":
+        cu_q, cu_k = (
+            _cumulative(cu_seq_lens_q, "cu_seq_lens_q"),
+            _cumulative(source, "cu_seq_lens_k"),
+        )
+        same = (
+            seqlen_q == seqlen_k
+            and _may_sync()
+            and cu_q.shape == cu_k.shape
+            and bool(torch.equal(cu_q.to(cu_k.device), cu_k))
+        )
+        if same or (batch > 1 and seqlen_q == seqlen_k and not _may_sync()):
+            # Queries and keys are the same tokens: one causal document per segment, which the
+            # flattened-batch form below handles for any batch size. (Traced with B > 1 the two
+            # cannot be compared; cu_seq_lens_k must then equal cu_seq_lens_q.)
+            kind, source = "cu_seq_lens_q", cu_seq_lens_q
+        elif batch != 1:
+            raise ValueError(
+                "cu_seq_lens_k that differs from cu_seq_lens_q needs a batch of 1 (the segments "
+                f"of a flattened batch), got batch={batch} with {seqlen_q} queries and "
+                f"{seqlen_k} keys"
+            )
+        else:
+            lts, ute, anchor = _segment_bounds(cu_q.to(device), cu_k.to(device), seqlen_q, seqlen_k)
+            aligned = False
+            shaped = True
     if kind == "cu_seq_lens_q":
         starts, valid = _starts_from_cu_seqlens(source, batch, seqlen_k, device)
         ute, doc_end = _document_bounds(starts)
@@ -457,20 +558,25 @@ def _derived_mask(
         starts = torch.ones_like(pos, dtype=torch.bool)
         starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
         # One host sync (per forward, thanks to the memo in resolve_mask) keeps unpacked batches
-        # on the maskless causal fast path.
-        if bool(starts[:, 1:].any()):
+        # on the maskless causal fast path in eager mode; traced or captured, the mask is built.
+        if not _may_sync() or bool(starts[:, 1:].any()):
             ute, lts = _document_bounds(starts)
             shaped = True
 
     if sliding_window is not None:
-        offset = seqlen_k - seqlen_q  # query i stands at key position i + offset
-        lts = torch.minimum(lts, cols + sliding_window - offset)
+        lts = torch.minimum(lts, anchor + sliding_window)
         if not causal:
-            ute = torch.maximum(ute, cols - sliding_window + 1 - offset)
+            ute = torch.maximum(ute, anchor - sliding_window + 1)
         shaped = True
     if not shaped:
         return None
-    return _column_mask(lts, ute, causal, seqlen_q)
+    if aligned:
+        return _column_mask(lts, ute, causal, seqlen_q)
+    if causal:
+        # Causality relative to each key's own anchor is not the whole call's bottom-right
+        # alignment, so it goes into the intervals: key j is hidden from rows above its anchor.
+        ute = torch.maximum(ute, anchor)
+    return _column_mask(lts, ute, False, seqlen_q)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -554,20 +660,74 @@ def _starts_from_cu_seqlens(
     cu_seq_lens: torch.Tensor, batch: int, seqlen: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Document starts and real-token flags ``[B, S]`` from cumulative lengths over the flattened
-    ``B * S`` tokens (tokens past the last boundary are padding)."""
-    cu = cu_seq_lens.to(device=device, dtype=torch.int64).flatten()
+    ``B * S`` tokens. Tokens past the last boundary are padding: they start a block of their own
+    (so padded queries see no real key) and are flagged as not real."""
+    cu = _cumulative(cu_seq_lens, "cu_seq_lens_q").to(device)
     total = batch * seqlen
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) > total or bool((cu.diff() < 0).any()):
-        raise ValueError(
-            f"cu_seq_lens_q must rise from 0 to at most batch * seqlen = {total}, got "
-            f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}"
-        )
-    starts = torch.zeros(total, dtype=torch.bool, device=device)
-    starts[cu[:-1].clamp(max=total - 1)] = True
-    starts = starts.view(batch, seqlen).clone()
+    if _may_sync():
+        _check_cumulative("cu_seq_lens_q", cu, total, "batch * seqlen")
+    # One slot past the end takes a boundary at B * S (no padding), so no value needs a check.
+    starts = torch.zeros(total + 1, dtype=torch.bool, device=device)
+    starts[cu.clamp(0, total)] = True
+    starts = starts[:total].view(batch, seqlen).clone()
     starts[:, 0] = True  # a row never continues the previous one
     valid = (torch.arange(total, device=device) < cu[-1]).view(batch, seqlen)
     return starts, valid
+
+
+def _cumulative(cu_seq_lens: torch.Tensor, name: str) -> torch.Tensor:
+    """``cu_seq_lens`` as a flat int64 tensor of at least two entries (a shape check only)."""
+    cu = cu_seq_lens.to(dtype=torch.int64).flatten()
+    if cu.numel() < 2:
+        raise ValueError(
+            f"{name} must hold at least two cumulative lengths [0, ...], got shape "
+            f"{tuple(cu_seq_lens.shape)}"
+        )
+    return cu
+
+
+def _check_cumulative(name: str, cu: torch.Tensor, limit: int, limit_name: str) -> None:
+    """``cu`` rises from 0 to at most ``limit`` (reads the values: eager mode only)."""
+    if int(cu[0]) != 0 or int(cu[-1]) > limit or bool((cu.diff() < 0).any()):
+        raise ValueError(
+            f"{name} must rise from 0 to at most {limit_name} = {limit}, got "
+            f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}"
+        )
+
+
+def _segment_bounds(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, seqlen_q: int, seqlen_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lts, ute, anchor)``, each int64 ``[1, Sk]``, of segments whose queries and keys are
+    packed one segment after the other (continuous batching).
+
+    Segment ``r`` has queries ``[cu_q[r], cu_q[r+1])`` and keys ``[cu_k[r], cu_k[r+1])``, its
+    last query standing at its last key. Key column ``j`` of segment ``r`` is visible to query
+    rows ``[cu_q[r], cu_q[r+1])`` only: masked rows ``[0, ute_j)`` and ``[lts_j, Sq)``, one
+    visible run per column, so every such layout is a non-causal ``C = 2`` FlashMask whatever
+    the segment lengths. ``anchor_j = j - cu_k[r+1] + cu_q[r+1]`` is the query row at key ``j``'s
+    position (causality and windows are relative to it). Keys past the last segment (padding)
+    are hidden from every row.
+    """
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            "cu_seq_lens_q and cu_seq_lens_k must describe the same segments, got "
+            f"{cu_q.numel()} and {cu_k.numel()} boundaries"
+        )
+    if _may_sync():
+        _check_cumulative("cu_seq_lens_q", cu_q, seqlen_q, "seqlen_q")
+        _check_cumulative("cu_seq_lens_k", cu_k, seqlen_k, "seqlen_k")
+    segments = cu_k.numel() - 1
+    cols = torch.arange(seqlen_k, device=cu_k.device)
+    # Segment of key j: the number of segment ends at or before j (empty segments never match).
+    seg = torch.searchsorted(cu_k[1:].contiguous(), cols, right=True)
+    inside = (seg < segments) & (cols >= cu_k[0])
+    seg = seg.clamp(max=segments - 1)
+    q_start, q_end, k_end = cu_q[seg], cu_q[seg + 1], cu_k[seg + 1]
+    lts = torch.where(inside, q_end, 0)
+    ute = torch.where(inside, q_start, 0)
+    anchor = cols - k_end + q_end
+    return lts.unsqueeze(0), ute.unsqueeze(0), anchor.unsqueeze(0)
 
 
 def _from_dense_4d(
