@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from flashmask.integrations import transformers as fm_transformers  # noqa: E402
 from tests.integrations.tiny import tiny_model, variant  # noqa: E402
+from tests.tolerance import assert_close_to_reference  # noqa: E402
 
 F32 = torch.float32
 CPU = torch.device("cpu")
@@ -129,3 +130,123 @@ def test_continuous_batching_generates_the_tokens_of_eager_attention(kind, extra
     assert tokens["flashmask"] == tokens["eager"]
     # The backend really saw requests packed together, with fewer queries than keys.
     assert any(sq < sk and segments >= 3 for sq, sk, segments in calls), sorted(set(calls))
+
+
+# ---------------------------------------------------------------------- static caches, generate
+def _left_padded(lengths: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths, left-padded with token 0: ``(input_ids, attention_mask)``."""
+    prompts = _prompts(lengths, seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(("kind", "extra"), [("llama", {}), ("mistral", {"sliding_window": 4})])
+def test_batched_generate_with_left_padding_gives_the_tokens_of_eager_attention(cache, kind, extra):
+    """Greedy ``generate`` over left-padded prompts of different lengths. A static cache keeps a
+    padding mask shorter than its slots (transformers' flash-style backends) and puts the
+    queries after the tokens cached so far, not at the end of its keys; a sliding-window model
+    gets transformers' sliding static layers (a rolling window of keys)."""
+    model = tiny_model(kind, **extra)
+    input_ids, attention_mask = _left_padded((9, 4, 6), seed=21)
+    tokens = []
+    for attn in ("eager", "flashmask"):
+        m = variant(model, attn, F32)
+        m.generation_config.pad_token_id = 0
+        tokens.append(
+            m.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=8,
+                do_sample=False,
+                cache_implementation=cache,
+            )
+        )
+    assert torch.equal(tokens[1], tokens[0])
+
+
+def test_static_cache_forward_without_a_mask_matches_eager():
+    """A prefill then two decode steps straight through ``model(...)`` with a ``StaticCache`` and
+    no attention mask: the cache's empty slots stay hidden (the queries stand after the cached
+    tokens, not at the end of the 24 slots)."""
+    model = tiny_model("llama")
+    input_ids = torch.randint(1, 256, (2, 11), generator=torch.Generator().manual_seed(22))
+    steps = (slice(0, 9), slice(9, 10), slice(10, 11))
+    logits = {}
+    for attn, dtype in (("flashmask", F32), ("eager", torch.float64), ("eager", F32)):
+        m = variant(model, attn, dtype)
+        cache = transformers.StaticCache(config=m.config, max_cache_len=24)
+        with torch.no_grad():
+            outs = [m(input_ids[:, step], cache=cache, use_cache=True).logits for step in steps]
+        logits[attn, dtype] = torch.cat(outs, dim=1)
+    assert_close_to_reference(
+        logits["flashmask", F32],
+        logits["eager", torch.float64],
+        logits["eager", F32],
+        "logits",
+        context="static cache",
+    )
+
+
+def test_mask_hook_gives_key_rows_for_a_static_cache():
+    """Queries at positions 5..7 over a static cache of 10 slots, with a padded first token."""
+    hook = fm_transformers.flashmask_mask_interface
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    for offset in (5, torch.tensor(5)):
+        rows = hook(1, 3, 10, offset, 0, attention_mask=padding, device=CPU)
+        hidden = fm_transformers.KEY_ROW_HIDDEN
+        assert rows.dtype == torch.int32 and rows.shape == (1, 1, 1, 10)
+        # Key j stands at query row j - 5; the padded key and the unwritten slots 8, 9 are hidden.
+        assert rows.flatten().tolist() == [hidden, -4, -3, -2, -1, 0, 1, 2, hidden, hidden]
+    # Older transformers pass the queries' positions instead of q_length and q_offset.
+    by_position = hook(1, kv_length=10, attention_mask=padding, cache_position=torch.arange(5, 8))
+    assert torch.equal(by_position, rows)
+    # Queries at the end of the keys (no cache, a dynamic cache): the padding mask, or nothing.
+    assert torch.equal(hook(1, 3, 8, 5, 0, attention_mask=padding), padding)
+    assert hook(1, 3, 8, 5, 0, attention_mask=torch.ones_like(padding)) is None
+    assert hook(1, 8, 8, torch.tensor(0), 0) is None
+    # Fewer keys than positions before the queries (a cache that compacts its keys): the last.
+    assert hook(1, 1, 6, 40, 0) is None
+
+
+def test_key_rows_mask_every_kind_of_module():
+    """The mask the key rows give, element by element: causal modules hide keys after each
+    query's position, every module hides padded keys, windows count from the position."""
+    hidden = fm_transformers.KEY_ROW_HIDDEN
+    rows = torch.tensor([hidden, -4, -3, -2, -1, 0, 1, 2, 3, 4], dtype=torch.int32)
+    position = torch.arange(3).view(-1, 1)  # query row i stands where rows == i
+    key = rows.view(1, -1)
+    real = key < hidden
+    for causal, window, expected in (
+        (True, None, real & (key <= position)),
+        (True, 3, real & (key <= position) & (key > position - 3)),
+        (False, None, real.expand(3, -1)),
+        (False, 2, real & ((key - position).abs() < 2)),
+    ):
+        mask = fm_transformers.resolve_mask(
+            1,
+            3,
+            10,
+            device=CPU,
+            causal=causal,
+            attention_mask=rows.view(1, 1, 1, 10),
+            sliding_window=window,
+        )
+        assert torch.equal(mask.to_dense()[0, 0], expected), (causal, window)
+    with pytest.raises(ValueError, match="sized for another layer's keys"):
+        fm_transformers.resolve_mask(1, 3, 12, device=CPU, attention_mask=rows.view(1, 1, 1, 10))
+
+
+def test_layer_policies_with_a_static_cache_are_an_error():
+    import flashmask
+
+    model = variant(tiny_model("llama"), "flashmask", F32)
+    flashmask.apply_flashmask(model, mask="sliding_window", window=4)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="layer mask policy"):
+        model(torch.randint(1, 256, (1, 5)), cache=cache, use_cache=True)

@@ -22,22 +22,29 @@ Which mask it applies, first match wins:
    unless the call also passes ``flashmask_bidirectional=True``. A FlashMask built for another
    query length than the call's (e.g. a training mask reused during generation) is an error too
    (:meth:`~flashmask.FlashMask.with_seqlen_q`);
-2. ``cu_seq_lens_q`` (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+2. queries that do not stand at the end of the keys: a static cache (``StaticCache``,
+   ``generate(..., cache_implementation="static")``) hands every slot over as a key, the queries
+   after the tokens cached so far. The mask hook (:func:`flashmask_mask_interface`) then passes
+   *key rows* (the query row at each key's position, from the cache's offset tensor, computed on
+   the device without a host read, as compiled and CUDA-graph decoding need); keys after a
+   query's position (the empty slots included) and padded keys are hidden. Layer policies assume
+   the queries are the last keys: with such a cache they are an error;
+3. ``cu_seq_lens_q`` (``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
    one causal document per segment. With ``cu_seq_lens_k`` covering more keys than queries
    (continuous batching, ``model.generate_batch``: each request's new tokens are its queries, its
    cached and new tokens its keys), segment ``r``'s queries see only segment ``r``'s keys, causal
    with the segment's last query at its last key. Every such layout is one visible run of query
    rows per key column, a non-causal ``C = 2`` FlashMask; ``cu_seq_lens_q`` alone over more keys
    than queries is an error (the keys' segments would be unknown);
-3. a 2-D padding mask ``attention_mask [B, Sk]`` with zeros: padded keys are hidden from every
+4. a 2-D padding mask ``attention_mask [B, Sk]`` with zeros: padded keys are hidden from every
    query; when each row's real tokens are one contiguous run (left or right padding) padded
    queries see nothing (output 0), otherwise they see the real keys before them, as in SDPA;
-4. packed ``position_ids`` (no padding mask): a new document starts wherever the position does
+5. packed ``position_ids`` (no padding mask): a new document starts wherever the position does
    not continue the previous one by +1 (transformers' own rule), each document causal, as TRL's
    packing / padding-free collators expect (transformers' SDPA/eager paths skip this while a KV
    cache is in use, e.g. ``model.eval()`` with ``use_cache=True``; here it applies whenever
    queries and keys are the same tokens);
-5. plain causal (or full, for a module with ``is_causal = False``).
+6. plain causal (or full, for a module with ``is_causal = False``).
 
 A model whose attention layers pass ``sliding_window=w`` (Mistral, Qwen2 with
 ``use_sliding_window``) gets transformers' window (query ``i`` sees keys ``(i - w, i]``)
@@ -88,6 +95,7 @@ except ImportError:  # pragma: no cover - depends on the installed version
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "KEY_ROW_HIDDEN",
     "POLICY_ATTR",
     "MaskContext",
     "enable_activation_checkpointing",
@@ -101,6 +109,10 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "flashmask"
 """The ``attn_implementation`` name this module registers."""
+
+KEY_ROW_HIDDEN = 1 << 30
+"""The key row :func:`flashmask_mask_interface` gives a key no query may see (padding): beyond
+every query length, and hidden from every query row whatever the module's causality."""
 
 POLICY_ATTR = "flashmask_policy"
 """The attribute of an attention module that holds its mask policy
@@ -188,24 +200,80 @@ def flashmask_mask_interface(
     batch_size: int,
     q_length: int | None = None,
     kv_length: int | None = None,
+    q_offset: int | torch.Tensor | None = None,
+    kv_offset: int = 0,
     *,
     attention_mask: torch.Tensor | None = None,
+    cache_position: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """transformers' mask hook: the 2-D padding mask ``[B, kv_length]`` (bool, True = real token)
-    when it has a zero, else ``None``.
+    """transformers' mask hook: what the attention function needs beyond its query and key
+    tensors, in O(Sk) memory.
 
-    The attention function builds the FlashMask itself (from this, the position ids or an
-    explicit mask), so nothing O(S^2) is ever materialised. Keyword-only extras differ between
-    transformers versions and are ignored.
+    transformers calls it once per forward (per kind of layer) with the number of queries
+    ``q_length`` and keys ``kv_length`` and where they stand: query ``i`` at position
+    ``q_offset + i``, key ``j`` at position ``kv_offset + j``. It returns
+
+    * ``None`` when the queries are the last keys (no cache, a dynamic cache) and no key is
+      padding;
+    * the 2-D padding mask ``[B, kv_length]`` (bool, True = real key) when the queries are the
+      last keys and some key is padding;
+    * otherwise *key rows*, int32 ``[B or 1, 1, 1, kv_length]``: for key ``j`` the query row at
+      its position, ``j + kv_offset - q_offset`` (:data:`KEY_ROW_HIDDEN` for a padded key). A
+      static cache is the case: its keys are all its slots, the queries stand after the tokens
+      cached so far (``q_offset``, a tensor) and the slots after them are empty. The rows are
+      computed on the device without reading ``q_offset``, so a compiled or CUDA-graph decode
+      step captures them; transformers hands a 4-D tensor to the layers unchanged (``generate``
+      builds it once per step for a static cache and passes it to the model).
+
+    The 2-D ``attention_mask`` covers positions ``[0, its length)``; as in transformers' own
+    masks it is cut to ``[kv_offset, kv_offset + kv_length)`` and padded with False (slots not
+    written yet). Sizes that put the queries past the last key (a cache that compacts its keys,
+    such as :class:`flashmask.integrations.streaming.StreamingLayer`) mean the queries are the
+    last keys. Versions of transformers that pass ``cache_position`` (the queries' positions)
+    instead of ``q_length``/``q_offset`` are read from it; other keyword extras are ignored.
+    Whether every key is real is read on the host only outside ``torch.compile`` tracing and
+    CUDA graph capture (there the padding mask is returned as it is).
     """
-    if attention_mask is None or attention_mask.dim() != 2:
-        return attention_mask
-    if kv_length is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
-        return None
-    return attention_mask.bool()
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return attention_mask  # a 4-D mask of the caller's, passed on as it is
+    if cache_position is not None:
+        q_length = cache_position.shape[-1] if q_length is None else q_length
+        q_offset = cache_position.reshape(-1)[0] if q_offset is None else q_offset
+    if kv_length is None or q_length is None:
+        # A caller that gives no sizes: the padding mask as it is.
+        if attention_mask is None or (_may_sync() and bool(attention_mask.all())):
+            return None
+        return attention_mask.to(torch.bool)
+    offset = (0 if q_offset is None else q_offset) - kv_offset  # key column of query row 0
+    if isinstance(offset, torch.Tensor) and _may_sync():
+        offset = int(offset)
+    valid = None
+    if attention_mask is not None:
+        valid = attention_mask.to(torch.bool)
+        end = kv_offset + kv_length
+        if valid.shape[-1] < end:
+            valid = torch.nn.functional.pad(valid, (0, end - valid.shape[-1]), value=False)
+        valid = valid[:, kv_offset:end]
+    # The queries are the last keys unless a static cache's sizes say otherwise: as many keys as
+    # queries leave no other place, and an int offset past the last place (keys fewer than the
+    # positions before the queries: a cache that compacts its keys) keeps them last too.
+    if q_length == kv_length:
+        last = True
+    elif isinstance(offset, torch.Tensor):
+        last = False
+    else:
+        last = offset >= kv_length - q_length
+    if last:
+        if valid is None or (_may_sync() and bool(valid.all())):
+            return None
+        return valid
+    device = kwargs.get("device")
+    if device is None:
+        device = valid.device if valid is not None else getattr(offset, "device", "cpu")
+    rows = torch.arange(kv_length, device=device) - offset
+    rows = rows.unsqueeze(0) if valid is None else torch.where(valid, rows, KEY_ROW_HIDDEN)
+    return rows.to(torch.int32)[:, None, None, :]
 
 
 def flashmask_attention_forward(
@@ -231,11 +299,11 @@ def flashmask_attention_forward(
     """transformers attention function: ``query [B, Hq, Sq, D]``, ``key``/``value
     [B, Hk, Sk, D]`` -> ``(out [B, Sq, Hq, D], None)``.
 
-    ``attention_mask`` is what :func:`flashmask_mask_interface` returned (a 2-D padding mask or
-    ``None``) or a 4-D mask passed by the caller. The mask applied is described in the module
-    docstring; ``scaling`` defaults to ``D ** -0.5``. ``flashmask``, ``startend_row_indices``
-    and ``flashmask_bidirectional`` (allow a non-causal explicit mask on a causal module) come
-    from the model call's keyword arguments.
+    ``attention_mask`` is what :func:`flashmask_mask_interface` returned (``None``, a 2-D
+    padding mask or int32 key rows) or a 4-D mask passed by the caller. The mask applied is
+    described in the module docstring; ``scaling`` defaults to ``D ** -0.5``. ``flashmask``,
+    ``startend_row_indices`` and ``flashmask_bidirectional`` (allow a non-causal explicit mask on
+    a causal module) come from the model call's keyword arguments.
 
     Raises:
         ValueError: a non-causal explicit mask on a causal module without
@@ -267,6 +335,13 @@ def flashmask_attention_forward(
     # A layer policy from apply_flashmask supplies the causal structure itself; the batch then
     # contributes only its boundaries (documents, padding) as a non-causal mask.
     has_policy = policy_of(module) is not None
+    if has_policy and _is_key_rows(attention_mask):
+        raise ValueError(
+            "a layer mask policy (apply_flashmask) puts the queries at the end of the keys, but "
+            "this call's queries stand elsewhere among them (a static cache: its empty slots "
+            "follow the queries); use a dynamic cache (or flashmask.integrations.streaming) "
+            "with layer policies"
+        )
     if has_policy and cu_seq_lens_k is not None and seqlen_q != seqlen_k:
         # A policy's masks put every query at the end of all the keys; here each segment's queries
         # stand at the end of their own segment of keys.
@@ -368,8 +443,11 @@ def resolve_mask(
         causal: the attention module's causality (used for every mask but an explicit one).
         explicit: a :class:`FlashMask` or int32 ``startend_row_indices [B or 1, Hm, Sk, C]``.
         attention_mask: a 2-D padding mask ``[B, >= Sk]`` (the last ``Sk`` columns are used;
-            nonzero = real token) or a 4-D dense mask (bool True = attend, or additive float
-            with 0 = attend).
+            nonzero = real token), a 4-D dense mask (bool True = attend, or additive float
+            with 0 = attend), or the int32 key rows ``[B or 1, 1, 1, Sk]`` of
+            :func:`flashmask_mask_interface` (queries that do not stand at the end of the keys,
+            e.g. with a static cache: key ``j`` is at query row ``rows[j]``'s position, and
+            causal modules hide it from the rows above).
         position_ids: ``[B or 1, Sq]`` positions; restarts mark packed documents.
         cu_seq_lens_q: int ``[N + 1]`` cumulative query lengths of ``N`` segments (documents or
             requests) over the flattened batch.
@@ -398,13 +476,14 @@ def resolve_mask(
             window = _window_only(seqlen_q, seqlen_k, mask.causal, sliding_window, device)
             mask = intersect(mask, window, seqlen_q=seqlen_q)
         return mask
-    if attention_mask is not None and attention_mask.dim() == 4:
+    key_rows = _is_key_rows(attention_mask)
+    if attention_mask is not None and attention_mask.dim() == 4 and not key_rows:
         mask = _from_dense_4d(attention_mask, batch, seqlen_q, seqlen_k, device)
         if sliding_window is not None:
             window = _window_only(seqlen_q, seqlen_k, mask.causal, sliding_window, device)
             mask = intersect(mask, window, seqlen_q=seqlen_q)
         return mask
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2 and not key_rows:
         raise ValueError(
             "attention_mask must be a 2-D padding mask [batch, seqlen_k] or a 4-D mask, got "
             f"shape {tuple(attention_mask.shape)}"
@@ -412,7 +491,9 @@ def resolve_mask(
 
     # The one batch-describing input that applies, first match wins.
     memo_extra: tuple[Any, ...] = ()
-    if cu_seq_lens_k is not None:
+    if key_rows:
+        kind, source = "key_rows", attention_mask
+    elif cu_seq_lens_k is not None:
         if cu_seq_lens_q is None:
             raise ValueError(
                 "cu_seq_lens_k was passed without cu_seq_lens_q: pass both (cumulative query and "
@@ -461,6 +542,18 @@ def resolve_mask(
     return _LAYER_MEMO.get(source, key, derive)
 
 
+def _is_key_rows(attention_mask: torch.Tensor | None) -> bool:
+    """Whether ``attention_mask`` is the key rows of :func:`flashmask_mask_interface` (a 4-D
+    integer tensor: transformers' own 4-D masks are bool or float)."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and not attention_mask.is_floating_point()
+        and not attention_mask.is_complex()
+        and attention_mask.dtype != torch.bool
+    )
+
+
 def _may_sync() -> bool:
     """Whether values may be read back to the host (data-dependent checks and shortcuts): not
     while ``torch.compile`` traces, nor while a CUDA graph is being captured (a read there would
@@ -482,8 +575,9 @@ def _derived_mask(
     *,
     cu_seq_lens_q: torch.Tensor | None = None,
 ) -> FlashMask | None:
-    """The mask of the batch-describing input ``source`` (``kind``: ``"cu_seq_lens"`` (source:
-    ``cu_seq_lens_k``), ``"cu_seq_lens_q"``, ``"attention_mask"`` or ``"position_ids"``;
+    """The mask of the batch-describing input ``source`` (``kind``: ``"key_rows"``,
+    ``"cu_seq_lens"`` (source: ``cu_seq_lens_k``), ``"cu_seq_lens_q"``, ``"attention_mask"`` or
+    ``"position_ids"``;
     ``None``: none applies) and the window; ``None`` when nothing narrows plain causal / full
     attention. Built from tensor operations alone, so it traces and captures without host syncs;
     checks that read values run only where :func:`_may_sync` allows."""
@@ -496,7 +590,22 @@ def _derived_mask(
     anchor = cols - (seqlen_k - seqlen_q)
     aligned = True  # whether anchor is the whole call's bottom-right alignment (the causal form)
     shaped = False  # whether anything narrows plain causal / full attention
-    if kind == "cu_seq_lens":
+    if kind == "key_rows":
+        if (
+            source.shape[1:3] != (1, 1)
+            or source.shape[0] not in (1, batch)
+            or (source.shape[-1] != seqlen_k)
+        ):
+            raise ValueError(
+                f"the key rows of flashmask_mask_interface must be [batch={batch} or 1, 1, 1, "
+                f"seqlen_k={seqlen_k}], got shape {tuple(source.shape)} (the mask was sized for "
+                "another layer's keys)"
+            )
+        anchor = source[:, 0, 0, :].to(device=device, dtype=torch.int64).expand(batch, -1)
+        lts = torch.where(anchor >= KEY_ROW_HIDDEN, 0, lts)
+        aligned = False
+        shaped = True
+    elif kind == "cu_seq_lens":
         cu_q, cu_k = (
             _cumulative(cu_seq_lens_q, "cu_seq_lens_q"),
             _cumulative(source, "cu_seq_lens_k"),
