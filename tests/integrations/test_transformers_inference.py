@@ -250,3 +250,105 @@ def test_layer_policies_with_a_static_cache_are_an_error():
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(ValueError, match="layer mask policy"):
         model(torch.randint(1, 256, (1, 5)), cache=cache, use_cache=True)
+
+
+# ---------------------------------------------------------------------- torch.compile
+def _compile_recording(model) -> tuple[torch.nn.Module, list]:
+    """``torch.compile(model, fullgraph=True)`` (any graph break raises) with a backend that
+    records every graph it is given (one per compilation, recompilations included) and runs it
+    as traced."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return torch.compile(model, fullgraph=True, backend=backend), graphs
+
+
+def _calls_flashmask(graphs: list) -> bool:
+    """Whether the traced graphs call flashmask's attention op (the attention really was
+    traced through the backend, not around it)."""
+    op = torch.ops.flashmask.attention_forward.default
+    return any(node.target is op for g in graphs for node in g.graph.nodes)
+
+
+def _packing_inputs(source: str, doc_lens: list[int], seed: int) -> tuple[dict, dict]:
+    """One packed row of documents ``doc_lens`` described by ``source``: ``(inputs for the
+    flashmask model, inputs for eager attention)``. Eager attention reads packing from
+    ``position_ids`` and padding from the 2-D mask; it ignores ``cu_seq_lens_*``."""
+    seqlen = sum(doc_lens)
+    input_ids = torch.randint(1, 256, (1, seqlen), generator=torch.Generator().manual_seed(seed))
+    positions = torch.cat([torch.arange(n) for n in doc_lens]).unsqueeze(0)
+    if source == "position_ids":
+        inputs = {"input_ids": input_ids, "position_ids": positions}
+        return inputs, inputs
+    if source == "cu_seq_lens":
+        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
+        flat = {"input_ids": input_ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone()}
+        return flat, {"input_ids": input_ids, "position_ids": positions}
+    # attention_mask: the first document is left padding.
+    attention_mask = (torch.arange(seqlen) >= doc_lens[0]).long().unsqueeze(0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    return inputs, inputs
+
+
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens", "attention_mask"])
+def test_fullgraph_compile_over_different_packings_matches_eager(source):
+    """``torch.compile(fullgraph=True)`` traces every derived-mask path without a graph break
+    (no value is read back to the host), a second packing of the same length reuses the graph
+    (mask values are data, not guards), and the logits are eager attention's."""
+    model = tiny_model("llama")
+    compiled, graphs = _compile_recording(variant(model, "flashmask", F32))
+    # transformers' float64 eager attention turns a padding mask into NaN (its additive mask
+    # overflows); SDPA is the reference there.
+    reference = "sdpa" if source == "attention_mask" else "eager"
+    references = {dtype: variant(model, reference, dtype) for dtype in (torch.float64, F32)}
+    for seed, doc_lens in enumerate(([5, 7, 4], [9, 2, 5])):
+        inputs, eager_inputs = _packing_inputs(source, doc_lens, seed)
+        with torch.no_grad():
+            actual = compiled(**inputs, use_cache=False).logits
+            expected = {
+                dtype: ref(**eager_inputs, use_cache=False).logits
+                for dtype, ref in references.items()
+            }
+        real = slice(doc_lens[0], None) if source == "attention_mask" else slice(None)
+        assert_close_to_reference(
+            actual[:, real],
+            expected[torch.float64][:, real],
+            expected[F32][:, real],
+            "logits",
+            context=f"{source} {doc_lens}",
+        )
+    assert len(graphs) == 1
+    assert _calls_flashmask(graphs)
+
+
+def test_fullgraph_compile_of_static_cache_decoding_matches_eager():
+    """The decode steps of CUDA-graph generation: a static cache, compiled with
+    ``fullgraph=True`` after an eager prefill. The cache's offset tensor changes every step;
+    the graph is traced once and every step's logits are eager attention's."""
+    model = tiny_model("llama")
+    input_ids = torch.randint(1, 256, (2, 11), generator=torch.Generator().manual_seed(23))
+    flashmask_model = variant(model, "flashmask", F32)
+    compiled, graphs = _compile_recording(flashmask_model)
+    logits = {}
+    for attn, dtype in (("flashmask", F32), ("eager", torch.float64), ("eager", F32)):
+        m = flashmask_model if attn == "flashmask" else variant(model, attn, dtype)
+        decode = compiled if attn == "flashmask" else m
+        cache = transformers.StaticCache(config=m.config, max_cache_len=16)
+        with torch.no_grad():
+            steps = [m(input_ids[:, :8], cache=cache, use_cache=True).logits]
+            for i in range(8, 11):
+                steps.append(decode(input_ids[:, i : i + 1], cache=cache, use_cache=True).logits)
+        logits[attn, dtype] = torch.cat(steps, dim=1)
+    assert len(graphs) == 1
+    assert _calls_flashmask(graphs)
+    assert_close_to_reference(
+        logits["flashmask", F32],
+        logits["eager", torch.float64],
+        logits["eager", F32],
+        "logits",
+        context="compiled static-cache decoding",
+    )

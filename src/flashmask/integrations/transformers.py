@@ -53,6 +53,11 @@ intersected with the mask above; for the built-in masks that is one interval per
 (a dense bool or additive mask passed as ``attention_mask``) is converted with
 :meth:`FlashMask.from_dense` (O(S^2) per layer: meant for tests and compatibility).
 
+Every mask is built from tensor operations on the device, with no value read back to the host,
+so ``torch.compile(model, fullgraph=True)`` traces it without a graph break and CUDA graphs
+capture it; checks that read values and the eager-mode shortcuts to the maskless causal path
+run only outside tracing and capture (:func:`_may_sync`).
+
 Dtypes: under autocast, attention runs in the autocast dtype (as SDPA does; autocast can hand
 over mixed dtypes). Otherwise CPU inputs of any float dtype run the exact reference; on CUDA,
 float32 inputs (PEFT upcasts layer norms) are cast to the dtype the Triton kernels take (that of
@@ -490,7 +495,6 @@ def resolve_mask(
         )
 
     # The one batch-describing input that applies, first match wins.
-    memo_extra: tuple[Any, ...] = ()
     if key_rows:
         kind, source = "key_rows", attention_mask
     elif cu_seq_lens_k is not None:
@@ -500,10 +504,6 @@ def resolve_mask(
                 "key lengths of the same segments)"
             )
         kind, source = "cu_seq_lens", cu_seq_lens_k
-        # The mask depends on both tensors: the entry is keyed by cu_seq_lens_k and names
-        # cu_seq_lens_q by id and version; the entry holds cu_seq_lens_q (see below), so that id
-        # cannot be reused by another tensor while the entry exists.
-        memo_extra = (id(cu_seq_lens_q), cu_seq_lens_q._version)
     elif cu_seq_lens_q is not None:
         if seqlen_q != seqlen_k:
             raise ValueError(
@@ -536,8 +536,13 @@ def resolve_mask(
         return derive()
     # Every layer of a forward gets the same source tensor: derive its mask once, so the layers
     # also share one startend_row_indices tensor (and the kernels' preparation of it).
-    key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window, kind, *memo_extra)
+    # (Not while tracing: reading a tensor's identity there would guard the graph on it.)
+    key = (batch, seqlen_q, seqlen_k, device, causal, sliding_window, kind)
     if kind == "cu_seq_lens":
+        # The mask depends on both tensors: the entry is keyed by cu_seq_lens_k and names
+        # cu_seq_lens_q by id and version; the entry holds cu_seq_lens_q, so that id cannot be
+        # reused by another tensor while the entry exists.
+        key = (*key, id(cu_seq_lens_q), cu_seq_lens_q._version)
         return _LAYER_MEMO.get(source, key, lambda: (cu_seq_lens_q, derive()))[1]
     return _LAYER_MEMO.get(source, key, derive)
 
