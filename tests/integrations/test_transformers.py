@@ -7,6 +7,7 @@ backend as the low-precision yardstick.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -84,6 +85,111 @@ def test_import_flashmask_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------- the launcher
+_TRAIN_TOOL = """\
+import argparse, sys
+
+import torch
+import transformers
+
+
+def main():
+    # A tool that never imports flashmask and takes the backend's name on its command line.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attn_implementation")
+    args = parser.parse_args()
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=args.attn_implementation
+    )
+    model(torch.arange(8).unsqueeze(0), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
+    print("trained with", model.config._attn_implementation, sys.argv)
+    return 0
+"""
+
+
+def _install_console_script(root, name: str, module: str, source: str) -> None:
+    """A distribution under ``root`` (a ``sys.path`` entry) whose console script ``name`` runs
+    ``module.main``, as ``pip install`` would register it."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[console_scripts]\n{name} = {module}:main\n")
+
+
+def test_launcher_runs_a_console_script_that_never_imports_flashmask(tmp_path):
+    """``python -m flashmask.run TOOL ...`` (as ``trl sft --attn_implementation flashmask``):
+    the tool, resolved by name among the installed console scripts, runs in the launcher's
+    process with the backend registered. Called without the launcher, the same tool fails with
+    transformers' "not supported" error. (One interpreter does both, the launcher run exactly as
+    ``python -m`` runs a module, to start torch and transformers once.)"""
+    _install_console_script(tmp_path, "fm-train-tool", "fm_train_tool", _TRAIN_TOOL)
+    code = (
+        "import runpy, sys\n"
+        "import fm_train_tool\n"
+        "sys.argv = ['fm-train-tool', '--attn_implementation', 'flashmask']\n"
+        "try:\n"
+        "    fm_train_tool.main()\n"
+        "except ValueError as error:\n"
+        "    print('without the launcher:', error)\n"
+        "assert 'flashmask' not in sys.modules\n"
+        "sys.argv = ['-m', 'fm-train-tool', '--attn_implementation', 'flashmask']\n"
+        "runpy.run_module('flashmask.run', run_name='__main__', alter_sys=True)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.split("\n", 1)
+    assert before.startswith("without the launcher:") and "is not supported" in before
+    expected = "trained with flashmask ['fm-train-tool', '--attn_implementation', 'flashmask']"
+    assert after.strip() == expected
+
+
+def test_launcher_runs_files_and_modules_as_main(tmp_path, monkeypatch, capsys):
+    from flashmask import run
+
+    code = (
+        "import sys\n"
+        "from transformers import AttentionInterface\n"
+        "assert __name__ == '__main__'\n"
+        "print('registered', 'flashmask' in AttentionInterface._global_mapping, sys.argv[1:])\n"
+        "sys.exit(int(sys.argv[-1]))\n"
+    )
+    (tmp_path / "fm_launch_target.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = sys.argv
+    assert run.main([str(tmp_path / "fm_launch_target.py"), "--flag", "0"]) == 0
+    assert run.main(["-m", "fm_launch_target", "3"]) == 3
+    assert capsys.readouterr().out.splitlines() == [
+        "registered True ['--flag', '0']",
+        "registered True ['3']",
+    ]
+    assert sys.argv is argv  # restored
+
+
+def test_launcher_usage_errors(capsys):
+    from flashmask import run
+
+    assert run.main([]) == 2
+    assert "usage: python -m flashmask.run COMMAND" in capsys.readouterr().err
+    assert run.main(["-m"]) == 2
+    assert "-m needs a MODULE" in capsys.readouterr().err
+    assert run.main(["no-such-tool-for-flashmask"]) == 2
+    assert "neither a Python file nor a console script" in capsys.readouterr().err
+    assert run.main(["--help"]) == 0
+    assert "COMMAND is one of" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- packed sequences

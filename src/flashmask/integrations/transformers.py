@@ -6,6 +6,10 @@ Importing this module registers the backend::
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flashmask")
     loss = model(**batch).loss   # batch from flashmask.integrations.data.pack_sft
 
+Command-line tools that never import flashmask (``trl sft --attn_implementation flashmask``)
+run through the launcher, which registers the backend first: ``python -m flashmask.run trl sft
+...`` (:mod:`flashmask.run`).
+
 It works for models that call transformers' attention interface (Llama, Qwen2, Mistral and most
 decoder-only models of transformers >= 5). The attention function receives ``[B, H, S, D]``
 query/key/value, runs :func:`flashmask.flashmask_attention` on ``[B, S, H, D]`` views (GQA
