@@ -170,6 +170,29 @@ def test_batched_generate_with_left_padding_gives_the_tokens_of_eager_attention(
     assert torch.equal(tokens[1], tokens[0])
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_chunked_prefill_over_a_left_padded_cache_matches_eager(cache):
+    """A left-padded batch prefilled in two chunks through ``model(...)``: the second chunk's
+    3 queries stand after 6 cached keys, some of them padding (a 2-D mask over all 9)."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = _left_padded((9, 5, 7), seed=24)
+    logits = {}
+    # transformers' float64 eager attention turns a padding mask into NaN: SDPA is the truth.
+    for attn, dtype in (("flashmask", F32), ("sdpa", torch.float64), ("eager", F32)):
+        m = variant(model, attn, dtype)
+        if cache == "static":
+            kv = transformers.StaticCache(config=m.config, max_cache_len=16)
+        else:
+            kv = transformers.DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(input_ids[:, :6], attention_mask=attention_mask[:, :6], cache=kv, use_cache=True)
+            out = m(input_ids[:, 6:], attention_mask=attention_mask, cache=kv, use_cache=True)
+        logits[attn] = out.logits
+    assert_close_to_reference(
+        logits["flashmask"], logits["sdpa"], logits["eager"], "logits", context=cache
+    )
+
+
 def test_static_cache_forward_without_a_mask_matches_eager():
     """A prefill then two decode steps straight through ``model(...)`` with a ``StaticCache`` and
     no attention mask: the cache's empty slots stay hidden (the queries stand after the cached
