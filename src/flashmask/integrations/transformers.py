@@ -255,8 +255,8 @@ def flashmask_mask_interface(
             return None
         return attention_mask.to(torch.bool)
     offset = (0 if q_offset is None else q_offset) - kv_offset  # key column of query row 0
-    if isinstance(offset, torch.Tensor) and _may_sync():
-        offset = int(offset)
+    if isinstance(offset, torch.Tensor) and q_length != kv_length and _may_sync():
+        offset = int(offset)  # (training, q_length == kv_length, never needs this read)
     valid = None
     if attention_mask is not None:
         valid = attention_mask.to(torch.bool)
@@ -586,10 +586,10 @@ def _derived_mask(
 ) -> FlashMask | None:
     """The mask of the batch-describing input ``source`` (``kind``: ``"key_rows"``,
     ``"cu_seq_lens"`` (source: ``cu_seq_lens_k``), ``"cu_seq_lens_q"``, ``"attention_mask"`` or
-    ``"position_ids"``;
-    ``None``: none applies) and the window; ``None`` when nothing narrows plain causal / full
-    attention. Built from tensor operations alone, so it traces and captures without host syncs;
-    checks that read values run only where :func:`_may_sync` allows."""
+    ``"position_ids"``; ``None``: none applies) and the window; ``None`` when nothing narrows
+    plain causal / full attention. Built from tensor operations alone, so it traces and
+    captures without host syncs; checks that read values run only where :func:`_may_sync`
+    allows."""
     # Per key column j: masked query rows [lts_j, Sq), plus [0, ute_j) when not causal.
     cols = torch.arange(seqlen_k, device=device)
     lts = torch.full((batch, seqlen_k), seqlen_q, dtype=torch.int64, device=device)
