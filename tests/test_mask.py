@@ -553,3 +553,26 @@ def test_from_dense_to_and_select_keep_the_query_length():
     per_head = masks.random_eviction(8, 4, num_heads=2, generator=torch.Generator().manual_seed(0))
     assert per_head.select(0, 1).seqlen_q == 8
     assert torch.equal(per_head.select(0, 1).to_dense(), per_head.to_dense()[:, 1:2])
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+@settings(max_examples=random_cases(10))
+@given(data=st.data())
+def test_last_rows_are_the_last_query_rows_of_the_mask(form, data):
+    """``last_rows(n)`` is the dense mask's last ``n`` rows, for every form and any ``n``."""
+    drawn = data.draw(flashmasks(form))
+    mask = drawn.mask.with_seqlen_q(drawn.seqlen_q)
+    n = data.draw(st.integers(1, drawn.seqlen_q))
+    last = mask.last_rows(n)
+    assert last.seqlen_q == n and last.causal == mask.causal
+    assert torch.equal(last.to_dense(), mask.to_dense()[..., -n:, :])
+
+
+def test_last_rows_of_a_sliding_window_keep_the_sinks_and_the_window():
+    m = masks.sliding_window(8, 2, sink_tokens=1)
+    assert m.last_rows(1).to_string() == "#....###"
+    assert m.last_rows(8).to_string() == m.to_string()
+    with pytest.raises(ValueError, match="seqlen_q must be at most the mask's query length 8"):
+        m.last_rows(9)
+    with pytest.raises(ValueError, match="seqlen_q must be positive"):
+        m.last_rows(0)

@@ -212,6 +212,31 @@ class FlashMask:
             seqlen_q = _check_positive_int("seqlen_q", seqlen_q)
         return dataclasses.replace(self, seqlen_q=seqlen_q)
 
+    def last_rows(self, seqlen_q: int) -> FlashMask:
+        """The mask of this mask's last ``seqlen_q`` query rows, over all its keys: what a
+        decoding step (``seqlen_q = 1``) or a prefill chunk at the end of the keys attends with.
+
+        Row ``i`` of the result is row ``i + Sq0 - seqlen_q`` of this mask, ``Sq0`` its own query
+        length (``Sk`` when it has none; causal masks stay causal, bottom-right aligned): every
+        row bound moves down by ``Sq0 - seqlen_q`` and is clamped to ``[0, seqlen_q]``. O(N), on
+        the mask's device, no host synchronisation.
+
+        Example:
+            >>> from flashmask import masks
+            >>> m = masks.sliding_window(8, 2, sink_tokens=1)
+            >>> print(m.last_rows(1).to_string())
+            #....###
+        """
+        seqlen_q = _check_positive_int("seqlen_q", seqlen_q)
+        own = self._seqlen_q(None)
+        if seqlen_q > own:
+            raise ValueError(
+                f"seqlen_q must be at most the mask's query length {own}, got {seqlen_q}"
+            )
+        # Clamp before shifting: every int32 is a valid bound, and int32 arithmetic wraps.
+        sri = (self.startend_row_indices.clamp(0, own) - (own - seqlen_q)).clamp(0, seqlen_q)
+        return FlashMask(sri, self.causal, seqlen_q)
+
     # ------------------------------------------------------------------ semantics
     def intervals(self, seqlen_q: int | None = None) -> ColumnIntervals:
         """The masked row intervals of every column, clamped to ``[0, seqlen_q]``.
