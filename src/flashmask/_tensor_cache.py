@@ -27,7 +27,11 @@ class TensorKeyedCache(Generic[_Value]):
     edit invalidates it), with an equal ``key`` (the caller's parameters). An entry goes when its
     tensor is freed (so what it holds, e.g. GPU memory, goes too) or when newer entries push it
     out. Values are computed outside the lock (two threads may both compute one; the last one
-    stays). Nothing is cached while ``torch.compile`` traces (the value would be a fake).
+    stays). Nothing is cached while ``torch.compile`` traces (the value would be a fake), and
+    nothing is looked up or cached while a CUDA graph captures on the tensor's device: a value
+    computed before the capture would leave its kernels out of the graph (a replay after the
+    tensor's contents change would reuse it), and one computed in the capture lives in the graph's
+    memory pool.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -43,7 +47,7 @@ class TensorKeyedCache(Generic[_Value]):
 
     def get(self, tensor: torch.Tensor, key: Hashable, compute: Callable[[], _Value]) -> _Value:
         """The cached value of ``(tensor, key)``, or ``compute()``'s, then cached."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _capturing(tensor):
             return compute()
         full_key = (id(tensor), key)
         with self._lock:
@@ -79,3 +83,8 @@ class TensorKeyedCache(Generic[_Value]):
         with self._lock:
             keys = list(self._entries)
         return (tensor_id for tensor_id, _ in keys)
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether the current stream of ``tensor``'s CUDA device is capturing a CUDA graph."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -43,6 +43,7 @@ import torch
 
 from flashmask import kernels, masks
 from flashmask.kernels import routing
+from flashmask.kernels.config import decode_config
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 from tests.gpu.conftest import CASE_PROPERTY, FULL
@@ -213,20 +214,27 @@ def make_inputs(case: Case) -> Inputs:
         ).cuda()
         mask = FlashMask(sri, case.causal)
     else:
+        # The builder's mask over the keys, read by its last Sq query rows (a decode step or a
+        # prefill chunk at the end of a cache when Sq < Sk).
         mask = masks.example(
-            case.mask, case.sq, batch_size=case.batch, num_heads=case.mask_heads, generator=cpu
-        ).to("cuda")
+            case.mask, case.sk, batch_size=case.batch, num_heads=case.mask_heads, generator=cpu
+        )
+        mask = mask.last_rows(case.sq).to("cuda")
     return Inputs(q, k, v, dout, mask.startend_row_indices, mask.causal, mask.to_dense(case.sq))
 
 
 def kernel_paths(x: Inputs, scale: float, deterministic: bool) -> str:
-    """Which forward and backward kernels a call runs (``gluon`` or ``triton``), by the
-    launchers' own routing rules, so that a run shows which paths it checked."""
+    """Which forward and backward kernels a call runs (``split-kv``, ``gluon`` or ``triton``),
+    by the launchers' own routing rules, so that a run shows which paths it checked."""
     d, masked = x.q.shape[-1], x.sri is not None
     config = kernels.tile_config(d, has_mask=masked)
-    fwd = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)
+    if routing.use_decode(x.q, x.k, True, decode_config(d)):
+        fwd = "split-kv"
+    else:
+        gluon = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)
+        fwd = "gluon" if gluon else "triton"
     bwd = routing.use_gluon_backward(x.q, x.k, x.v, x.dout, deterministic, True, masked, config)
-    return f"fwd={'gluon' if fwd else 'triton'} bwd={'gluon' if bwd else 'triton'}"
+    return f"fwd={fwd} bwd={'gluon' if bwd else 'triton'}"
 
 
 def residue_bound(name: str, x: Inputs, scale: float) -> float:
