@@ -79,6 +79,21 @@ def test_nothing_is_cached_while_torch_compile_traces(monkeypatch):
     assert len(cache) == 0
 
 
+def test_nothing_is_reused_or_cached_while_a_cuda_graph_captures(monkeypatch):
+    """A value computed before a capture would leave its kernels out of the graph."""
+    import flashmask._tensor_cache as tensor_cache
+
+    cache: TensorKeyedCache[int] = TensorKeyedCache(2)
+    compute = Counter()
+    t = torch.zeros(1)
+    assert cache.get(t, None, compute) == 1
+    monkeypatch.setattr(tensor_cache, "_capturing", lambda tensor: True)
+    assert [cache.get(t, None, compute) for _ in range(2)] == [2, 3]
+    assert len(cache) == 1
+    monkeypatch.undo()
+    assert cache.get(t, None, compute) == 1
+
+
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity"):
         TensorKeyedCache(0)
