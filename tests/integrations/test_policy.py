@@ -3,7 +3,9 @@
 
 Each policy is checked against the dense definition: the mask every layer applies (recorded from
 the backend) equals the policy's dense mask AND the batch's document mask, and a uniform policy
-gives the same logits as eager attention with that dense mask.
+gives the same logits as eager attention with that dense mask. In a left-padded batch every
+row gets the policy in its own positions: its masks are the per-row definition, its logits and
+greedy tokens those of its prompt alone.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from flashmask.integrations.policy import (
     MaskSpec,
     apply_flashmask,
     layer_mask,
+    padded_layer_mask,
     remove_flashmask,
 )
 from tests.integrations.tiny import additive, tiny_model
+from tests.tolerance import assert_close_to_reference
 
 
 def dense_policy(kind: str, sq: int, sk: int, **params) -> torch.Tensor:
@@ -225,3 +229,185 @@ def test_schedule_rejects_bad_milestones():
         MaskSchedule([(5, "causal")])
     with pytest.raises(ValueError, match="increase"):
         MaskSchedule([(0, "causal"), (0, "full")])
+
+
+# ---------------------------------------------------------------------- left-padded batches
+# A left-padded row is the same sequence as its prompt alone: a layer policy counts its sink
+# tokens, window and prefix from the row's first real token (its positions, as generate's
+# position ids count them), not from the first column, and no query sees padding.
+PADDED_POLICY = [
+    MaskSpec("sliding_window", window=2, sink_tokens=2),
+    MaskSpec("prefix_lm", prefix_len=3),
+]
+PADDED_LENGTHS = (9, 4)  # the short row has 5 padding columns: more than the sinks or the prefix
+
+
+def left_padded(
+    lengths: tuple[int, ...] = PADDED_LENGTHS, seed: int = 0
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """``(prompts, input_ids, attention_mask)``: prompts of ``lengths`` padded on the left."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return rows, ids, mask
+
+
+def dense_in_positions(spec: MaskSpec, attention_mask: torch.Tensor, seqlen_q: int) -> torch.Tensor:
+    """``[B, Sq, Sk]`` visibility of ``spec`` for the last ``Sq`` of the ``Sk`` columns of a
+    padded batch, from the definition in per-row positions (a real token's position is the
+    number of real tokens before it); padding keys and padding queries see nothing."""
+    real = attention_mask.bool()
+    positions = real.long().cumsum(-1) - 1
+    p = positions[:, -seqlen_q:, None]  # query positions
+    a = positions[:, None, :]  # key positions
+    if spec.kind == "causal":
+        visible = a <= p
+    elif spec.kind == "full":
+        visible = torch.ones_like(a <= p)
+    elif spec.kind == "sliding_window":
+        visible = (a <= p) & ((a >= p - spec.window) | (a < spec.sink_tokens))
+    else:
+        visible = (a <= p) | (a < spec.prefix_len)
+    return visible & real[:, None, :] & real[:, -seqlen_q:, None]
+
+
+KINDS = [
+    ("causal", {}),
+    ("full", {}),
+    ("sliding_window", {"window": 2}),
+    ("sliding_window", {"window": 2, "sink_tokens": 2}),
+    ("prefix_lm", {"prefix_len": 3}),
+]
+KIND_IDS = ["causal", "full", "window", "window+sinks", "prefix_lm"]
+
+
+@pytest.mark.parametrize(("kind", "params"), KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize(("sq", "sk"), [(9, 9), (3, 9), (1, 9)], ids=["train", "prefill", "decode"])
+def test_padded_layer_mask_matches_its_definition_per_row(kind, params, sq, sk):
+    """Rows: no padding, left padding (5 columns), right padding (3 columns), both, and padding
+    only (a chunk of a row that has not started)."""
+    attention_mask = torch.tensor(
+        [
+            [1] * 9,
+            [0] * 5 + [1] * 4,
+            [1] * 6 + [0] * 3,
+            [0] * 2 + [1] * 5 + [0] * 2,
+            [0] * 9,
+        ]
+    )
+    positions = torch.where(attention_mask.bool(), attention_mask.cumsum(-1) - 1, -1)
+    spec = MaskSpec(kind, **params)
+    mask = padded_layer_mask(spec, positions[:, -sk:], sq)
+    assert mask.seqlen_q == sq
+    assert torch.equal(mask.to_dense(sq)[:, 0], dense_in_positions(spec, attention_mask, sq))
+    # Without padding it is the column mask of layer_mask.
+    unpadded = padded_layer_mask(spec, positions[:1], sq).to_dense(sq)
+    assert torch.equal(unpadded, layer_mask(spec, sq, sk).to_dense(sq))
+
+
+def _cache_argument(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@pytest.mark.parametrize(
+    "step", ["prefill", "second-chunk", "decode"], ids=["prefill", "second-chunk", "decode"]
+)
+def test_left_padded_rows_get_their_policy_in_their_own_positions(recorded_masks, step):
+    """Every layer's mask, per row: the spec in the row's own positions (sinks = its first real
+    tokens, window and prefix counted from there), padding hidden. ``second-chunk``: 3 queries
+    after 6 cached columns, some of them padding; ``decode``: one query after the prompt."""
+    import transformers
+
+    _, ids, mask = left_padded()
+    model = tiny_model()
+    apply_flashmask(model, mask=PADDED_POLICY)
+    if step == "prefill":
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        full_mask, seqlen_q = mask, ids.shape[1]
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+        extra = {_cache_argument(model): cache, "use_cache": True}
+        split = 6 if step == "second-chunk" else ids.shape[1]
+        model(input_ids=ids[:, :split], attention_mask=mask[:, :split], **extra)
+        if step == "second-chunk":
+            full_mask, new = mask, ids[:, split:]
+        else:
+            full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            new = torch.tensor([[7], [8]])
+        del recorded_masks[:]
+        model(input_ids=new, attention_mask=full_mask, **extra)
+        seqlen_q = new.shape[1]
+    assert len(recorded_masks) == len(PADDED_POLICY)
+    for layer, spec in enumerate(PADDED_POLICY):
+        expected = dense_in_positions(spec, full_mask, seqlen_q)
+        got = recorded_masks[layer]
+        assert torch.equal(got.expand(-1, 1, -1, -1)[:, 0], expected), (step, spec)
+
+
+def test_left_padded_rows_give_the_logits_of_their_solo_runs():
+    """``model(input_ids, attention_mask)`` on a left-padded batch (no position ids: the rows'
+    RoPE positions are shifted by their padding, which rotary attention does not see): each
+    row's logits at its real tokens are those of its prompt alone, in float32 as close to the
+    float64 solo run as the float32 solo run is."""
+    rows, ids, mask = left_padded()
+    models = {}
+    for dtype in (torch.float64, torch.float32):
+        models[dtype] = tiny_model().to(dtype)
+        apply_flashmask(models[dtype], mask=PADDED_POLICY)
+    with torch.no_grad():
+        batch = models[torch.float32](input_ids=ids, attention_mask=mask).logits
+        for b, row in enumerate(rows):
+            solo = {
+                dtype: m(input_ids=torch.tensor([row])).logits[0] for dtype, m in models.items()
+            }
+            assert_close_to_reference(
+                batch[b, -len(row) :],
+                solo[torch.float64],
+                solo[torch.float32],
+                "logits",
+                context=f"row {b} of {len(row)} tokens",
+            )
+
+
+def test_generate_on_a_left_padded_batch_gives_each_row_its_solo_tokens():
+    """Greedy ``model.generate`` (prefill, then single-token decode steps over a dynamic cache)
+    on a left-padded batch gives every row the tokens it gets alone."""
+    rows, ids, mask = left_padded(seed=1)
+    model = tiny_model().to(torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    apply_flashmask(model, mask=PADDED_POLICY)
+
+    def generate(input_ids, attention_mask):
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False
+        )
+        return out[:, input_ids.shape[1] :]
+
+    batch = generate(ids, mask)
+    for b, row in enumerate(rows):
+        solo = torch.tensor([row])
+        assert torch.equal(batch[b], generate(solo, torch.ones_like(solo))[0]), b
+
+
+def test_fullgraph_compile_of_a_policy_over_a_left_padded_batch():
+    """The per-row masks are tensor operations only: ``torch.compile(fullgraph=True)`` (any graph
+    break raises) traces the padded forward, and its logits are the eager forward's."""
+    _, ids, mask = left_padded()
+    model = tiny_model().to(torch.float32)
+    apply_flashmask(model, mask=PADDED_POLICY)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        actual = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], rtol=0, atol=0)

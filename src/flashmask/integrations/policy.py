@@ -13,12 +13,20 @@ the layer's mask is intersected with the batch's document boundaries. Examples::
     apply_flashmask(model, mask=schedule)                                 # changes with the step
     remove_flashmask(model)                                               # back to the original
 
-A policy sees a :class:`MaskContext` (layer index, batch size, query and key lengths, device) and
-returns a :class:`~flashmask.FlashMask` ``[1 or B, 1 or Hk, Sk, C]`` for that call. Masks are
-aligned bottom-right, so the same policy serves training (``Sq == Sk``), chunked prefill and
+A policy sees a :class:`MaskContext` (layer index, batch size, query and key lengths, device and,
+in a padded batch, each key's position within its row) and returns a
+:class:`~flashmask.FlashMask` ``[1 or B, 1 or Hk, Sk, C]`` for that call. Masks are aligned
+bottom-right, so the same policy serves training (``Sq == Sk``), chunked prefill and
 single-token decode over a KV cache (``Sq < Sk``): build the mask for ``ctx.seqlen_q`` queries
 (the builders of :mod:`flashmask.masks` take ``seqlen_q``); one built for another query length is
 an error.
+
+In a padded batch (a 2-D ``attention_mask`` with zeros, as ``model.generate`` passes for
+left-padded prompts) the mask kinds are built in each row's own positions
+(:func:`padded_layer_mask`): a row's sink tokens are its first real tokens, its window and prefix
+count from there and padding is hidden, so a left-padded row gets the mask (and the logits and
+tokens) of its prompt alone. A callable policy gets the positions as ``ctx.key_positions``; its
+mask is intersected with the padding.
 
 The backend (:mod:`flashmask.integrations.transformers`, imported and so registered by this
 module) reads the policies: :class:`MaskContext`, :func:`policy_of` and the module attribute
@@ -51,6 +59,7 @@ __all__ = [
     "MaskSpec",
     "apply_flashmask",
     "layer_mask",
+    "padded_layer_mask",
     "policy_of",
     "remove_flashmask",
     "spec_of",
@@ -97,8 +106,12 @@ class MaskSpec:
             raise ValueError(f"prefix_len only applies to prefix_lm, not {self.kind!r}")
 
     def build(self, ctx: MaskContext) -> FlashMask:
-        """This spec's mask for one call: int32 ``[1, 1, Sk, C]`` on ``ctx.device``."""
-        return layer_mask(self, ctx.seqlen_q, ctx.seqlen_k, ctx.device)
+        """This spec's mask for one call, on ``ctx.device``: int32 ``[1, 1, Sk, C]`` in column
+        positions, or ``[B, 1, Sk, C]`` in each row's own positions when the call is padded
+        (``ctx.key_positions``, see :func:`padded_layer_mask`)."""
+        if ctx.key_positions is None:
+            return layer_mask(self, ctx.seqlen_q, ctx.seqlen_k, ctx.device)
+        return padded_layer_mask(self, ctx.key_positions.to(ctx.device), ctx.seqlen_q)
 
 
 def _is_int(x: object) -> bool:
@@ -123,6 +136,85 @@ def layer_mask(
     ute = torch.where(cols < spec.prefix_len, 0, (cols - offset).clamp(0, seqlen_q))
     bounds = torch.stack([torch.full_like(cols, seqlen_q), ute], -1)
     return FlashMask(bounds.to(torch.int32).view(1, 1, -1, 2), False, seqlen_q)
+
+
+def padded_layer_mask(spec: MaskSpec, key_positions: torch.Tensor, seqlen_q: int) -> FlashMask:
+    """The mask of ``spec`` in each row's own positions, for a padded batch.
+
+    A query at position ``p`` sees a key at position ``a`` when ``spec`` allows it (``causal``:
+    ``a <= p``; ``sliding_window``: also ``a >= p - window`` unless ``a < sink_tokens``;
+    ``prefix_lm``: ``a <= p`` or ``a < prefix_len``; ``full``: always), so a left-padded row gets
+    the mask of its prompt alone: its sinks are its first real tokens, its window and prefix are
+    counted from there. Padding keys are seen by no query. A padding query sees nothing when its
+    row's padding lies before and after the row's real tokens only (left or right padding); one
+    between real tokens sees what the real query before it sees (one interval per key column
+    cannot hide it; its output means nothing either way).
+
+    Args:
+        spec: the layer's mask spec.
+        key_positions: int64 ``[B, Sk]``, each key's position in its row (the number of the row's
+            real tokens before it), ``-1`` for padding. The queries are the last ``Sq`` keys.
+        seqlen_q: ``Sq``.
+
+    Returns:
+        A FlashMask ``[B, 1, Sk, C]`` for ``Sq`` queries: causal ``C = 1`` for ``"causal"`` and
+        ``"sliding_window"`` (the kernels' bottom-right triangle is ``a <= p``: a row's positions
+        grow along its columns), non-causal ``C = 2`` for ``"full"`` and ``"prefix_lm"``. Tensor
+        operations only, so it traces and captures without a host read.
+    """
+    if (
+        not isinstance(key_positions, torch.Tensor)
+        or key_positions.dim() != 2
+        or key_positions.dtype.is_floating_point
+        or key_positions.dtype.is_complex
+        or key_positions.dtype == torch.bool
+    ):
+        raise TypeError(
+            "key_positions must be an integer tensor [batch, seqlen_k], got "
+            f"{getattr(key_positions, 'dtype', type(key_positions).__name__)} "
+            f"{tuple(getattr(key_positions, 'shape', ()))}"
+        )
+    if not _is_int(seqlen_q):
+        raise TypeError(f"seqlen_q must be an int, got {type(seqlen_q).__name__}")
+    if not 1 <= seqlen_q <= key_positions.shape[-1]:
+        raise ValueError(
+            f"seqlen_q must be in [1, seqlen_k={key_positions.shape[-1]}] (the queries are the "
+            f"last keys), got {seqlen_q}"
+        )
+    key_positions = key_positions.to(torch.int64)
+    query_positions = key_positions[:, -seqlen_q:]
+    real_key = key_positions >= 0
+    real_query = query_positions >= 0
+    rows = torch.arange(seqlen_q, device=key_positions.device)
+    # The row's real queries lie in rows [first_real, end_real) (Sq and 0 when it has none);
+    # padding rows outside that range are hidden below.
+    first_real = torch.where(real_query, rows, seqlen_q).amin(-1, keepdim=True)
+    end_real = torch.where(real_query, rows + 1, 0).amax(-1, keepdim=True)
+    # Padding queries take the position before them: a non-decreasing row to search, where the
+    # query rows at positions <= t are the first searchsorted(.., t, right=True).
+    searchable = query_positions.cummax(-1).values.contiguous()
+    all_rows = torch.full_like(key_positions, seqlen_q)
+    if spec.kind in ("causal", "sliding_window"):
+        lts = all_rows
+        if spec.kind == "sliding_window":
+            # The key leaves the window after the query rows at positions <= key + window.
+            reach = (key_positions + spec.window).contiguous()
+            lts = torch.searchsorted(searchable, reach, right=True)
+            if spec.sink_tokens:
+                lts = torch.where(key_positions < spec.sink_tokens, all_rows, lts)
+        columns = [torch.where(real_key, torch.minimum(lts, end_real), 0)]
+        causal = True
+    else:
+        ute = torch.zeros_like(key_positions)
+        if spec.kind == "prefix_lm":
+            # Past the prefix, the rows before the first query at the key's position are hidden.
+            first_row = torch.searchsorted(searchable, key_positions.contiguous())
+            ute = torch.where(key_positions < spec.prefix_len, ute, first_row)
+        lts = torch.where(real_key, end_real.expand_as(key_positions), 0)
+        columns = [lts, torch.maximum(ute, first_real)]
+        causal = False
+    bounds = torch.stack([c.clamp(0, seqlen_q) for c in columns], dim=-1)
+    return FlashMask(bounds.unsqueeze(1).to(torch.int32).contiguous(), causal, seqlen_q)
 
 
 def _spec_fields(value: str | Mapping[str, Any] | MaskSpec) -> dict[str, Any]:

@@ -57,6 +57,15 @@ intersected with the mask above; for the built-in masks that is one interval per
 (a dense bool or additive mask passed as ``attention_mask``) is converted with
 :meth:`FlashMask.from_dense` (O(S^2) per layer: meant for tests and compatibility).
 
+A layer policy (:func:`flashmask.integrations.policy.apply_flashmask`, read by
+:func:`layer_policy_mask`) supplies the causal structure; the mask above then only contributes
+the batch's boundaries. Under a 2-D padding mask (4. above; a left-padded ``generate``: prefill,
+chunked prefill and decode steps over a dynamic cache) the policy's :class:`MaskContext` carries
+each key's position within its row, and a policy built from mask specs builds its mask in those
+positions with the padding hidden (sinks are a row's first real tokens, windows and prefixes count
+from there), which replaces the padding boundaries unless a module window also applies; a
+callable policy's mask is intersected with them.
+
 Every mask is built from tensor operations on the device, with no value read back to the host,
 so ``torch.compile(model, fullgraph=True)`` traces it without a graph break and CUDA graphs
 capture it; checks that read values and the eager-mode shortcuts to the maskless causal path
@@ -129,13 +138,22 @@ POLICY_ATTR = "flashmask_policy"
 
 
 class MaskContext(NamedTuple):
-    """What a mask policy knows about one attention call."""
+    """What a mask policy knows about one attention call.
+
+    ``key_positions``, int64 ``[B, Sk]``, is set when the call carries a 2-D padding mask
+    (``attention_mask`` of a padded batch, e.g. a left-padded ``generate``): the position of
+    every key within its own row, that is the number of the row's real tokens before it (what
+    ``generate`` gives as position ids), ``-1`` for padding. The queries are the last ``Sq``
+    keys, so ``key_positions[:, -Sq:]`` are theirs. ``None``: no padding mask; key column ``j``
+    stands at position ``j`` in every row.
+    """
 
     layer_idx: int
     batch_size: int
     seqlen_q: int
     seqlen_k: int
     device: torch.device
+    key_positions: torch.Tensor | None = None
 
 
 Policy = Callable[[int, MaskContext], "FlashMask | None"]
@@ -361,21 +379,34 @@ def flashmask_attention_forward(
         )
     if causal and not has_policy:
         _check_explicit_is_causal(flashmask, startend_row_indices, flashmask_bidirectional)
-    mask = resolve_mask(
-        batch,
-        seqlen_q,
-        seqlen_k,
-        device=q.device,
-        causal=causal and not has_policy,
-        explicit=flashmask if flashmask is not None else startend_row_indices,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cu_seq_lens_q=cu_seq_lens_q,
-        cu_seq_lens_k=cu_seq_lens_k,
-        sliding_window=sliding_window,
-    )
+    explicit = flashmask if flashmask is not None else startend_row_indices
+    positions = None
+    if has_policy and explicit is None and cu_seq_lens_q is None and cu_seq_lens_k is None:
+        # A padded batch: the policy counts sinks, windows and prefixes in each row's own
+        # positions (a left-padded row is the same sequence as its prompt alone).
+        positions = _padding_positions(attention_mask, batch, seqlen_k, q.device)
+    if positions is not None and sliding_window is None and _policy_spec(module) is not None:
+        # A spec policy's mask in per-row positions hides the padding itself; intersecting it
+        # with the padding boundaries would change nothing (and picks its form on the host).
+        mask = None
+    else:
+        mask = resolve_mask(
+            batch,
+            seqlen_q,
+            seqlen_k,
+            device=q.device,
+            causal=causal and not has_policy,
+            explicit=explicit,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+            sliding_window=sliding_window,
+        )
     if has_policy:
-        mask = layer_policy_mask(module, mask, batch, seqlen_q, seqlen_k, q.device)
+        mask = layer_policy_mask(
+            module, mask, batch, seqlen_q, seqlen_k, q.device, key_positions=positions
+        )
 
     compute, output = _dtypes(q, k, v, module)
     q, k, v = (t.to(compute) for t in (q, k, v))
@@ -880,6 +911,41 @@ def policy_of(module: torch.nn.Module) -> Policy | None:
     return getattr(module, POLICY_ATTR, None)
 
 
+def _policy_spec(module: torch.nn.Module) -> Any:
+    """The mask spec ``module``'s policy applies to its layer (``spec_for``), or ``None`` for a
+    policy without one (an opaque callable). A policy with a spec builds its mask from the spec
+    and the call's :class:`MaskContext`, per-row positions included."""
+    spec_for = getattr(policy_of(module), "spec_for", None)
+    return None if spec_for is None else spec_for(module.layer_idx)
+
+
+def _padding_positions(
+    attention_mask: torch.Tensor | None, batch: int, seqlen_k: int, device: torch.device
+) -> torch.Tensor | None:
+    """The key positions, int64 ``[B, Sk]``, of a call whose ``attention_mask`` is a 2-D padding
+    mask ``[B or 1, >= Sk]`` (nonzero = real token; its last ``Sk`` columns are the keys): a real
+    token's position is the number of real tokens before it in its row (over the whole mask, so
+    real tokens before the call's keys count), ``-1`` for padding. ``None`` for any other
+    ``attention_mask``. Tensor operations only (no host read); derived once per forward and
+    shared by the layers."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return None
+
+    def derive() -> torch.Tensor:
+        real = attention_mask.to(device=device, dtype=torch.bool)
+        if real.shape[0] == 1 and batch > 1:
+            real = real.expand(batch, -1)
+        if real.shape[0] != batch or real.shape[1] < seqlen_k:
+            raise ValueError(
+                f"attention_mask must be [batch={batch}, >= seqlen_k={seqlen_k}], got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        return torch.where(real, real.long().cumsum(-1) - 1, -1)[:, -seqlen_k:]
+
+    key = ("positions", batch, seqlen_k, device)
+    return _LAYER_MEMO.get(attention_mask, key, derive)
+
+
 def layer_policy_mask(
     module: torch.nn.Module,
     boundaries: FlashMask | None,
@@ -887,16 +953,26 @@ def layer_policy_mask(
     seqlen_q: int,
     seqlen_k: int,
     device: torch.device,
+    *,
+    key_positions: torch.Tensor | None = None,
 ) -> FlashMask | None:
     """The mask an attention call of ``module`` applies under its policy (``None``: no policy).
 
-    ``boundaries`` is the batch's own non-causal mask (documents, padding, an explicit mask) or
-    ``None``; the layer's mask is intersected with it.
+    Args:
+        module: the attention module (its policy, :data:`POLICY_ATTR`, and ``layer_idx``).
+        boundaries: the batch's own non-causal mask (documents, padding, an explicit mask) or
+            ``None``; the layer's mask is intersected with it.
+        batch_size: ``B`` of the call.
+        seqlen_q: ``Sq`` of the call.
+        seqlen_k: ``Sk`` of the call.
+        device: where the mask must live.
+        key_positions: int64 ``[B, Sk]``, each key's position in its row (``-1``: padding), or
+            ``None`` (no padding mask); handed to the policy in its :class:`MaskContext`.
     """
     policy = policy_of(module)
     if policy is None:
         return None
-    ctx = MaskContext(module.layer_idx, batch_size, seqlen_q, seqlen_k, device)
+    ctx = MaskContext(module.layer_idx, batch_size, seqlen_q, seqlen_k, device, key_positions)
     mask = policy(module.layer_idx, ctx)
     if mask is None:
         mask = masks.causal(seqlen_k, seqlen_q=seqlen_q, device=device)
