@@ -352,6 +352,25 @@ def test_left_padded_rows_get_their_policy_in_their_own_positions(recorded_masks
         assert torch.equal(got.expand(-1, 1, -1, -1)[:, 0], expected), (step, spec)
 
 
+def test_callable_policy_gets_each_rows_positions_and_its_mask_meets_the_padding(recorded_masks):
+    """A callable sees ``ctx.key_positions`` of a padded batch (``None`` without padding); the
+    mask it returns (here in column coordinates) is intersected with the padding."""
+    seen: list[torch.Tensor | None] = []
+
+    def policy(layer_idx, ctx):
+        seen.append(ctx.key_positions)
+        return masks.causal(ctx.seqlen_k, seqlen_q=ctx.seqlen_q)
+
+    _, ids, mask = left_padded()
+    model = tiny_model(num_hidden_layers=1)
+    apply_flashmask(model, mask=policy)
+    model(input_ids=ids[:1], use_cache=False)
+    model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert seen[0] is None
+    assert seen[1].tolist() == [list(range(9)), [-1] * 5 + list(range(4))]
+    assert torch.equal(recorded_masks[1][:, 0], dense_in_positions(MaskSpec("causal"), mask, 9))
+
+
 def test_left_padded_rows_give_the_logits_of_their_solo_runs():
     """``model(input_ids, attention_mask)`` on a left-padded batch (no position ids: the rows'
     RoPE positions are shifted by their padding, which rotary attention does not see): each
