@@ -115,6 +115,9 @@ FIRST_PROMPT_TOKEN = 3
 # Eager decode steps run before capture, on a side stream (kernel compilation, allocator).
 CAPTURE_WARMUP = 2
 SYNC_MESSAGE = "synchronizing CUDA operation"
+# A generate+compile row starts only with this much of the budget left (inductor compiles the
+# 16-layer decode step in tens of seconds).
+COMPILE_RESERVE_S = 45.0
 EXIT_NO_CUDA = 2
 
 
@@ -281,12 +284,25 @@ def cache_argument(model: Any) -> str:
 
 
 def generate_tokens(
-    model: Any, input_ids: torch.Tensor, new_tokens: int, compile_config: Any = None
+    model: Any,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    cache: Any = None,
+    compile_config: Any = None,
 ) -> torch.Tensor:
     """Greedy ``generate`` over a static cache: the new tokens, int64 ``[B, new_tokens]``.
 
-    Eager (``disable_compile``: transformers would otherwise compile the decode step of a
-    static cache on CUDA by itself) unless ``compile_config`` is given."""
+    ``cache``: a ``StaticCache`` to reuse (reset here first; it must hold at least
+    ``S + new_tokens - 1`` slots); ``None``: ``cache_implementation="static"`` (a new one of
+    ``S + new_tokens - 1`` slots). Reusing one keeps every call's shapes and cache addresses,
+    so transformers' CUDA graphs are recorded once, not per call. Eager (``disable_compile``:
+    transformers would otherwise compile the decode step of a static cache on CUDA by itself)
+    unless ``compile_config`` is given."""
+    if cache is None:
+        cache_kwargs: dict[str, Any] = {"cache_implementation": "static"}
+    else:
+        cache.reset()
+        cache_kwargs = {cache_argument(model): cache}
     with torch.no_grad():
         output = model.generate(
             input_ids,
@@ -294,11 +310,16 @@ def generate_tokens(
             max_new_tokens=new_tokens,
             do_sample=False,
             num_beams=1,
-            cache_implementation="static",
             disable_compile=compile_config is None,
             compile_config=compile_config,
+            **cache_kwargs,
         )
     return output[:, input_ids.shape[1] :]
+
+
+def static_cache(model: Any, max_cache_len: int) -> Any:
+    """A transformers ``StaticCache`` of ``max_cache_len`` slots for ``model``."""
+    return transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
 # ---------------------------------------------------------------------- the static decode step
@@ -340,7 +361,7 @@ class StaticDecoder:
         # state is rewound), so a short run never indexes past the slots.
         needed = prompt_len + max(new_tokens - 1, CAPTURE_WARMUP)
         self.max_cache_len = max(max_cache_len or prompt_len + new_tokens - 1, needed)
-        self.cache = transformers.StaticCache(config=model.config, max_cache_len=self.max_cache_len)
+        self.cache = static_cache(model, self.max_cache_len)
         self.cache_kwarg = {cache_argument(model): self.cache}
         self.tokens = torch.zeros(
             batch, new_tokens + CAPTURE_WARMUP, dtype=torch.long, device=device
@@ -553,7 +574,14 @@ class Runner:
         self.reference: dict[tuple[int, str], torch.Tensor] = {}
 
     # A row: run ``measure`` unless the budget is spent; errors become the row's status.
-    def _row(self, batch: int, backend: str, method: str, measure: Callable[[], dict]) -> dict:
+    def _row(
+        self,
+        batch: int,
+        backend: str,
+        method: str,
+        measure: Callable[[], dict],
+        needs_s: float = 0.0,
+    ) -> dict:
         n = self.args.new_tokens
         row: dict[str, Any] = {
             "batch": batch,
@@ -563,8 +591,10 @@ class Runner:
             "prompt_len": self.args.prompt_len,
             "new_tokens": n,
         }
-        if time.monotonic() > self.deadline:
-            row["status"] = f"skipped: past --budget-s {self.args.budget_s:g}"
+        if time.monotonic() + needs_s > self.deadline:
+            row["status"] = f"skipped: --budget-s {self.args.budget_s:g} spent" + (
+                f" (needs ~{needs_s:g} s)" if needs_s else ""
+            )
         else:
             start = time.monotonic()
             try:
@@ -616,7 +646,8 @@ class Runner:
         args = self.args
         prompts = make_prompts(batch, args.prompt_len, args.config["vocab_size"], args.seed + batch,
                                self.device)  # fmt: skip
-        self._row(batch, backend, "generate+compile", lambda: self._compiled(prompts, backend))
+        self._row(batch, backend, "generate+compile", lambda: self._compiled(prompts, backend),
+                  needs_s=COMPILE_RESERVE_S)  # fmt: skip
 
     def _skipped(self, batch: int, backend: str, method: str, why: str) -> None:
         row = {"batch": batch, "backend": backend, "method": method, "graph": True}
@@ -631,8 +662,10 @@ class Runner:
 
     def _generate(self, prompts: torch.Tensor, backend: str) -> dict[str, Any]:
         n, batch = self.args.new_tokens, prompts.shape[0]
-        run = lambda k: generate_tokens(self.model, prompts, k)  # noqa: E731
-        run(min(n, 4))  # warm-up: kernels compiled for the prefill and decode shapes
+        # generate's own cache size for n tokens, reused by every call (the same shapes).
+        cache = static_cache(self.model, prompts.shape[1] + n - 1)
+        run = lambda k: generate_tokens(self.model, prompts, k, cache)  # noqa: E731
+        run(n)  # warm-up: kernels compiled for the prefill and decode shapes
         tokens, total = self._median_time(lambda: run(n))
         _, prefill = self._median_time(lambda: run(1))
         self.reference[batch, backend] = tokens
@@ -747,7 +780,8 @@ class Runner:
 
         n, batch = self.args.new_tokens, prompts.shape[0]
         config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
-        run = lambda k: generate_tokens(self.model, prompts, k, compile_config=config)  # noqa: E731
+        cache = static_cache(self.model, prompts.shape[1] + n - 1)
+        run = lambda k: generate_tokens(self.model, prompts, k, cache, config)  # noqa: E731
         skips_before = counters["inductor"]["cudagraph_skips"]
         breaks_before = sum(counters["graph_break"].values())
         # Compiles the decode step (and records its CUDA graph: cudagraph trees warm up once,

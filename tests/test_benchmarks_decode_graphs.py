@@ -99,6 +99,18 @@ def test_static_decode_step_gives_the_tokens_of_generate(script, tiny, backend):
     assert torch.equal(decoder.generated, expected)
 
 
+def test_generate_over_a_reused_static_cache_gives_the_same_tokens(script, tiny):
+    """The benchmark reuses one StaticCache of generate's size for every call (reset first):
+    the tokens of a fresh ``cache_implementation="static"`` each time."""
+    script.set_backend(tiny, "flashmask")
+    prompts = script.make_prompts(2, 7, 256, seed=3, device=torch.device("cpu"))
+    expected = script.generate_tokens(tiny, prompts, 5)
+    cache = script.static_cache(tiny, 7 + 5 - 1)
+    for new_tokens in (5, 2, 5):
+        tokens = script.generate_tokens(tiny, prompts, new_tokens, cache)
+        assert torch.equal(tokens, expected[:, :new_tokens])
+
+
 def test_capture_needs_cuda(script, tiny):
     prompts = script.make_prompts(1, 4, 256, seed=2, device=torch.device("cpu"))
     decoder = script.StaticDecoder(tiny, prompts, 3)
