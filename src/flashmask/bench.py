@@ -540,7 +540,23 @@ def _progress(total: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashmask bench", description=__doc__.split("\n\n")[0])
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if "--decode" in args_in:
+        from flashmask import bench_decode  # lazily: only the decode benchmark needs it
+
+        return bench_decode.main([a for a in args_in if a != "--decode"])
+    parser = argparse.ArgumentParser(
+        prog="flashmask bench",
+        description=__doc__.split("\n\n")[0]
+        + " With --decode: decoding steps and chunked prefill over a KV cache instead "
+        "(see flashmask bench --decode --help).",
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="run the decode-step and chunked-prefill benchmark (flashmask.bench_decode) "
+        "instead; its own options follow (flashmask bench --decode --help)",
+    )
     parser.add_argument(
         "--seqlens",
         default="8192,32768",
