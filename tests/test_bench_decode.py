@@ -146,6 +146,18 @@ def test_causal_document_steps_see_only_the_last_document():
     torch.testing.assert_close(case.mask.to_dense(), full.to_dense()[:, :, -1:])
 
 
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "causal_document"])
+def test_a_chunk_is_the_last_rows_of_the_training_mask_it_is_compared_with(name):
+    """The training forward that a chunk's TFLOP/s is measured against runs the square mask
+    whose last rows the chunk attends with (the same documents, window and sinks)."""
+    chunk = build_case(name, 1, 8, 512, window=64, sink_tokens=4)
+    square, causal = bench_decode.training_mask(name, 512, window=64, sink_tokens=4)
+    square = square if square is not None else masks.causal(512)
+    assert causal and square.causal
+    assert torch.equal(chunk.mask.to_dense(), square.to_dense()[:, :, -8:])
+    assert bench_decode.training_mask("ragged", 512) is None
+
+
 def test_ragged_lengths_are_seeded_draws_in_a_quarter_to_all_of_the_cache():
     lengths = ragged_lengths(64, 1, 1024, seed=0)
     assert lengths.min() >= 256 and lengths.max() <= 1024
@@ -328,7 +340,9 @@ def test_a_wrong_result_is_marked_and_fails_the_command(cpu_run, monkeypatch, tm
     monkeypatch.setattr(
         bench_decode,
         "_write_json",
-        lambda out, rows, config: dict(gpu="GPU", torch="t", triton="t", date="d", git_commit="c"),
+        lambda out, rows, config, elapsed_s=None: dict(
+            gpu="GPU", torch="t", triton="t", date="d", git_commit="c"
+        ),
     )
     out = tmp_path / "decode"
     assert bench_decode.main(["--out", str(out)]) == 1

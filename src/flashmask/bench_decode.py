@@ -1041,7 +1041,9 @@ def _git_commit() -> str | None:
         return None
 
 
-def _write_json(out: Path, rows: list[DecodeRow], config: Config) -> dict:
+def _write_json(
+    out: Path, rows: list[DecodeRow], config: Config, elapsed_s: float | None = None
+) -> dict:
     from flashmask.bench import _tile_configs
     from flashmask.kernels.config import decode_config
 
@@ -1057,6 +1059,7 @@ def _write_json(out: Path, rows: list[DecodeRow], config: Config) -> dict:
         "decode_config": asdict(decode_config(config.head_dim)),
         "tile_configs": _tile_configs([config.head_dim]),
         "error_tolerance": ERROR_TOLERANCE,
+        "elapsed_s": elapsed_s,
     }
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1)
@@ -1075,9 +1078,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    start = time.perf_counter()
     rows = run(config)
+    elapsed_s = time.perf_counter() - start
     out = Path(config.out)
-    meta = _write_json(out, rows, config)
+    meta = _write_json(out, rows, config, elapsed_s)
     table = markdown(rows)
     command = " ".join(["flashmask bench --decode", *argv])
     out.with_suffix(".md").write_text(
@@ -1087,6 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{config.head_dim}, bf16.\n\n{table}\n{_NOTE}"
     )
     print(table)
+    print(f"{len(rows)} rows in {elapsed_s:.0f} s; results in {out}.json and .md", file=sys.stderr)
     wrong = [r for r in rows if r.note == "WRONG"]
     failed = [r for r in rows if r.impl.startswith("flashmask") and r.note and r.note != "WRONG"]
     for r in wrong:
