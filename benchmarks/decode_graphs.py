@@ -131,11 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Writes OUT.json and OUT.md; exits 2 without CUDA unless --smoke.",
+        epilog="Writes OUT.json and OUT.md; exits 2 without CUDA unless --smoke. Outside a git "
+        "checkout, set GIT_COMMIT to record the commit measured.",
     )
     p.add_argument(
         "--out",
-        default=os.environ.get("OUT_PREFIX", "benchmarks/results/decode_graphs"),
+        default="benchmarks/results/decode_graphs",
         help="output path without suffix: writes OUT.json and OUT.md",
     )
     p.add_argument(
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Suffixes appended, not substituted: an --out with a dot in its name keeps it.
+    json_path, md_path = Path(f"{out}.json"), Path(f"{out}.md")
     started = time.monotonic()
     deadline = started + args.budget_s
     model = build_model(args.config, device, dtype, args.seed, args.prompt_len + args.new_tokens)
@@ -234,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         report["meta"]["elapsed_s"] = round(time.monotonic() - started, 1)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        out.with_suffix(".md").write_text(markdown(report))
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        md_path.write_text(markdown(report))
 
     save()
     runner = Runner(model, args, device, deadline, report, save)
@@ -865,7 +868,7 @@ def metadata(
         "transformers": transformers.__version__,
         "flashmask": flashmask.__version__,
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("GIT_COMMIT"),
         "git_dirty": None if status is None else bool(status),
         "command": "PYTHONPATH=src python benchmarks/decode_graphs.py "
         + " ".join(shlex.quote(a) for a in command),
