@@ -226,8 +226,10 @@ def test_windowed_cache_holds_each_rows_sinks_and_last_window_only(new):
         assert sorted(kept.positions[b, slots].tolist()) == expected, b
         for slot in slots.tolist():
             column = (full.positions[b] == kept.positions[b, slot]).nonzero().item()
-            assert torch.equal(kept.keys[b, :, slot], full.keys[b, :, column])
-            assert torch.equal(kept.values[b, :, slot], full.values[b, :, column])
+            # The same token at the same position; the two runs' projections batch different
+            # numbers of rows (chunks of 3 and of 5), which may round differently.
+            torch.testing.assert_close(kept.keys[b, :, slot], full.keys[b, :, column])
+            torch.testing.assert_close(kept.values[b, :, slot], full.values[b, :, column])
 
 
 def test_generation_continues_from_a_padded_cache():
