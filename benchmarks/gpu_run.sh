@@ -9,6 +9,10 @@
 #   bench       flashmask bench, 8K and 32K tokens, head dim 128, the 12 masks (the README's
 #               table): bench_hd128_<date>.{json,md,png}
 #   bench-128k  the same at 128K, in two runs of six masks: bench_hd128_128k_{a,b}_<date>.*
+#   decode      flashmask bench --decode: decode steps (batch 1/8/32, 8K-128K caches) and
+#               chunked prefill beside SDPA and FlexAttention: decode_<date>.{json,md}
+#   graphs      benchmarks/decode_graphs.py, a ~1B model's generation with and without CUDA
+#               graphs: decode_graphs_<date>.{json,md}
 #   e2e         benchmarks/e2e.py, training steps of a ~1B model: e2e_<date>/e2e.{json,md}
 #   cp          benchmarks/cp_gpu.py on every GPU of the machine (torchrun): cp_gpu_<date>/
 #   sass        benchmarks/sass_report.py (compiles for sm_90, needs no GPU): sass_report_<date>.*
@@ -20,7 +24,7 @@ set -uo pipefail
 results=${RESULTS:-benchmarks/results}
 date=${DATE:-$(date +%F)}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 mkdir -p "$results"
 
 bench() {  # bench NAME SEQLENS MASKS
@@ -46,6 +50,8 @@ for step in "$@"; do
         bench bench_hd128_128k_a 131072 "$all_masks" &&
             bench bench_hd128_128k_b 131072 "$more_masks"
         ;;
+    decode) python -m flashmask bench --decode --out "$results/decode_$date" ;;
+    graphs) python benchmarks/decode_graphs.py --out "$results/decode_graphs_$date" ;;
     e2e)
         python benchmarks/e2e.py --longest-max 262144 --step-limit-s 30 --budget-s 7200 \
             --out "$results/e2e_$date"
