@@ -36,7 +36,7 @@ KV_BYTES_PER_KEY = 8 * 128 * 2 * 2  # 8 key/value heads x head dim 128 x (K, V) 
 
 def _error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--decode", *argv])
+        cli.main(["bench", "--decode", *argv])
     assert exc.value.code == 2
     return capsys.readouterr().err
 
@@ -115,7 +115,7 @@ def test_bench_help_names_the_decode_benchmark(capsys):
     assert exc.value.code == 0
     assert "--decode" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        bench.main(["--decode", "--help"])
+        cli.main(["bench", "--decode", "--help"])
     out = capsys.readouterr().out
     assert "flashmask bench --decode" in out and "--cache-lens" in out
 

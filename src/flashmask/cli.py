@@ -487,13 +487,18 @@ def _sci(x: float) -> str:
 
 # ---------------------------------------------------------------------- bench
 def _bench(argv: list[str]) -> int:
+    # --decode selects the decode-step and chunked-prefill benchmark, with its own options.
+    decode = "--decode" in argv
     try:
-        bench = importlib.import_module("flashmask.bench")
+        if decode:
+            bench = importlib.import_module("flashmask.bench_decode")
+        else:
+            bench = importlib.import_module("flashmask.bench")
     except ModuleNotFoundError as e:
-        if e.name != "flashmask.bench":
+        if e.name not in ("flashmask.bench", "flashmask.bench_decode"):
             raise
-        return _error("bench", "the benchmark module flashmask.bench is not available yet")
-    status = bench.main(argv)
+        return _error("bench", f"the benchmark module {e.name} is not available yet")
+    status = bench.main([a for a in argv if a != "--decode"])
     return 0 if status is None else int(status)
 
 
