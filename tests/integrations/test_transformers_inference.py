@@ -235,6 +235,24 @@ def test_mask_hook_gives_key_rows_for_a_static_cache():
     assert hook(1, 8, 8, torch.tensor(0), 0) is None
     # Fewer keys than positions before the queries (a cache that compacts its keys): the last.
     assert hook(1, 1, 6, 40, 0) is None
+    last_rows = hook(1, 1, 6, torch.tensor(40), 0)  # the same from a tensor offset: key rows
+    assert last_rows.flatten().tolist() == [-5, -4, -3, -2, -1, 0]
+
+
+def test_mask_hook_never_reads_a_tensor_offset_on_the_host():
+    """A static cache's step passes its offset as a tensor; reading it would synchronise every
+    eager decode step with the GPU. A meta tensor has no value to read: the hook still works."""
+    hook = fm_transformers.flashmask_mask_interface
+    meta = torch.device("meta")
+    rows = hook(1, 1, 10, torch.tensor(5, device=meta), 0, device=meta)
+    assert rows.device == meta and rows.shape == (1, 1, 1, 10)
+    padding = torch.ones(1, 10, dtype=torch.bool, device=meta)
+    assert hook(1, 1, 10, torch.tensor(5, device=meta), 0, attention_mask=padding).shape == (
+        1,
+        1,
+        1,
+        10,
+    )
 
 
 def test_key_rows_mask_every_kind_of_module():

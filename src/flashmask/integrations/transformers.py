@@ -273,8 +273,10 @@ def flashmask_mask_interface(
             return None
         return attention_mask.to(torch.bool)
     offset = (0 if q_offset is None else q_offset) - kv_offset  # key column of query row 0
-    if isinstance(offset, torch.Tensor) and q_length != kv_length and _may_sync():
-        offset = int(offset)  # (training, q_length == kv_length, never needs this read)
+    if isinstance(offset, torch.Tensor) and q_length != kv_length:
+        # The queries stand at most at the end of the keys (a cache that compacts its keys puts
+        # them past it): clamped on the device, so a static cache's step never reads the host.
+        offset = offset.clamp(max=kv_length - q_length)
     valid = None
     if attention_mask is not None:
         valid = attention_mask.to(torch.bool)
