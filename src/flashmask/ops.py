@@ -68,10 +68,32 @@ def _forward(
     return reference.reference_forward(q, k, v, intervals, causal, softmax_scale)
 
 
+def _forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_forward` as the custom op runs it: compiled code calls it, possibly inside a CUDA
+    graph pool (cudagraph trees' warm-up), so the mask's preparation is not kept between calls
+    (:func:`flashmask.kernels.preparation.uncached`)."""
+    with _uncached():
+        return _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+
+
+def _uncached():
+    from flashmask.kernels import preparation
+
+    return preparation.uncached()
+
+
 # The ops over the plain functions, which the eager path (:class:`_EagerAttention`) calls
 # directly.
 attention_forward = torch.library.custom_op("flashmask::attention_forward", mutates_args=())(
-    _forward
+    _forward_op
 )
 
 
@@ -111,8 +133,29 @@ def _backward_grads(
     )
 
 
+def _backward_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_backward_grads` as the custom op runs it (uncached, as :func:`_forward_op`)."""
+    with _uncached():
+        return _backward_grads(
+            dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
+            deterministic,
+        )  # fmt: skip
+
+
 attention_backward = torch.library.custom_op("flashmask::attention_backward", mutates_args=())(
-    _backward_grads
+    _backward_op
 )
 
 

@@ -86,9 +86,10 @@ def test_ragged_cache_lengths_read_only_each_sequences_keys(d: int, record_prope
     v = torch.randn(batch, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     cols = torch.arange(sk, device="cuda")
     length = torch.tensor(lengths, device="cuda").view(-1, 1)
-    # One query row: column j is masked for rows [0, 1) past the length, else for none.
+    # One query row (causal: bottom-right, it sees every key): column j is masked from row 0
+    # past the length, from row 1 (none) before it.
     lts = torch.where(cols < length, 1, 0).to(torch.int32)
-    mask = FlashMask(lts.view(batch, 1, sk, 1), causal=False, seqlen_q=1)
+    mask = FlashMask(lts.view(batch, 1, sk, 1), causal=True, seqlen_q=1)
     block = decode_config(d).block_n
     for b, n in enumerate(lengths):
         first_unread = -(-n // block) * block

@@ -119,6 +119,31 @@ def test_other_call_parameters_do_not_reuse(change, monkeypatch):
     assert counts["tile_list_kernel"] == 1
 
 
+def test_the_custom_ops_prepare_every_call_and_keep_nothing(monkeypatch):
+    """Through the custom ops (what compiled code calls, possibly in a CUDA graph pool: kept
+    preparations would be live allocations the graph does not own) every call prepares its
+    mask afresh, with the same bits as the cached eager path."""
+    from flashmask import ops
+
+    monkeypatch.setattr(ops, "_use_kernel", lambda q, k, v: True)
+    sri = _mask()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, SQ, 2, 16, generator=gen).to(DEVICE, torch.float16) for _ in "qkv")
+    counts = _count_launches(monkeypatch)
+    eager = ops._forward(q, k, v, sri, True, 0.25, True)
+    assert len(preparation._PREPARED) == 1
+    kernels.clear_prepared()
+    for calls in (1, 2):
+        op = ops.attention_forward(q, k, v, sri, True, 0.25, True)
+        assert len(preparation._PREPARED) == 0
+        assert counts["summarize_kernel"] == 1 + calls
+    for a, b in zip(eager, op, strict=True):
+        assert torch.equal(a, b)
+    with preparation.uncached():
+        assert not preparation.may_cache(DEVICE)
+    assert preparation.may_cache(DEVICE)
+
+
 def test_freed_masks_are_forgotten_and_few_are_kept():
     """A mask tensor's entry goes when the tensor does, and at most ``PREPARED_CAPACITY``
     masks are held (a dataset of masks kept on the device must not pin all their lists)."""

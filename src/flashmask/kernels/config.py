@@ -70,16 +70,17 @@ class DecodeConfig:
     ``block_n``: keys per tile (the mask's lists are built at this width); ``warps``, ``stages``:
     the split kernel's warps and pipeline stages; ``max_rows``: the most packed rows (queries x
     query heads per key/value head) one program holds, which also bounds which calls route
-    here (:func:`~.routing.use_decode`); ``programs_per_sm``: splits are added until the launch
-    has about this many programs per streaming multiprocessor; ``max_splits``: at most this many
-    splits per row tile.
+    here (:func:`~.routing.use_decode`); ``programs_per_sm``: the programs that run at once on a
+    streaming multiprocessor (two of 3-stage 64-key tiles at head dim 128 fit its shared
+    memory); splits fill one wave of them; ``max_splits``: at most this many splits per row
+    tile.
     """
 
     block_n: int = 64
     warps: int = 4
     stages: int = 3
     max_rows: int = 128
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2
     max_splits: int = 128
 
 

@@ -4,8 +4,11 @@ built by the Triton kernels of :mod:`.mask_prep` in O(N) + O(tiles) and cached p
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -200,11 +203,30 @@ _ORDERS: OrderedDict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] =
 _ORDERS_LOCK = threading.Lock()
 
 
+_UNCACHED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "flashmask_uncached", default=False
+)
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Within the block, every call prepares its mask afresh and keeps nothing (see
+    :func:`may_cache`)."""
+    token = _UNCACHED.set(True)
+    try:
+        yield
+    finally:
+        _UNCACHED.reset(token)
+
+
 def may_cache(device: torch.device) -> bool:
     """Whether preparations made on ``device`` now may be kept for later calls: not during CUDA
-    graph capture (the tensors belong to the graph's pool) nor while ``torch.compile`` traces."""
+    graph capture (the tensors belong to the graph's pool), nor while ``torch.compile`` traces,
+    nor inside :func:`uncached` (the custom ops' calls: compiled code may run in a CUDA graph
+    pool, as cudagraph trees' warm-up does, where a kept preparation would be a live allocation
+    the graph does not own)."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return not (capturing or torch.compiler.is_compiling())
+    return not (capturing or torch.compiler.is_compiling() or _UNCACHED.get())
 
 
 def program_order(

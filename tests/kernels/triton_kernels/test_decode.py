@@ -208,14 +208,16 @@ def test_row_tiles_pack_query_heads_into_power_of_two_tiles():
     assert decode_launcher.row_tile(1, 128, decode) == (1, 128)
 
 
-def test_splits_fill_the_gpu_within_the_key_tiles(monkeypatch):
-    """``num_splits``: about ``programs_per_sm`` programs per multiprocessor, never more splits
-    than key tiles or ``max_splits``, at least one."""
+def test_splits_fill_one_wave_within_the_key_tiles(monkeypatch):
+    """``num_splits``: as many splits as fit one wave of ``programs_per_sm`` programs per
+    multiprocessor (never a partial second wave), never more than key tiles or
+    ``max_splits``, at least one."""
     monkeypatch.setattr(hardware, "multiprocessor_count", lambda device: 132)
-    decode = DecodeConfig(programs_per_sm=4, max_splits=128)
+    decode = DecodeConfig(programs_per_sm=2, max_splits=128)
     cpu = torch.device("cpu")
-    assert decode_launcher.num_splits(8, 2048, cpu, decode) == 66  # batch 1, 8 KV heads
-    assert decode_launcher.num_splits(256, 2048, cpu, decode) == 3  # batch 32
+    assert decode_launcher.num_splits(8, 2048, cpu, decode) == 33  # batch 1, 8 KV heads
+    assert decode_launcher.num_splits(64, 2048, cpu, decode) == 4  # batch 8: 256 of 264
+    assert decode_launcher.num_splits(256, 2048, cpu, decode) == 1  # batch 32: one wave
     assert decode_launcher.num_splits(8, 10, cpu, decode) == 10
     assert decode_launcher.num_splits(1, 4096, cpu, replace(decode, max_splits=16)) == 16
     assert decode_launcher.num_splits(10_000, 4096, cpu, decode) == 1
