@@ -73,9 +73,59 @@ def test_markdown_reports_speedup_and_the_preparation_share():
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
     flashmask, flex, sdpa = lines[2:]
     # 0.08 ms of an 8 ms call (0.004 ms of device time), 10 / 8 faster
-    assert flashmask.endswith("| 1.0 | 0.004 | 0.05 | — | 1.25x |")
-    assert flex.endswith("| 20.0 | — | — | — | 1.00x |")
-    assert sdpa.endswith("| — | — | — | — | 2.00x |")
+    assert flashmask.endswith("| 1.0 | 0.004 | 0.05 | — | 1.25x | — |")
+    assert flex.endswith("| 20.0 | — | — | — | 1.00x | — |")
+    assert sdpa.endswith("| — | — | — | — | 2.00x | — |")
+
+
+def test_markdown_compares_with_flashmask4_when_it_ran():
+    """With FlashMask-4 rows, each row also says how much faster than FlashMask-4 it is; an
+    FlashMask-4 row that failed (a form it refuses) gives no ratio."""
+    common = dict(mask="document", seqlen=8192, batch=4, heads=16, head_dim=128, sparsity=0.5)
+    rows = [
+        Row(impl="flashmask", fwd_ms=2.0, total_ms=8.0, **common),
+        Row(impl="flex", fwd_ms=2.5, total_ms=10.0, **common),
+        Row(impl="fm4", fwd_ms=2.2, total_ms=8.8, **common),
+        Row(impl="fm4", note="error: ValueError: head dim", **{**common, "head_dim": 64}),
+        Row(impl="flashmask", fwd_ms=1.0, total_ms=4.0, **{**common, "head_dim": 64}),
+    ]
+    lines = _markdown(rows).splitlines()
+    assert "| vs flex (fwd+bwd) | vs fm4 (fwd+bwd) |" in lines[0]
+    assert len({line.count("|") for line in lines}) == 1
+    flashmask, flex, fm4, fm4_failed, flashmask_64 = lines[2:]
+    assert flashmask.endswith("| 1.25x | 1.10x |")
+    assert flex.endswith("| 1.00x | 0.88x |")
+    assert fm4.endswith("| 1.14x | 1.00x |")
+    assert "| fm4 (error: ValueError: head dim) |" in fm4_failed
+    assert flashmask_64.endswith("| — | — |")
+
+
+def test_flashmask4_is_timed_by_default_only_when_importable(monkeypatch):
+    """FlashMask-4 (a peer outside flashmask) joins the default implementations only when its
+    torch shim imports; asking for it when it does not is refused, naming the option."""
+    from flashmask import bench
+
+    monkeypatch.setattr(bench, "flashmask4", lambda: None)
+    assert bench.default_impls() == "flashmask,flex,sdpa"
+    monkeypatch.setattr(bench, "flashmask4", lambda: lambda *args, **kwargs: None)
+    assert bench.default_impls() == "flashmask,flex,sdpa,fm4"
+
+
+@pytest.mark.parametrize(
+    ("impls", "message"),
+    [
+        ("flashmask,fa9", "--impls: unknown implementation(s) ['fa9']"),
+        ("flashmask,fm4", "--impls fm4: fm4_torch is not importable"),
+    ],
+)
+def test_impls_the_bench_cannot_run_are_refused(monkeypatch, capsys, impls, message):
+    from flashmask import bench
+
+    monkeypatch.setattr(bench, "flashmask4", lambda: None)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--impls", impls])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_markdown_marks_an_implementation_that_ran_out_of_memory():
@@ -90,7 +140,7 @@ def test_markdown_marks_an_implementation_that_ran_out_of_memory():
     assert len({line.count("|") for line in lines}) == 1
     flashmask, flex = lines[2:]
     assert "| flex (OOM) | — | — |" in flex
-    assert flashmask.endswith("| — |")
+    assert flashmask.endswith("| — | — |")
 
 
 def test_result_files_record_the_tile_configs_of_the_gpu(monkeypatch):
@@ -173,8 +223,8 @@ def test_markdown_shows_grouped_query_heads_and_compares_within_one_head_layout(
     lines = _markdown(rows).splitlines()
     assert len({line.count("|") for line in lines}) == 1
     mha, _, gqa, _ = lines[2:]
-    assert mha.startswith("| 8K | 128 | 16 | document |") and mha.endswith("| 1.50x |")
-    assert gqa.startswith("| 8K | 128 | 16:4 | document |") and gqa.endswith("| 2.00x |")
+    assert mha.startswith("| 8K | 128 | 16 | document |") and mha.endswith("| 1.50x | — |")
+    assert gqa.startswith("| 8K | 128 | 16:4 | document |") and gqa.endswith("| 2.00x | — |")
 
 
 @pytest.mark.parametrize("kv_heads", ["3", "-1"])

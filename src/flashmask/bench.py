@@ -17,6 +17,7 @@ form. Results go to JSON, Markdown and a PNG chart. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -34,6 +35,10 @@ from flashmask.attention import flashmask_attention
 from flashmask.mask import FlashMask
 
 __all__ = ["main", "visible_flop", "visible_pairs"]
+
+
+# The implementations `flashmask bench --impls` knows.
+IMPLS = ("flashmask", "flex", "sdpa", "fm4")
 
 
 def visible_pairs(
@@ -435,7 +440,28 @@ def run_case(
             rows.append(row)
             del dense
 
-    runners = {"flashmask": run_flashmask, "flex": run_flex, "sdpa": run_sdpa}
+    def run_fm4() -> None:
+        fm4_attention = flashmask4()
+        if fm4_attention is None:
+            rows.append(replace(base("fm4"), note="fm4_torch not importable"))
+            return
+        sri = mask.startend_row_indices if mask is not None else None
+
+        # FlashMask-4 builds its block lists inside each call, as flashmask prepares its mask.
+        def f4_fwd():
+            return fm4_attention(qg, kg, vg, sri, causal=causal)
+
+        def f4_total():
+            input_gradients(fm4_attention(qg, kg, vg, sri, causal=causal), (qg, kg, vg), do)
+
+        try:
+            rows.append(finish(base("fm4"), f4_fwd, f4_total))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a form or head dim the peer refuses costs only its row
+            rows.append(replace(base("fm4"), note=f"error: {type(exc).__name__}: {exc}"[:160]))
+
+    runners = {"flashmask": run_flashmask, "flex": run_flex, "sdpa": run_sdpa, "fm4": run_fm4}
     for impl, run in runners.items():
         if impl not in impls:
             continue
@@ -449,18 +475,37 @@ def run_case(
     return rows
 
 
+@functools.cache
+def flashmask4() -> Callable | None:
+    """FlashMask-4's attention (``fm4_torch.fm4_attention``: Paddle's CuTe DSL kernels for
+    Hopper behind a thin torch shim, a benchmark peer that is not part of flashmask) when
+    ``fm4_torch`` and its CuTe DSL wheels are importable, else ``None``."""
+    try:
+        from fm4_torch import fm4_attention
+    except Exception:  # absent, or its cutlass-dsl wheels missing or broken
+        return None
+    return fm4_attention
+
+
+def default_impls() -> str:
+    """The implementations timed by default: flashmask, flex and sdpa, and FlashMask-4 (fm4)
+    when it is importable."""
+    return "flashmask,flex,sdpa" + (",fm4" if flashmask4() is not None else "")
+
+
 def _markdown(rows: list[Row]) -> str:
     lines = [
         "| S | D | heads | mask | sparsity | impl | fwd ms | fwd+bwd ms | fwd TF/s | fwd+bwd TF/s "
         "| mask prep ms | prep % of fwd+bwd | prep GPU ms | GPU prep % | peak GB "
-        "| vs flex (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs flex (fwd+bwd) | vs fm4 (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def case(r: Row) -> tuple:
         return (r.mask, r.seqlen, r.head_dim, r.heads, r.kv_heads or r.heads)
 
-    flex_total = {case(r): r.total_ms for r in rows if r.impl == "flex"}
+    flex_total = {case(r): r.total_ms for r in rows if r.impl == "flex" and r.total_ms}
+    fm4_total = {case(r): r.total_ms for r in rows if r.impl == "fm4" and r.total_ms}
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
@@ -470,6 +515,8 @@ def _markdown(rows: list[Row]) -> str:
         kv = r.kv_heads or r.heads
         heads = f"{r.heads}" if kv == r.heads else f"{r.heads}:{kv}"
         speedup = f"{ref / r.total_ms:.2f}x" if ref and r.total_ms else "—"
+        fm4 = fm4_total.get(case(r))
+        vs_fm4 = f"{fm4 / r.total_ms:.2f}x" if fm4 and r.total_ms else "—"
         # FlashMask prepares inside every call; Flex's BlockMask is built once, outside the timing.
         share = 100 * r.mask_prep_ms / r.total_ms if r.mask_prep_ms and r.total_ms else None
         gpu_ms = r.mask_prep_gpu_ms
@@ -481,7 +528,7 @@ def _markdown(rows: list[Row]) -> str:
             f"| {f(r.total_tflops, '{:.0f}')} | {f(r.mask_prep_ms, '{:.3f}')} "
             f"| {f(share, '{:.1f}')} | {f(gpu_ms, '{:.3f}')} | {f(gpu_share, '{:.2f}')} "
             f"| {f(r.peak_gb)} "
-            f"| {speedup} |"
+            f"| {speedup} | {vs_fm4} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -582,9 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--impls",
-        default="flashmask,flex,sdpa",
+        default=None,
         help="comma-separated implementations to time: flashmask, flex, sdpa (sdpa includes "
-        "SDPA with a dense mask where it fits --dense-limit-gb) (flashmask,flex,sdpa)",
+        "SDPA with a dense mask where it fits --dense-limit-gb), fm4 (FlashMask-4 through "
+        "fm4_torch, when importable) (flashmask,flex,sdpa, and fm4 when importable)",
     )
     parser.add_argument(
         "--rep-ms",
@@ -624,13 +672,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"--kv-heads must be 0 or divide the query heads ({heads} at head dim {d}), "
                 f"got {args.kv_heads}"
             )
+    impls = (args.impls or default_impls()).split(",")
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        parser.error(f"--impls: unknown implementation(s) {unknown}; choose from {list(IMPLS)}")
+    if "fm4" in impls and flashmask4() is None:
+        parser.error(
+            "--impls fm4: fm4_torch is not importable (put ../shared/anchors and FlashMask-4's "
+            "CuTe DSL wheels on PYTHONPATH; benchmarks/README.md says how)"
+        )
     if not torch.cuda.is_available():
         print("flashmask bench needs a CUDA GPU", file=sys.stderr)
         return 2
     # One compiled flex kernel per shape and causal flag; never fall back to eager flex.
     torch._dynamo.config.cache_size_limit = 64
     names = args.masks.split(",")
-    impls = args.impls.split(",")
     cases = [(s, d, n) for s in seqlens for d in head_dims for n in names]
     bar = _progress(len(cases))
     rows: list[Row] = []
