@@ -69,7 +69,8 @@ DECODE_CASES = _mask_cases() + _random_cases()
 def test_split_kv_forward_matches_the_reference(case: Case, record_property) -> None:
     """out and lse of the split-KV forward (and the backward after it) within the rule."""
     x = make_inputs(case)
-    assert routing.use_decode(x.q, x.k, True, decode_config(case.d)), case.id
+    decode = decode_config(case.d, shared_memory=kernels.device_shared_memory(x.q.device))
+    assert routing.use_decode(x.q, x.k, True, decode), case.id
     check_accuracy(case, record_property)
 
 
@@ -90,7 +91,7 @@ def test_ragged_cache_lengths_read_only_each_sequences_keys(d: int, record_prope
     # past the length, from row 1 (none) before it.
     lts = torch.where(cols < length, 1, 0).to(torch.int32)
     mask = FlashMask(lts.view(batch, 1, sk, 1), causal=True, seqlen_q=1)
-    block = decode_config(d).block_n
+    block = decode_config(d, shared_memory=kernels.device_shared_memory(q.device)).block_n
     for b, n in enumerate(lengths):
         first_unread = -(-n // block) * block
         k[b, first_unread:] = float("nan")

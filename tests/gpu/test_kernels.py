@@ -228,7 +228,9 @@ def kernel_paths(x: Inputs, scale: float, deterministic: bool) -> str:
     by the launchers' own routing rules, so that a run shows which paths it checked."""
     d, masked = x.q.shape[-1], x.sri is not None
     config = kernels.tile_config(d, has_mask=masked)
-    if routing.use_decode(x.q, x.k, True, decode_config(d)):
+    if routing.use_decode(
+        x.q, x.k, True, decode_config(d, shared_memory=kernels.device_shared_memory(x.q.device))
+    ):
         fwd = "split-kv"
     else:
         gluon = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)

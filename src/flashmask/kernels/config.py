@@ -68,12 +68,12 @@ class DecodeConfig:
     """Tiles of the split-KV kernels (``triton_kernels.decode``) for few queries over many keys.
 
     ``block_n``: keys per tile (the mask's lists are built at this width); ``warps``, ``stages``:
-    the split kernel's warps and pipeline stages; ``max_rows``: the most packed rows (queries x
-    query heads per key/value head) one program holds, which also bounds which calls route
-    here (:func:`~.routing.use_decode`); ``programs_per_sm``: the programs that run at once on a
-    streaming multiprocessor (two of 3-stage 64-key tiles at head dim 128 fit its shared
-    memory); splits fill one wave of them; ``max_splits``: at most this many splits per row
-    tile.
+    the split kernel's warps and pipeline stages (fewer where the GPU's shared memory cannot hold
+    them, see :func:`~.decode_launcher.forward`); ``max_rows``: the most packed rows (queries x
+    query heads per key/value head) one program holds, which also bounds which calls route here
+    (:func:`~.routing.use_decode`); ``programs_per_sm``: the programs that run at once on a
+    streaming multiprocessor; splits fill one wave of them; ``max_splits``: at most this many
+    splits per row tile.
     """
 
     block_n: int = 64
@@ -84,13 +84,22 @@ class DecodeConfig:
     max_splits: int = 128
 
 
-def decode_config(head_dim: int) -> DecodeConfig:
+def decode_config(head_dim: int, *, shared_memory: int | None = None) -> DecodeConfig:
     """The split-KV tiles for a head dimension (16-key tiles under the interpreter, so that the
-    CPU tests' short caches still split into several tiles)."""
+    CPU tests' short caches still split into several tiles).
+
+    Up to head dim 128 on a GPU with Hopper's shared memory (``shared_memory``: bytes per block):
+    128-key tiles, 8 warps, 3 stages, one program per multiprocessor. On the H200 and H100 they
+    decoded within 2% of SDPA's time on causal caches of 8K-128K at batch 1, 8 and 32, where the
+    64-key tiles two to a multiprocessor were up to 2% (H200) and 3% (H100) slower
+    (``docs/performance.md``). Elsewhere the 64-key tiles, whose two programs fit 100 KB each.
+    """
     if hardware.interpreting():
         return DecodeConfig(block_n=16, warps=4, stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, stages=2)
+    if shared_memory is not None and shared_memory >= _HOPPER_SHARED_MEMORY:
+        return DecodeConfig(block_n=128, warps=8, stages=3, programs_per_sm=1)
     return DecodeConfig()
 
 

@@ -18,6 +18,9 @@ from flashmask.kernels.launch import launch_kernel
 # The combine kernel merges this many splits per step (a [SPLIT_CHUNK, D] float32 tile).
 SPLIT_CHUNK = 16
 
+# Pipeline stages that fit a split kernel's shared memory, where fewer than its config asks.
+_FITTED_STAGES: dict[tuple, int] = {}
+
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -35,11 +38,35 @@ def row_tile(seqlen_q: int, group: int, decode: DecodeConfig) -> tuple[int, int]
 
 def num_splits(programs: int, key_tiles: int, device: torch.device, decode: DecodeConfig) -> int:
     """Splits per row tile: as many as keep ``programs`` row tiles times the splits within one
-    wave of ``decode.programs_per_sm`` programs per multiprocessor (rounded down: a split that
-    spills into a second wave costs a whole wave, measured 6-11% at batch 8 and 32 on the H100),
+    wave of ``decode.programs_per_sm`` programs per multiprocessor (rounded down: the programs
+    that spill into a second wave leave most multiprocessors idle while they run),
     at most one per key tile and at most ``decode.max_splits``; at least one."""
     slots = decode.programs_per_sm * hardware.multiprocessor_count(device)
     return max(1, min(slots // programs, key_tiles, decode.max_splits))
+
+
+def _launch_fitting_stages(
+    kernel, grid: tuple[int, ...], args: tuple, shape: dict, decode: DecodeConfig
+) -> None:
+    """Launch ``kernel`` with ``decode.stages`` pipeline stages, or with fewer where a program
+    would need more shared memory than the GPU has (the 3-stage 128-key tiles at head dim 128
+    with 128 packed rows). Triton raises ``OutOfResources`` when it compiles, before anything
+    runs, so a retry is safe; the count that fits is remembered per shape, so each shape
+    compiles (and fails) once."""
+    from triton.runtime.errors import OutOfResources
+
+    q = args[0]
+    # What a program's shared memory depends on, beyond ``decode``'s tiles.
+    key = (q.device.index, q.dtype, decode, shape["BLOCK_M"], shape["BLOCK_D"])
+    stages = _FITTED_STAGES.get(key, decode.stages)
+    while True:
+        try:
+            launch_kernel(kernel, grid, *args, NUM_STAGES=stages, **shape)
+            return
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages = _FITTED_STAGES[key] = stages - 1
 
 
 def forward(
@@ -86,11 +113,12 @@ def forward(
         part_lse = torch.empty(b, hq, sq, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = lse  # never written with one split
-    launch_kernel(
-        decode_split_kernel, (splits, q_tiles * hk, b),
+    split_args = (
         q, k, v, out, lse, part_out, part_lse, *mask_args,
         *tensors.strides3(q), *tensors.strides3(k), *tensors.strides3(v), *tensors.strides3(out),
         sq, sk, hk, hk // hm, hm, q_tiles, key_tiles, d, softmax_scale * LOG2E_VALUE, splits,
+    )  # fmt: skip
+    shape = dict(
         CAUSAL=causal,
         HAS_MASK=masked,
         HAS_UPPER=not causal,
@@ -102,9 +130,11 @@ def forward(
         BLOCK_M=block_m,
         BLOCK_N=decode.block_n,
         BLOCK_D=block_d,
-        NUM_STAGES=decode.stages,
         num_warps=decode.warps,
-    )  # fmt: skip
+    )
+    _launch_fitting_stages(
+        decode_split_kernel, (splits, q_tiles * hk, b), split_args, shape, decode
+    )
     if splits > 1:
         launch_kernel(
             decode_combine_kernel, (sq * hq, b),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmask.kernels import decode_launcher, preparation, routing, tensors, tiles
+from flashmask.kernels import decode_launcher, hardware, preparation, routing, tensors, tiles
 from flashmask.kernels.config import DecodeConfig, TileConfig, decode_config, with_fitting_config
 from flashmask.kernels.launch import launch_kernel
 
@@ -116,7 +116,9 @@ def forward(
     forward's, in the same launches (a new mask's summaries and lists in two launches rather
     than four), so that its backward finds them prepared.
     """
-    decode = decode or decode_config(q.shape[-1])
+    decode = decode or decode_config(
+        q.shape[-1], shared_memory=hardware.device_shared_memory(q.device)
+    )
     if routing.use_decode(q, k, skip_tiles, decode):
         return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:

@@ -22,6 +22,7 @@ if not CUDA:
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashmask import kernels, masks  # noqa: E402
 from flashmask.kernels import decode_launcher, hardware, routing  # noqa: E402
@@ -221,3 +222,57 @@ def test_splits_fill_one_wave_within_the_key_tiles(monkeypatch):
     assert decode_launcher.num_splits(8, 10, cpu, decode) == 10
     assert decode_launcher.num_splits(1, 4096, cpu, replace(decode, max_splits=16)) == 16
     assert decode_launcher.num_splits(10_000, 4096, cpu, decode) == 1
+
+
+def test_hopper_decodes_with_128_key_tiles_one_program_per_multiprocessor(monkeypatch):
+    """``decode_config``: up to head dim 128, a GPU with Hopper's shared memory gets 128-key
+    tiles, 8 warps, 3 stages and one program per multiprocessor (the measured choice); smaller
+    or unknown shared memory the 64-key tiles two to a multiprocessor; head dims above 128 the
+    32-key tiles."""
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    hopper = decode_config(128, shared_memory=227 * 1024)
+    assert (hopper.block_n, hopper.warps, hopper.stages, hopper.programs_per_sm) == (128, 8, 3, 1)
+    assert decode_config(64, shared_memory=227 * 1024) == hopper
+    for shared in (None, 99 * 1024, 163 * 1024):
+        assert decode_config(128, shared_memory=shared) == DecodeConfig()
+    assert decode_config(256, shared_memory=227 * 1024).block_n == 32
+
+
+class StagesLimit:
+    """Stands in for the split kernel on a GPU whose shared memory holds one pipeline stage:
+    more raise ``OutOfResources`` as Triton does when it compiles; one runs the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.refused = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if kwargs["NUM_STAGES"] > 1:
+                self.refused += 1
+                raise OutOfResources(300 * 1024, 227 * 1024, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_split_kernel_drops_stages_until_its_shared_memory_fits(monkeypatch):
+    """A split kernel too large for the GPU at ``decode.stages`` runs with fewer (three refused
+    then two, one ran), gives the same values as asking for one stage, and later calls of the
+    shape start from the stages that fit."""
+    from flashmask.kernels.triton_kernels import decode as decode_kernels
+
+    limit = StagesLimit(decode_kernels.decode_split_kernel)
+    monkeypatch.setattr(decode_kernels, "decode_split_kernel", limit)
+    monkeypatch.setattr(decode_launcher, "_FITTED_STAGES", {})
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, 32, generator=gen).to(DEVICE, torch.float16)
+    k, v = (torch.randn(1, 70, 2, 32, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+    decode = DecodeConfig(block_n=16, warps=4, stages=3)
+    out, lse = kernels.forward(q, k, v, None, True, 0.2, decode=decode)
+    assert limit.refused == 2
+    assert list(decode_launcher._FITTED_STAGES.values()) == [1]
+    one_stage = kernels.forward(q, k, v, None, True, 0.2, decode=replace(decode, stages=1))
+    assert torch.equal(out, one_stage[0]) and torch.equal(lse, one_stage[1])
+    kernels.forward(q, k, v, None, True, 0.2, decode=decode)
+    assert limit.refused == 2
