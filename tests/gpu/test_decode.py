@@ -120,8 +120,10 @@ def test_split_kv_equals_the_training_forward_closely(monkeypatch) -> None:
     q = torch.randn(8, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(8, 16384, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
-    split, split_lse = kernels.forward(q, k, v, mask.startend_row_indices, False, 128**-0.5)
+    # The kernels take one mask row per batch entry (the public API checks it).
+    sri = mask.startend_row_indices.expand(8, -1, -1, -1).contiguous()
+    split, split_lse = kernels.forward(q, k, v, sri, mask.causal, 128**-0.5)
     monkeypatch.setattr(routing, "use_decode", lambda *args: False)
-    train, train_lse = kernels.forward(q, k, v, mask.startend_row_indices, False, 128**-0.5)
+    train, train_lse = kernels.forward(q, k, v, sri, mask.causal, 128**-0.5)
     torch.testing.assert_close(split, train, atol=2 * 2**-8, rtol=0)
     torch.testing.assert_close(split_lse, train_lse, atol=1e-5, rtol=1e-5)
