@@ -344,3 +344,25 @@ def test_the_forward_plan_names_what_the_forward_prepares(gluon_backward, monkey
     assert launches == {"summarize_kernel": 0, "tile_list_kernel": 0} and not order_launches
     assert orders[0] == (shapes[0], (4, True))
     assert len(orders) == 1 + gluon_backward
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param((1, 1, SK, 1), id="batch-1 mask for batch 2"),
+     pytest.param((2, 1, SK - 1, 1), id="one key short"),
+     pytest.param((2, 1, SK, 3), id="three columns"),
+     pytest.param((2, SK, 1), id="no heads dimension")],
+)  # fmt: skip
+def test_a_mask_the_kernels_would_read_past_is_refused(shape):
+    """The kernels index the mask per batch entry and key without bounds checks: a mask of any
+    other shape than ``[B, Hm, Sk, 1 | 2 | 4]`` raises ``ValueError`` naming the argument before
+    anything is launched, cached or not, forward or split-KV decode."""
+    q = torch.randn(2, SQ, 2, 16, device=DEVICE)
+    k = v = torch.randn(2, SK, 2, 16, device=DEVICE)
+    sri = torch.full(shape, SQ, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"startend_row_indices must be \[batch=2"):
+        kernels.forward(q, k, v, sri, True, 0.25, config=TILES)
+    with pytest.raises(ValueError, match="startend_row_indices"):
+        kernels.forward(q[:, :1], k, v, sri, True, 0.25)  # one query: the split-KV path
+    with pytest.raises(ValueError, match="startend_row_indices"):
+        preparation.prepare(sri, True, SQ, SK, 2, DEVICE, [(16, 16, True)])

@@ -18,6 +18,23 @@ from flashmask.kernels import tiles
 from flashmask.kernels.launch import launch_kernel
 
 
+def check_mask_shape(sri: torch.Tensor, batch: int, seqlen_k: int) -> None:
+    """Raise ``ValueError`` unless ``sri`` is ``[batch, Hm, seqlen_k, 1 | 2 | 4]``: the kernels
+    index the mask by batch entry and key column without bounds checks, so a broadcast batch-1
+    mask or a shorter one would be read past its end. (The public API checks this with friendlier
+    words; this guards direct ``flashmask.kernels`` callers.)"""
+    if (
+        sri.dim() != 4
+        or sri.shape[0] != batch
+        or sri.shape[2] != seqlen_k
+        or sri.shape[3] not in (1, 2, 4)
+    ):
+        raise ValueError(
+            f"startend_row_indices must be [batch={batch}, mask heads, seqlen_k={seqlen_k}, 1, 2 "
+            f"or 4] (one row per batch entry: expand a shared mask), got {tuple(sri.shape)}"
+        )
+
+
 def prepare(
     startend_row_indices: torch.Tensor | None,
     causal: bool,
@@ -41,6 +58,7 @@ def prepare(
     sri = startend_row_indices
     bounds = None
     if sri is not None:
+        check_mask_shape(sri, batch, seqlen_k)
         bounds = torch.empty(batch, sri.shape[1], 4, seqlen_k, dtype=torch.int32, device=device)
     lists: dict[tuple[int, int, bool], tiles.TileLists] = {}
     _add_lists(
@@ -364,6 +382,7 @@ def prepare_cached(
     if sri is None:
         lists = _unmasked_lists(params, shapes)
         return None, [lists[shape] for shape in shapes]
+    check_mask_shape(sri, batch, seqlen_k)
     entry = _PREPARED.get(
         sri,
         params,
