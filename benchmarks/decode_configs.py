@@ -7,8 +7,8 @@ configurations, as a drift check) and flashmask's split-KV forward under each
 on the 128K cache, a sliding window of 4,096 keys with 4 sink tokens under each (``sw_*``;
 ``sw_api`` through ``flashmask_attention``). Times are
 median device microseconds of :func:`flashmask.bench_decode.time_call` (L2 flushed, host
-launch work hidden). ``default`` is :func:`~flashmask.kernels.config.decode_config` on this
-GPU.
+launch work hidden). ``default`` is :func:`~flashmask.kernels.config.device_decode_config` on
+this GPU.
 
     PYTHONPATH=src python benchmarks/decode_configs.py --out decode_configs
     python benchmarks/decode_configs.py --render decode_configs.json   # the table again
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 # (keys per tile, pipeline stages, warps, programs per multiprocessor)
@@ -44,17 +45,14 @@ def measure() -> tuple[dict, list[dict]]:
     """``(meta, cells)``: the GPU and versions, and one dict of times (us) per cache and batch."""
     import torch
 
-    from flashmask import kernels
     from flashmask.bench_decode import time_call
-    from flashmask.kernels.config import DecodeConfig, decode_config
+    from flashmask.kernels.config import DecodeConfig, device_decode_config
 
     def us(fn) -> float:
         return 1e3 * time_call(fn, 15).gpu_ms
 
     device = torch.device("cuda")
-    configs = {
-        "default": decode_config(HEAD_DIM, shared_memory=kernels.device_shared_memory(device))
-    }
+    configs = {"default": device_decode_config(HEAD_DIM, device)}
     for block_n, stages, warps, per_sm in CANDIDATES:
         configs[f"n{block_n}s{stages}w{warps}p{per_sm}"] = DecodeConfig(
             block_n=block_n, stages=stages, warps=warps, programs_per_sm=per_sm
@@ -73,7 +71,7 @@ def measure() -> tuple[dict, list[dict]]:
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "default": {k: v for k, v in vars(configs["default"]).items()},
+        "default": asdict(configs["default"]),
     }
     return meta, cells
 

@@ -1045,8 +1045,7 @@ def _write_json(
     out: Path, rows: list[DecodeRow], config: Config, elapsed_s: float | None = None
 ) -> dict:
     from flashmask.bench import _tile_configs
-    from flashmask.kernels import device_shared_memory
-    from flashmask.kernels.config import decode_config
+    from flashmask.kernels.config import device_decode_config
 
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -1057,9 +1056,7 @@ def _write_json(
         "python": platform.python_version(),
         "git_commit": _git_commit(),
         "config": asdict(config),
-        "decode_config": asdict(
-            decode_config(config.head_dim, shared_memory=device_shared_memory(torch.device("cuda")))
-        ),
+        "decode_config": asdict(device_decode_config(config.head_dim, torch.device("cuda"))),
         "tile_configs": _tile_configs([config.head_dim]),
         "error_tolerance": ERROR_TOLERANCE,
         "elapsed_s": elapsed_s,

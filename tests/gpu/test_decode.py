@@ -23,7 +23,7 @@ import torch
 
 from flashmask import flashmask_attention, kernels, masks
 from flashmask.kernels import routing
-from flashmask.kernels.config import decode_config
+from flashmask.kernels.config import device_decode_config
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_forward
 from tests.gpu.conftest import CASE_PROPERTY, FULL
@@ -69,8 +69,7 @@ DECODE_CASES = _mask_cases() + _random_cases()
 def test_split_kv_forward_matches_the_reference(case: Case, record_property) -> None:
     """out and lse of the split-KV forward (and the backward after it) within the rule."""
     x = make_inputs(case)
-    decode = decode_config(case.d, shared_memory=kernels.device_shared_memory(x.q.device))
-    assert routing.use_decode(x.q, x.k, True, decode), case.id
+    assert routing.use_decode(x.q, x.k, True, device_decode_config(case.d, x.q.device)), case.id
     check_accuracy(case, record_property)
 
 
@@ -91,7 +90,7 @@ def test_ragged_cache_lengths_read_only_each_sequences_keys(d: int, record_prope
     # past the length, from row 1 (none) before it.
     lts = torch.where(cols < length, 1, 0).to(torch.int32)
     mask = FlashMask(lts.view(batch, 1, sk, 1), causal=True, seqlen_q=1)
-    block = decode_config(d, shared_memory=kernels.device_shared_memory(q.device)).block_n
+    block = device_decode_config(d, q.device).block_n
     for b, n in enumerate(lengths):
         first_unread = -(-n // block) * block
         k[b, first_unread:] = float("nan")

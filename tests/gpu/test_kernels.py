@@ -43,7 +43,7 @@ import torch
 
 from flashmask import kernels, masks
 from flashmask.kernels import routing
-from flashmask.kernels.config import decode_config
+from flashmask.kernels.config import device_decode_config
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 from tests.gpu.conftest import CASE_PROPERTY, FULL
@@ -228,9 +228,7 @@ def kernel_paths(x: Inputs, scale: float, deterministic: bool) -> str:
     by the launchers' own routing rules, so that a run shows which paths it checked."""
     d, masked = x.q.shape[-1], x.sri is not None
     config = kernels.tile_config(d, has_mask=masked)
-    if routing.use_decode(
-        x.q, x.k, True, decode_config(d, shared_memory=kernels.device_shared_memory(x.q.device))
-    ):
+    if routing.use_decode(x.q, x.k, True, device_decode_config(d, x.q.device)):
         fwd = "split-kv"
     else:
         gluon = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)

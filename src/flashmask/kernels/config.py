@@ -103,6 +103,12 @@ def decode_config(head_dim: int, *, shared_memory: int | None = None) -> DecodeC
     return DecodeConfig()
 
 
+def device_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    """:func:`decode_config` for ``device``'s shared memory: the split-KV tiles a call on it
+    runs by default."""
+    return decode_config(head_dim, shared_memory=hardware.device_shared_memory(device))
+
+
 # Shared memory per block from which the H200-tuned tiles fit (Hopper offers 227 KB; the largest
 # forward tile, 128x128 with 3 stages at D = 128, needs 224 KB).
 _HOPPER_SHARED_MEMORY = 200 * 1024

@@ -7,8 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmask.kernels import decode_launcher, hardware, preparation, routing, tensors, tiles
-from flashmask.kernels.config import DecodeConfig, TileConfig, decode_config, with_fitting_config
+from flashmask.kernels import decode_launcher, preparation, routing, tensors, tiles
+from flashmask.kernels.config import (
+    DecodeConfig,
+    TileConfig,
+    device_decode_config,
+    with_fitting_config,
+)
 from flashmask.kernels.launch import launch_kernel
 
 ListShape = tuple[int, int, bool]
@@ -106,7 +111,7 @@ def forward(
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
 
     Few queries over many keys (:func:`~.routing.use_decode`) run the split-KV kernels of
-    :mod:`.decode_launcher` with ``decode`` (default :func:`~.config.decode_config`); other
+    :mod:`.decode_launcher` with ``decode`` (default :func:`~.config.device_decode_config`); other
     calls the training forward.
 
     ``skip_tiles=False`` treats every tile as partial (dense mode; for the bit-exactness check).
@@ -116,9 +121,7 @@ def forward(
     forward's, in the same launches (a new mask's summaries and lists in two launches rather
     than four), so that its backward finds them prepared.
     """
-    decode = decode or decode_config(
-        q.shape[-1], shared_memory=hardware.device_shared_memory(q.device)
-    )
+    decode = decode or device_decode_config(q.shape[-1], q.device)
     if routing.use_decode(q, k, skip_tiles, decode):
         return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:

@@ -26,7 +26,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashmask import kernels, masks  # noqa: E402
 from flashmask.kernels import decode_launcher, hardware, routing  # noqa: E402
-from flashmask.kernels.config import DecodeConfig, decode_config  # noqa: E402
+from flashmask.kernels.config import DecodeConfig, decode_config, device_decode_config  # noqa: E402
 from flashmask.reference import reference_forward  # noqa: E402
 from tests.kernels.triton_kernels.test_kernels import (  # noqa: E402
     DEVICE,
@@ -126,7 +126,7 @@ def test_sliding_window_with_sinks_reads_only_the_sinks_and_the_window(monkeypat
     q = torch.randn(1, 1, 4, d, generator=gen).half().to(DEVICE)
     k, v = (torch.randn(1, sk, 2, d, generator=gen).half().to(DEVICE) for _ in range(2))
     # Key tiles of 16: the sinks' tile [0, 16) and the window's tiles from 128 are listed.
-    block = decode_config(d).block_n
+    block = device_decode_config(d, DEVICE).block_n
     first_window_tile = (sk - 1 - window) // block * block
     gap = torch.zeros(1, sk, dtype=torch.bool, device=DEVICE)
     gap[:, block:first_window_tile] = True
@@ -153,7 +153,7 @@ def test_ragged_cache_lengths_through_the_mask_never_read_past_a_sequence():
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(b, sq, 8, d, generator=gen).half().to(DEVICE)
     k, v = (torch.randn(b, sk, 2, d, generator=gen).half().to(DEVICE) for _ in range(2))
-    block = decode_config(d).block_n
+    block = device_decode_config(d, DEVICE).block_n
     unread = torch.zeros(b, sk, dtype=torch.bool, device=DEVICE)
     for i, n in enumerate(lengths):
         cols = torch.arange(n)
