@@ -1,0 +1,535 @@
+"""Warp-specialised forward for Hopper (sm_90a), written in CuTe DSL, on our tile lists.
+
+One program per (query tile of 128 rows, query head, batch), launched heaviest first when the
+preparation gives a launch order. Per program, 384 threads in three warpgroups:
+
+* warpgroup 0, the producer: after ``setmaxnreg`` gives its registers back, one thread loads the
+  two 64-row halves of the Q tile (one mbarrier) and then, for each entry of the query tile's
+  list (``tiles.forward_lists``: partial tiles first, then unmasked ones encoded ``-e - 1``),
+  the K tile and the V tile into two rings of ``kv_stages`` slots (``PipelineTmaAsync``: a
+  "full" barrier the copy completes, an "empty" one both consumer warpgroups release);
+* warpgroups 1 and 2, the consumers, each owning 64 of the tile's query rows: at list step
+  ``j`` a consumer waits for its turn at the tensor cores (a named barrier the other warpgroup
+  signals), issues ``S_j = Q K_j^T`` and the previous step's ``O += P_{j-1} V_{j-1}`` together,
+  hands the turn over, waits for both products, releases ``K_j`` and ``V_{j-1}``, applies the
+  element mask on a partial tile (every tile in the dense mode) and runs the online softmax of
+  ``S_j`` (row max over unscaled scores, ``p = exp2(s * scale - m)``) while the other
+  warpgroup's products run. After the list: the last ``P V``, ``O / l`` through the warpgroup's
+  Q half in shared memory and one TMA store, and the lse of its rows (``-inf`` and ``O = 0`` on a
+  fully masked row).
+
+The element mask of a partial tile reads the four normalised row bounds ``(LTS, LTE, UTS, UTE)``
+of each of its key columns from ``bounds [B, Hm, 4, Sk]`` (``tiles.column_bounds``): query row
+``r`` is hidden from column ``c`` when ``LTS <= r < LTE`` or ``UTS <= r < UTE``, when causal and
+``c > r + Sk - Sq``, and when ``c >= Sk``. TMA reads past a sequence's end as zeros and clips the
+O store, so any ``Sq`` and ``Sk`` run.
+
+The kernel compiles on a machine without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CPU suite builds
+every variant (``tests/kernels/cute_kernels``); ``tests/gpu`` proves its results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+LOG2E = math.log2(math.e)
+
+# Threads of a warpgroup, rows of Q per consumer warpgroup, query rows per program.
+WARPGROUP_THREADS = 128
+HALF_ROWS = 64
+BLOCK_M = 2 * HALF_ROWS
+# Registers per thread after setmaxnreg: the producer gives back what the consumers take
+# (3 x 128 threads x 168 = 64K registers at launch).
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+# Named barrier ids (0 is __syncthreads): the consumers' turns at the tensor cores, and each
+# consumer warpgroup's own barrier before its O store.
+TURN_BARRIER = (1, 2)
+EPILOGUE_BARRIER = (3, 4)
+
+
+@dataclass(frozen=True)
+class ForwardVariant:
+    """The static parameters one compiled forward specialises on.
+
+    ``head_dim``: D (64, 128 or 256); ``block_n``: keys per tile (the lists' tile width);
+    ``kv_stages``: K/V ring slots; ``causal``, ``has_mask``, ``has_upper``: the mask's form;
+    ``mask_full_tiles``: the dense mode (every tile masked); ``ordered``: the grid follows a
+    launch order."""
+
+    head_dim: int
+    block_n: int
+    kv_stages: int
+    causal: bool
+    has_mask: bool
+    has_upper: bool
+    mask_full_tiles: bool
+    ordered: bool
+
+
+def row_col_view(layout: cute.Layout) -> cute.Layout:
+    """The ``(rows, columns)`` view of a Hopper warpgroup MMA accumulator fragment
+    ``((2, 2, V), M, N)``: per thread, values ``(column pair, row half, column group)`` of each
+    ``M x N`` atom, regrouped as ``((row half, M), ((column pair, column group), N))``."""
+    shape, stride = layout.shape, layout.stride
+    return cute.make_layout(
+        ((shape[0][1], shape[1]), ((shape[0][0], shape[0][2]), shape[2])),
+        stride=((stride[0][1], stride[1]), ((stride[0][0], stride[0][2]), stride[2])),
+    )
+
+
+def probabilities_layout(block_n: int) -> cute.Layout:
+    """The register layout of ``P [64, block_n]`` as the ``P V`` product's A operand, over the
+    same registers as the score accumulator ``((2, 2, block_n / 8), 1, 1)``: k-block ``kb``'s
+    values ``(column pair, row half, column half)`` sit at ``c + 2 r + 4 h + 8 kb``."""
+    return cute.make_layout(((2, 2, 2), 1, block_n // 16), stride=((1, 2, 4), 0, 8))
+
+
+class HopperForward:
+    """The CuTe forward of one :class:`ForwardVariant`; call it through ``cute.compile``."""
+
+    def __init__(self, variant: ForwardVariant):
+        self.v = variant
+        self.qk_tiler = (HALF_ROWS, variant.block_n, variant.head_dim)
+        self.pv_tiler = (HALF_ROWS, variant.head_dim, variant.block_n)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mBounds: cute.Tensor,
+        mEntries: cute.Tensor,
+        mCounts: cute.Tensor,
+        mOrder: cute.Tensor,
+        heads_per_kv: cutlass.Int32,
+        heads_per_mask_head: cutlass.Int32,
+        qk_scale: cutlass.Float32,
+        stream,
+    ):
+        """``mQ``/``mO [B, Sq, Hq, D]``, ``mK``/``mV [B, Sk, Hk, D]`` (unit stride along D),
+        ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 ``[B, Hm, 4, Sk]``, ``mEntries``
+        int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32 ``[B, Hm, Tm]``, ``mOrder`` int32
+        ``[B * Hq * Tm]`` (read only when ordered); ``qk_scale`` = softmax scale x log2(e) > 0."""
+        dtype = mQ.element_type
+        # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
+        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        # V as the P V product's B operand: (D, Sk, H, B), D (its N mode) contiguous.
+        v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            self.qk_tiler[:2],
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            cutlass.Float32,
+            (1, 1, 1),
+            self.pv_tiler[:2],
+            warpgroup.OperandSource.RMEM,
+        )
+        q_layout = utils.LayoutEnum.ROW_MAJOR
+        q_smem = sm90_utils.make_smem_layout_a(q_layout, self.qk_tiler, dtype, 2)
+        k_smem = sm90_utils.make_smem_layout_b(q_layout, self.qk_tiler, dtype, self.v.kv_stages)
+        v_smem = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.COL_MAJOR, self.pv_tiler, dtype, self.v.kv_stages
+        )
+        q_one = cute.slice_(q_smem, (None, None, 0))
+        k_one = cute.slice_(k_smem, (None, None, 0))
+        v_one = cute.slice_(v_smem, (None, None, 0))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
+            load, q, q_one, (HALF_ROWS, self.v.head_dim)
+        )
+        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+            load, k, k_one, (self.v.block_n, self.v.head_dim)
+        )
+        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
+            load, v, v_one, (self.v.head_dim, self.v.block_n)
+        )
+        tma_o, tma_o_tensor = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o, q_one, (HALF_ROWS, self.v.head_dim)
+        )
+        self.q_bytes = cute.size_in_bytes(dtype, q_one)
+        self.k_bytes = cute.size_in_bytes(dtype, k_one)
+        self.v_bytes = cute.size_in_bytes(dtype, v_one)
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_m_tiles = cute.ceil_div(mQ.shape[1], BLOCK_M)
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder, q_smem, k_smem,
+            v_smem, heads_per_kv, heads_per_mask_head, qk_scale,
+        ).launch(
+            grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
+            block=[3 * WARPGROUP_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            # 384 threads, one program per SM: 168 registers each at launch (setmaxnreg
+            # moves them from the producer to the consumers).
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mBounds: cute.Tensor,
+        mEntries: cute.Tensor,
+        mCounts: cute.Tensor,
+        mOrder: cute.Tensor,
+        q_smem: cute.ComposedLayout,
+        k_smem: cute.ComposedLayout,
+        v_smem: cute.ComposedLayout,
+        heads_per_kv: cutlass.Int32,
+        heads_per_mask_head: cutlass.Int32,
+        qk_scale: cutlass.Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
+        sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
+        sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
+        q_full = storage.q_full.data_ptr()
+
+        # The program's work: (query tile, query head, batch), heaviest first.
+        num_m_tiles, num_heads, _ = cute.arch.grid_dim()
+        p, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.v.ordered):
+            item = mOrder[p + num_m_tiles * (h + num_heads * b)]
+            p = item % num_m_tiles
+            h = (item // num_m_tiles) % num_heads
+            b = item // (num_m_tiles * num_heads)
+        m_tile = num_m_tiles - 1 - p
+        mask_head = h // heads_per_mask_head
+        count = mCounts[b, mask_head, m_tile]
+
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One arrival per consumer warp (the pipeline signals from each warp's first lane).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
+        k_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_barriers.data_ptr(),
+            num_stages=self.v.kv_stages,
+            producer_group=producers,
+            consumer_group=consumers,
+            tx_count=self.k_bytes,
+            defer_sync=True,
+        )
+        v_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_barriers.data_ptr(),
+            num_stages=self.v.kv_stages,
+            producer_group=producers,
+            consumer_group=consumers,
+            tx_count=self.v_bytes,
+            defer_sync=True,
+        )
+        if warp == 0 and cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_init(q_full, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if role == 0:
+            cute.arch.warpgroup_reg_dealloc(PRODUCER_REGISTERS)
+            if warp == 0:
+                self.produce(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
+                    mEntries, count, m_tile, h, b, h // heads_per_kv, mask_head,
+                )  # fmt: skip
+        else:
+            cute.arch.warpgroup_reg_alloc(CONSUMER_REGISTERS)
+            self.consume(
+                qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+                k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
+                tidx % WARPGROUP_THREADS, warp, qk_scale,
+            )  # fmt: skip
+
+    @cute.jit
+    def produce(
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
+        mEntries, count, m_tile, h, b, kv_head, mask_head,
+    ):  # fmt: skip
+        """The producer warp: both Q halves, then K and V of every listed key tile."""
+        gQ = cute.local_tile(mQ[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        gK = cute.local_tile(
+            mK[None, None, kv_head, b], (self.v.block_n, self.v.head_dim), (None, 0)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        gV = cute.local_tile(
+            mV[None, None, kv_head, b], (self.v.head_dim, self.v.block_n), (0, None)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
+        for half in cutlass.range_constexpr(2):
+            cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
+        # K and V advance together: one state walks both rings.
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
+        for it in cutlass.range(count, unroll=1):
+            entry = mEntries[b, mask_head, m_tile, it]
+            n_tile = entry
+            if entry < 0:
+                n_tile = -entry - 1
+            k_pipe.producer_acquire(state)
+            cute.copy(
+                tma_k, tKgK[None, n_tile], tKsK[None, state.index],
+                tma_bar_ptr=k_pipe.producer_get_barrier(state),
+            )  # fmt: skip
+            v_pipe.producer_acquire(state)
+            cute.copy(
+                tma_v, tVgV[None, n_tile], tVsV[None, state.index],
+                tma_bar_ptr=v_pipe.producer_get_barrier(state),
+            )  # fmt: skip
+            state.advance()
+
+    @cute.jit
+    def consume(
+        self, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+        k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, qk_scale,
+    ):  # fmt: skip
+        """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile."""
+        qk_thr = qk_mma.get_slice(thread)
+        pv_thr = pv_mma.get_slice(thread)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C(self.pv_tiler[:2]))
+        acc_o.fill(0.0)
+        # O accumulates from the first P V on (set once: a field set inside the staged loop
+        # would not reach the epilogue's uses of the MMA).
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        s_shape = qk_thr.partition_shape_C(self.qk_tiler[:2])
+        # Coordinates (row, column) of each score the thread holds, within the 64 x N tile.
+        tScS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
+        tScS_mn = cute.make_tensor(tScS.iterator, row_col_view(tScS.layout))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        p_prev = cute.make_rmem_tensor(probabilities_layout(self.v.block_n), sQ.element_type)
+        seqlen_q = mO.shape[0]
+        seqlen_k = mBounds.shape[3]
+        row0 = m_tile * BLOCK_M + wg * HALF_ROWS
+        my_turn = TURN_BARRIER[0]
+        other_turn = TURN_BARRIER[1]
+        if wg == 1:
+            my_turn = TURN_BARRIER[1]
+            other_turn = TURN_BARRIER[0]
+        # Warpgroup 0 holds the first turn: warpgroup 1 hands it over once.
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
+        cute.arch.mbarrier_wait(q_full, 0)
+        q_stage = tSrQ[None, None, None, wg]
+        stages = self.v.kv_stages
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        # V is waited for at the end of a step and used (then released) at the next one:
+        # v_release lags v_wait by one, and its index is the slot of the previous step's V.
+        v_wait = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        v_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for it in cutlass.range(count, unroll=1):
+            entry = mEntries[b, mask_head, m_tile, it]
+            k_pipe.consumer_wait(k_state)
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
+            acc_s = qk_thr.make_fragment_C(s_shape)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(
+                    qk_mma, acc_s, q_stage[None, None, kb], tSrK[None, None, kb, k_state.index],
+                    acc_s,
+                )  # fmt: skip
+            warpgroup.commit_group()
+            if it > 0:
+                self.accumulate_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(k_state)
+            k_state.advance()
+            if it > 0:
+                v_pipe.consumer_release(v_release)
+                v_release.advance()
+            n_tile = entry
+            if entry < 0:
+                n_tile = -entry - 1
+            s_mn = cute.make_tensor(acc_s.iterator, row_col_view(acc_s.layout))
+            if cutlass.const_expr(self.v.mask_full_tiles):
+                self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
+            else:
+                if entry >= 0:
+                    self.hide(
+                        s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k
+                    )
+            self.online_softmax(s_mn, acc_o, row_max, row_sum, qk_scale)
+            p_as_s = cute.make_tensor(p_prev.iterator, acc_s.layout)
+            p_as_s.store(acc_s.load().to(sQ.element_type))
+            v_pipe.consumer_wait(v_wait)
+            v_wait.advance()
+        if count > 0:
+            self.accumulate_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(v_release)
+        if wg == 0:
+            # Balance warpgroup 1's opening hand-over: its last arrival has no taker.
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
+        self.finish_rows(
+            pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+            thread, warp, row0, seqlen_q,
+        )  # fmt: skip
+
+    @cute.jit
+    def accumulate_pv(self, pv_mma, acc_o, p, tOrV, v_index):
+        """Issue ``O += P V`` from V slot ``v_index`` (asynchronous; the caller commits)."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
+            cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_index], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def hide(self, s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k):
+        """Set the hidden scores of ``s_mn`` (the thread's ``(rows, columns)``) to -inf."""
+        col0 = n_tile * self.v.block_n
+        for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            col = col0 + tScS_mn[0, j][1]
+            in_range = col < seqlen_k
+            safe_col = cutlass.min(col, seqlen_k - 1)
+            lts = seqlen_q
+            lte = seqlen_q
+            uts = seqlen_q
+            ute = seqlen_q
+            if cutlass.const_expr(self.v.has_mask):
+                lts = mBounds[b, mask_head, 0, safe_col]
+                lte = mBounds[b, mask_head, 1, safe_col]
+                if cutlass.const_expr(self.v.has_upper):
+                    uts = mBounds[b, mask_head, 2, safe_col]
+                    ute = mBounds[b, mask_head, 3, safe_col]
+            for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                row = row0 + tScS_mn[i, 0][0]
+                hidden = not in_range
+                if cutlass.const_expr(self.v.has_mask):
+                    hidden = hidden or (row >= lts and row < lte)
+                    if cutlass.const_expr(self.v.has_upper):
+                        hidden = hidden or (row >= uts and row < ute)
+                if cutlass.const_expr(self.v.causal):
+                    hidden = hidden or (col > row + seqlen_k - seqlen_q)
+                if hidden:
+                    s_mn[i, j] = -cutlass.Float32.inf
+
+    @cute.jit
+    def online_softmax(self, s_mn, acc_o, row_max, row_sum, qk_scale):
+        """Fold the scores ``s_mn`` into the running row max and sum, rescale ``acc_o`` and
+        leave ``p = exp2(s * qk_scale - m)`` in ``s_mn``."""
+        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+        for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            tile_max = s_mn[i, 0]
+            for j in cutlass.range_constexpr(1, cute.size(s_mn, mode=[1])):
+                tile_max = cute.arch.fmax(tile_max, s_mn[i, j])
+            # The four threads of a quad hold a row's columns.
+            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=2))
+            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
+            m_new = cute.arch.fmax(row_max[i], tile_max * qk_scale)
+            m_shift = m_new
+            if m_new == -cutlass.Float32.inf:
+                m_shift = 0.0
+            alpha = cute.math.exp2(row_max[i] - m_shift, fastmath=True)
+            row_max[i] = m_new
+            tile_sum = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                s_mn[i, j] = cute.math.exp2(s_mn[i, j] * qk_scale - m_shift, fastmath=True)
+                tile_sum += s_mn[i, j]
+            row_sum[i] = row_sum[i] * alpha + tile_sum
+            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[i, j] = o_mn[i, j] * alpha
+
+    @cute.jit
+    def finish_rows(
+        self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+        thread, warp, row0, seqlen_q,
+    ):  # fmt: skip
+        """``O / l`` of the warpgroup's 64 rows through its Q half and one TMA store, and their
+        lse (natural log; ``-inf`` with ``O = 0`` where no key is visible)."""
+        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor(self.pv_tiler[:2]))
+        tOcO_mn = cute.make_tensor(tOcO.iterator, row_col_view(tOcO.layout))
+        for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            total = row_sum[i]
+            total += cute.arch.shuffle_sync_bfly(total, offset=2)
+            total += cute.arch.shuffle_sync_bfly(total, offset=1)
+            visible = total > 0.0
+            inv = cutlass.Float32(1.0)
+            if visible:
+                inv = 1.0 / total
+            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[i, j] = o_mn[i, j] * inv
+            lse = -cutlass.Float32.inf
+            if visible:
+                lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * (1.0 / LOG2E)
+            row = row0 + tOcO_mn[i, 0][0]
+            if thread % 4 == 0 and row < seqlen_q:
+                mLse[b, h, row] = lse
+        # O through this warpgroup's Q half (its last Q K^T has completed).
+        sO = sQ[None, None, wg]
+        tOsO = pv_thr.partition_C(sO)
+        out = cute.make_rmem_tensor_like(acc_o, sQ.element_type)
+        out.store(acc_o.load().to(sQ.element_type))
+        for i in cutlass.range_constexpr(cute.size(out)):
+            tOsO[i] = out[i]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS)
+        gO = cute.local_tile(mO[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
+        tOsO_tma, tOgO_tma = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        if thread == 0:
+            cute.copy(tma_o, tOsO_tma[None, wg], tOgO_tma[None, 2 * m_tile + wg])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,131 @@
+"""Compiling and launching the CuTe forward: one compiled kernel per
+:class:`~.forward.ForwardVariant` and dtype, built from symbolic tensors (so that it compiles
+without a GPU and serves every shape), called with the torch tensors' DLPack views."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashmask.kernels.tiles import TileLists
+
+# This family targets Hopper: compile for sm_90a, also on a machine without a GPU. CuTe DSL reads
+# the variable when it is first imported, so set it before anything imports ``cutlass``.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+# The forward's K/V ring slots per head dim at 128-key tiles (64-key at D = 256): K and V
+# slots of 32 KB each at D = 128 plus the 32 KB Q tile fit the 227 KB in three.
+KV_STAGES = {64: 4, 128: 3, 256: 2}
+
+
+def key_tile(head_dim: int) -> int:
+    """Keys per tile of the CuTe forward at ``head_dim``."""
+    return 64 if head_dim > 128 else 128
+
+
+def _dtype(torch_dtype: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
+
+
+def _symbolic(dtype, rank: int, divisibility: int):
+    """A symbolic tensor of ``rank`` modes, every extent and stride dynamic except a unit last
+    stride (what ``from_dlpack(...).mark_layout_dynamic`` of a tensor with a contiguous last
+    dimension gives)."""
+    import cutlass.cute as cute
+
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    stride = (*(cute.sym_int64(divisibility=divisibility) for _ in range(rank - 1)), 1)
+    return cute.runtime.make_fake_tensor(
+        dtype, shape, stride=stride, assumed_align=divisibility * dtype.width // 8
+    )
+
+
+@functools.cache
+def compiled_forward(variant, torch_dtype: torch.dtype):
+    """The compiled :class:`~.forward.HopperForward` of ``variant`` for ``torch_dtype``
+    (for sm_90a, with or without a GPU)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    from flashmask.kernels.cute_kernels.forward import HopperForward
+
+    dtype = _dtype(torch_dtype)
+    tensors = (
+        _symbolic(dtype, 4, 8),  # q
+        _symbolic(dtype, 4, 8),  # k
+        _symbolic(dtype, 4, 8),  # v
+        _symbolic(dtype, 4, 8),  # out
+        _symbolic(cutlass.Float32, 3, 1),  # lse
+        _symbolic(cutlass.Int32, 4, 1),  # bounds
+        _symbolic(cutlass.Int32, 4, 1),  # entries
+        _symbolic(cutlass.Int32, 3, 1),  # counts
+        _symbolic(cutlass.Int32, 1, 1),  # order
+    )
+    stream = cuda.CUstream(0)
+    return cute.compile(
+        HopperForward(variant),
+        *tensors,
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        stream,
+    )
+
+
+def _view(x: torch.Tensor, align: int):
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(x.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=x.ndim - 1)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists: TileLists,
+    mask_heads: int,
+    causal: bool,
+    has_upper: bool,
+    softmax_scale: float,
+    skip_tiles: bool,
+    order: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
+    (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
+    interval mask). ``q``/``k``/``v`` contiguous, 16-byte aligned, bf16 or fp16."""
+    import cuda.bindings.driver as cuda
+
+    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
+
+    b, sq, hq, d = q.shape
+    has_mask = bounds is not None
+    if bounds is None:
+        bounds = torch.zeros(b, 1, 4, k.shape[1], dtype=torch.int32, device=q.device)
+    variant = ForwardVariant(
+        head_dim=d,
+        block_n=key_tile(d),
+        kv_stages=KV_STAGES[d],
+        causal=causal,
+        has_mask=has_mask,
+        has_upper=has_mask and has_upper,
+        mask_full_tiles=not skip_tiles,
+        ordered=order is not None,
+    )
+    kernel = compiled_forward(variant, q.dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    if order is None:
+        order = lists.counts.view(-1)  # never read
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel(
+        _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
+        _view(bounds, 4), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
+        hq // k.shape[2], hq // mask_heads, softmax_scale * LOG2E, stream,
+    )  # fmt: skip
+    return out, lse
