@@ -1,4 +1,4 @@
-"""The forward launcher: routes a call to the Gluon or the Triton forward, prepares the mask
+"""The forward launcher: routes a call to the CuTe, Gluon or Triton forward, prepares the mask
 (and, when a backward follows, the backward's lists in the same launches) and launches."""
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ OrderRequest = tuple[ListShape, tuple[int, bool]]
 class ForwardPlan:
     """What :func:`forward` prepares for a call before it launches.
 
-    ``use_gluon``: the call runs the Gluon forward. ``shapes``: the ``(tile_m, tile_n,
-    row_major)`` tile lists of its one :func:`~.preparation.prepare_cached` call (its kernel's,
-    then, when a backward follows, the backward's it lacks, so that a new mask's summaries and
-    lists are built in two launches rather than four). ``orders``: the launch orders asked of
+    ``use_gluon``: the call runs the Gluon forward (``use_cute``: the CuTe forward).
+    ``shapes``: the ``(tile_m, tile_n, row_major)`` tile lists of its one
+    :func:`~.preparation.prepare_cached` call (its kernel's, then, when a backward follows, the
+    backward's it lacks, so that a new mask's summaries and lists are built in two launches
+    rather than four). ``orders``: the launch orders asked of
     :func:`~.preparation.program_orders` in one launch, as ``(shape, (grid_heads,
     reverse_tiles))``: with a mask, the forward's and, before the Gluon backward, that one's,
     which the backward then finds cached."""
@@ -35,6 +36,7 @@ class ForwardPlan:
     use_gluon: bool
     shapes: list[ListShape]
     orders: list[OrderRequest]
+    use_cute: bool = False
 
 
 def plan_forward(
@@ -50,8 +52,9 @@ def plan_forward(
     """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
     bench`` times :func:`prepare_plan` of it as a new mask's preparation)."""
     masked = startend_row_indices is not None
-    use_gluon = routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
-    shapes = routing.forward_shapes(use_gluon, q.shape[-1], config)
+    use_cute = routing.use_cute_forward(q, k, v, softmax_scale)
+    use_gluon = not use_cute and routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    shapes = routing.forward_shapes(use_gluon, q.shape[-1], config, use_cute)
     # The backward's lists (its dout is shaped and typed like q), to be built in one go.
     gluon_backward = backward_follows and routing.use_gluon_backward(
         q, k, v, q, deterministic, True, masked, config
@@ -68,7 +71,7 @@ def plan_forward(
         if gluon_backward:
             # The Gluon backward's order too, in the same launch (the backward then finds it).
             orders.append((backward_shapes[0], (k.shape[2], False)))
-    return ForwardPlan(use_gluon, shapes, orders)
+    return ForwardPlan(use_gluon, shapes, orders, use_cute)
 
 
 def prepare_plan(
@@ -147,6 +150,13 @@ def forward(
     )
     lists = all_lists[0]
     order = orders[0] if orders else None
+    if plan.use_cute:
+        from flashmask.kernels.cute_kernels import launch as cute_launch
+
+        q, k, v = (tensors.tma_ready(x) for x in (q, k, v))
+        return cute_launch.forward(
+            q, k, v, bounds, lists, hm, causal, not causal, softmax_scale, skip_tiles, order
+        )
     if plan.use_gluon:
         from flashmask.kernels.gluon_kernels import forward as gluon_forward
 

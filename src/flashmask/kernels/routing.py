@@ -131,6 +131,47 @@ def use_gluon_forward(
     )
 
 
+# The CuTe forward (``cute_kernels``) runs where it measured faster than the kernel routed before
+# it: at head dim 256 from 8K keys, 1.07-1.20x the Triton forward on all 12 masks at 8K on the
+# H100 (``benchmarks/results/cute_forward_ada1f30.md``). At head dim 128 it measured 0.88-1.00x
+# the Gluon forward, so the Gluon forward keeps those calls.
+CUTE_FWD_HEAD_DIMS = (256,)
+CUTE_FWD_MIN_SEQLEN = 8192
+
+
+@functools.cache
+def cute_available() -> bool:
+    """Whether the CuTe DSL (the ``flashmask[cute]`` extra) imports; checked once."""
+    try:
+        from flashmask.kernels.cute_kernels import forward  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_cute_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
+) -> bool:
+    """Whether the CuTe forward runs this call: a Hopper GPU, the ``cute`` extra, one fp16/bf16
+    dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q, k and v, at least
+    :data:`CUTE_FWD_MIN_SEQLEN` keys and a positive scale (its row max is taken over unscaled
+    scores). Any lengths: its TMA loads read past a sequence as zeros and its stores clip."""
+    d = q.shape[-1]
+    if softmax_scale <= 0 or d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
+        return False
+    capability = hardware.gpu_capability(q)
+    return (
+        capability is not None
+        and capability[0] == 9
+        and q.dtype in hardware.KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and k.shape[-1] == d
+        and v.shape[-1] == d
+        and cute_available()
+    )
+
+
 def use_gluon_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,8 +213,14 @@ def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: Decod
 
 
 def forward_shapes(
-    use_gluon: bool, head_dim: int, config: TileConfig
+    use_gluon: bool, head_dim: int, config: TileConfig, use_cute: bool = False
 ) -> list[tuple[int, int, bool]]:
+    """The tile lists of the forward: the CuTe or Gluon forward's 128-row lists, or the Triton
+    forward's."""
+    if use_cute:
+        from flashmask.kernels.cute_kernels.launch import key_tile
+
+        return [(GLUON_FWD_TILE, key_tile(head_dim), True)]
     if use_gluon:
         return [(GLUON_FWD_TILE, gluon_forward_tiles(head_dim)[0], True)]
     return [(config.fwd_m, config.fwd_n, True)]
@@ -218,8 +265,9 @@ def forward_list_shapes(
     the forward prepares for these inputs with ``config``: those of the kernel it routes them
     to."""
     masked = startend_row_indices is not None
-    use_gluon = use_gluon_forward(q, k, v, softmax_scale, masked, config)
-    return forward_shapes(use_gluon, q.shape[-1], config)
+    use_cute = use_cute_forward(q, k, v, softmax_scale)
+    use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    return forward_shapes(use_gluon, q.shape[-1], config, use_cute)
 
 
 def backward_list_shapes(

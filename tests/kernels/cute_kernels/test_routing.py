@@ -1,0 +1,74 @@
+"""Which calls the CuTe forward takes (``routing.use_cute_forward``), and that the launcher hands
+it the lists, bounds and launch order it prepares."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: the preparation's kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flashmask import kernels, masks
+from flashmask.kernels import cute_kernels, hardware, routing
+
+HOPPER = (9, 0)
+
+
+def _qkv(seqlen=8192, head_dim=256, dtype=torch.bfloat16):
+    q = torch.zeros(1, seqlen, 2, head_dim, dtype=dtype, device="meta")
+    k = torch.zeros(1, seqlen, 1, head_dim, dtype=dtype, device="meta")
+    return q, k, torch.zeros_like(k)
+
+
+def _as_if_on(monkeypatch, capability, cute=True):
+    monkeypatch.setattr(hardware, "gpu_capability", lambda q: capability)
+    monkeypatch.setattr(routing, "cute_available", lambda: cute)
+
+
+def test_it_takes_head_dim_256_from_8k_keys_on_hopper_with_the_extra(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    assert routing.use_cute_forward(*_qkv(), 0.1)
+    assert routing.use_cute_forward(*_qkv(dtype=torch.float16), 0.1)
+    assert not routing.use_cute_forward(*_qkv(seqlen=4096), 0.1)  # measured from 8K only
+    assert not routing.use_cute_forward(*_qkv(head_dim=128), 0.1)  # the Gluon forward wins
+    assert not routing.use_cute_forward(*_qkv(dtype=torch.float32), 0.1)
+    assert not routing.use_cute_forward(*_qkv(), 0.0)  # row max over unscaled scores
+    assert not routing.use_cute_forward(*_qkv(), -0.1)
+    q, k, v = _qkv()
+    assert not routing.use_cute_forward(q, k, v[..., :128], 0.1)  # D != Dv
+    _as_if_on(monkeypatch, (10, 0))
+    assert not routing.use_cute_forward(*_qkv(), 0.1)
+    _as_if_on(monkeypatch, None)  # CPU
+    assert not routing.use_cute_forward(*_qkv(), 0.1)
+    _as_if_on(monkeypatch, HOPPER, cute=False)  # without the cute extra
+    assert not routing.use_cute_forward(*_qkv(), 0.1)
+
+
+def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch):
+    seen = {}
+
+    def fake_forward(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order):
+        seen.update(q=q, bounds=bounds, lists=lists, hm=hm, causal=causal, order=order)
+        seen.update(has_upper=has_upper, scale=scale, skip=skip)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    fake = types.SimpleNamespace(forward=fake_forward, key_tile=lambda d: 64 if d > 128 else 128)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.cute_kernels.launch", fake)
+    # Also the package's attribute, in case the real module was imported before.
+    monkeypatch.setattr(cute_kernels, "launch", fake, raising=False)
+    monkeypatch.setattr(routing, "use_cute_forward", lambda *args: True)
+    mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
+    q = torch.randn(1, 4, 384, 256, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
+    k = torch.randn(1, 384, 2, 256, dtype=torch.float16)
+    kernels.forward(q, k, k, mask.startend_row_indices, True, 0.0625)
+    assert seen["q"].is_contiguous() and torch.equal(seen["q"], q)
+    assert seen["lists"].entries.shape[-2:] == (3, 6)  # 384 / 128 query tiles, 384 / 64 keys
+    assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
+    assert (seen["causal"], seen["has_upper"], seen["scale"], seen["skip"]) == (
+        True, False, 0.0625, True,
+    )  # fmt: skip
+    assert seen["order"] is not None and seen["order"].numel() == 3 * 4  # tiles x query heads
