@@ -125,6 +125,10 @@ def main() -> None:
         data = json.loads(args.render.read_text())
         print(render(data["meta"], data["cells"]), end="")
         return
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("timing the CuTe forward needs a Hopper GPU (--render works anywhere)")
     meta, cells = measure([int(x) for x in args.head_dims.split(",")])
     Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
     Path(f"{args.out}.md").write_text(render(meta, cells))

@@ -250,22 +250,20 @@ class HopperForward:
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # One arrival per consumer warp (the pipeline signals from each warp's first lane).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
-        k_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.k_barriers.data_ptr(),
-            num_stages=self.v.kv_stages,
-            producer_group=producers,
-            consumer_group=consumers,
-            tx_count=self.k_bytes,
-            defer_sync=True,
-        )
-        v_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.v_barriers.data_ptr(),
-            num_stages=self.v.kv_stages,
-            producer_group=producers,
-            consumer_group=consumers,
-            tx_count=self.v_bytes,
-            defer_sync=True,
-        )
+
+        def ring(barriers, tile_bytes):
+            """A ring of ``kv_stages`` slots of one tile each (K or V)."""
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers.data_ptr(),
+                num_stages=self.v.kv_stages,
+                producer_group=producers,
+                consumer_group=consumers,
+                tx_count=tile_bytes,
+                defer_sync=True,
+            )
+
+        k_pipe = ring(storage.k_barriers, self.k_bytes)
+        v_pipe = ring(storage.v_barriers, self.v_bytes)
         if warp == 0 and cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_init(q_full, 1)
         cute.arch.mbarrier_init_fence()
