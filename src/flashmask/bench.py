@@ -362,7 +362,7 @@ def run_case(
         # What one forward + backward of a new mask prepares, as the launchers do it (the lists
         # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
         # and the backward's in one call, then the launch orders in one launch.
-        plan = plan_forward(q, k, v, sri, head_dim**-0.5, False, cfg)
+        plan = plan_forward(q, k, v, sri, causal, head_dim**-0.5, False, cfg)
 
         def prep():
             clear_prepared()

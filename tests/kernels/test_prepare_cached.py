@@ -335,7 +335,7 @@ def test_the_forward_plan_names_what_the_forward_prepares(gluon_backward, monkey
     k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
     q.requires_grad_()
     config = kernels.tile_config(16, has_mask=True)
-    plan = forward_launcher.plan_forward(q, k, v, sri, 0.25, False, config)
+    plan = forward_launcher.plan_forward(q, k, v, sri, True, 0.25, False, config)
     shapes, orders = plan.shapes, plan.orders
     kernels.forward(q, k, v, sri, True, 0.25, config=config)
     launches = _count_launches(monkeypatch)

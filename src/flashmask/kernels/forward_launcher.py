@@ -44,6 +44,7 @@ def plan_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     startend_row_indices: torch.Tensor | None,
+    causal: bool,
     softmax_scale: float,
     deterministic: bool,
     config: TileConfig,
@@ -52,7 +53,7 @@ def plan_forward(
     """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
     bench`` times :func:`prepare_plan` of it as a new mask's preparation)."""
     masked = startend_row_indices is not None
-    use_cute = routing.use_cute_forward(q, k, v, softmax_scale)
+    use_cute = routing.use_cute_forward(q, k, v, softmax_scale, masked, causal)
     use_gluon = not use_cute and routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
     shapes = routing.forward_shapes(use_gluon, q.shape[-1], config, use_cute)
     # The backward's lists (its dout is shaped and typed like q), to be built in one go.
@@ -143,8 +144,9 @@ def forward(
     sk, hk = k.shape[1], k.shape[2]
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     plan = plan_forward(
-        q, k, v, startend_row_indices, softmax_scale, deterministic, config, backward_follows
-    )
+        q, k, v, startend_row_indices, causal, softmax_scale, deterministic, config,
+        backward_follows,
+    )  # fmt: skip
     bounds, all_lists, orders = prepare_plan(
         plan, startend_row_indices, causal, sq, sk, b, q.device, skip_tiles
     )

@@ -132,10 +132,16 @@ def use_gluon_forward(
 
 
 # The CuTe forward (``cute_kernels``) runs where it measured faster than the kernel routed before
-# it: at head dim 256 from 8K keys, 1.07-1.20x the Triton forward on all 12 masks at 8K on the
-# H100 (``benchmarks/results/cute_forward_ada1f30.md``). At head dim 128 it measured 0.88-1.00x
-# the Gluon forward, so the Gluon forward keeps those calls.
-CUTE_FWD_HEAD_DIMS = (256,)
+# it, from 8K keys (``benchmarks/results/cute_forward_2026-12-06.md``, forward time on the
+# 12 masks, H200):
+# * head dim 256, every mask form: 1.07-1.20x the Triton forward on all 12 masks at 8K (H100,
+#   the same file's run of ada1f30);
+# * head dim 128, without a mask or with a causal one: 1.01-1.06x the Gluon forward on all nine
+#   such masks at 32K, 1.00-1.05x on eight of nine at 8K (random_eviction 0.99x). With a
+#   non-causal mask (its upper intervals double the element mask's work) the Gluon forward
+#   keeps the call: there CuTe measured 0.87-0.97x on three of four masks.
+CUTE_FWD_HEAD_DIMS = (128, 256)
+CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (256,)
 CUTE_FWD_MIN_SEQLEN = 8192
 
 
@@ -150,14 +156,23 @@ def cute_available() -> bool:
 
 
 def use_cute_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    masked: bool,
+    causal: bool,
 ) -> bool:
     """Whether the CuTe forward runs this call: a Hopper GPU, the ``cute`` extra, one fp16/bf16
-    dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q, k and v, at least
-    :data:`CUTE_FWD_MIN_SEQLEN` keys and a positive scale (its row max is taken over unscaled
-    scores). Any lengths: its TMA loads read past a sequence as zeros and its stores clip."""
+    dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q, k and v (with a non-causal mask, in
+    :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`), at least :data:`CUTE_FWD_MIN_SEQLEN` keys and
+    a positive scale (its row max is taken over unscaled scores). ``masked``: the call has a
+    ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads read past
+    a sequence as zeros and its stores clip."""
     d = q.shape[-1]
     if softmax_scale <= 0 or d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
+        return False
+    if masked and not causal and d not in CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS:
         return False
     capability = hardware.gpu_capability(q)
     return (
@@ -258,6 +273,7 @@ def forward_list_shapes(
     k: torch.Tensor,
     v: torch.Tensor,
     startend_row_indices: torch.Tensor | None,
+    causal: bool,
     softmax_scale: float,
     config: TileConfig,
 ) -> list[tuple[int, int, bool]]:
@@ -265,7 +281,7 @@ def forward_list_shapes(
     the forward prepares for these inputs with ``config``: those of the kernel it routes them
     to."""
     masked = startend_row_indices is not None
-    use_cute = use_cute_forward(q, k, v, softmax_scale)
+    use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal)
     use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
     return forward_shapes(use_gluon, q.shape[-1], config, use_cute)
 

@@ -31,21 +31,35 @@ def _as_if_on(monkeypatch, capability, cute=True):
 
 def test_it_takes_head_dim_256_from_8k_keys_on_hopper_with_the_extra(monkeypatch):
     _as_if_on(monkeypatch, HOPPER)
-    assert routing.use_cute_forward(*_qkv(), 0.1)
-    assert routing.use_cute_forward(*_qkv(dtype=torch.float16), 0.1)
-    assert not routing.use_cute_forward(*_qkv(seqlen=4096), 0.1)  # measured from 8K only
-    assert not routing.use_cute_forward(*_qkv(head_dim=128), 0.1)  # the Gluon forward wins
-    assert not routing.use_cute_forward(*_qkv(dtype=torch.float32), 0.1)
-    assert not routing.use_cute_forward(*_qkv(), 0.0)  # row max over unscaled scores
-    assert not routing.use_cute_forward(*_qkv(), -0.1)
+    for masked, causal in ((False, False), (False, True), (True, True), (True, False)):
+        assert routing.use_cute_forward(*_qkv(), 0.1, masked, causal)
+    assert routing.use_cute_forward(*_qkv(dtype=torch.float16), 0.1, False, False)
+    assert not routing.use_cute_forward(*_qkv(seqlen=4096), 0.1, False, False)  # from 8K only
+    assert not routing.use_cute_forward(*_qkv(head_dim=64), 0.1, False, False)  # not measured
+    assert not routing.use_cute_forward(*_qkv(dtype=torch.float32), 0.1, False, False)
+    assert not routing.use_cute_forward(*_qkv(), 0.0, False, False)  # row max of unscaled scores
+    assert not routing.use_cute_forward(*_qkv(), -0.1, False, False)
     q, k, v = _qkv()
-    assert not routing.use_cute_forward(q, k, v[..., :128], 0.1)  # D != Dv
+    assert not routing.use_cute_forward(q, k, v[..., :128], 0.1, False, False)  # D != Dv
     _as_if_on(monkeypatch, (10, 0))
-    assert not routing.use_cute_forward(*_qkv(), 0.1)
+    assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
     _as_if_on(monkeypatch, None)  # CPU
-    assert not routing.use_cute_forward(*_qkv(), 0.1)
+    assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
     _as_if_on(monkeypatch, HOPPER, cute=False)  # without the cute extra
-    assert not routing.use_cute_forward(*_qkv(), 0.1)
+    assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
+
+
+def test_at_head_dim_128_it_takes_unmasked_and_causal_calls_and_leaves_the_rest_to_gluon(
+    monkeypatch,
+):
+    _as_if_on(monkeypatch, HOPPER)
+    qkv = _qkv(head_dim=128)
+    assert routing.use_cute_forward(*qkv, 0.1, masked=False, causal=False)  # full
+    assert routing.use_cute_forward(*qkv, 0.1, masked=False, causal=True)  # causal
+    assert routing.use_cute_forward(*qkv, 0.1, masked=True, causal=True)  # causal masks
+    # A non-causal mask (upper intervals): the Gluon forward measured faster.
+    assert not routing.use_cute_forward(*qkv, 0.1, masked=True, causal=False)
+    assert not routing.use_cute_forward(*_qkv(seqlen=4096, head_dim=128), 0.1, False, True)
 
 
 def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch):

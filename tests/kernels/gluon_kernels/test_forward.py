@@ -312,12 +312,12 @@ def test_list_shapes_follow_the_routing(monkeypatch):
     monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: True)
     monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
     tile = routing.GLUON_FWD_TILE
-    assert routing.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(tile, tile, True)]
+    assert routing.forward_list_shapes(q, q, q, None, False, 0.1, cfg) == [(tile, tile, True)]
     gluon_bwd_lists = [(routing.GLUON_BWD_QUERIES, routing.GLUON_BWD_KEYS, False)]
     assert routing.backward_list_shapes(q, q, q, q, None, False, cfg) == gluon_bwd_lists
     monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: False)
     monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: False)
-    assert routing.forward_list_shapes(q, q, q, None, 0.1, cfg) == [(64, 32, True)]
+    assert routing.forward_list_shapes(q, q, q, None, False, 0.1, cfg) == [(64, 32, True)]
     # The Triton backward: the dK/dV pass's lists and the dQ pass's, deterministic or not.
     both = [(32, 64, False), (64, 16, True)]
     assert routing.backward_list_shapes(q, q, q, q, None, True, cfg) == both

@@ -11,10 +11,11 @@ preparation gives a launch order. Per program, 384 threads in three warpgroups:
 * warpgroups 1 and 2, the consumers, each owning 64 of the tile's query rows: at list step
   ``j`` a consumer waits for its turn at the tensor cores (a named barrier the other warpgroup
   signals), issues ``S_j = Q K_j^T`` and the previous step's ``O += P_{j-1} V_{j-1}`` together,
-  hands the turn over, waits for both products, releases ``K_j`` and ``V_{j-1}``, applies the
-  element mask on a partial tile (every tile in the dense mode) and runs the online softmax of
-  ``S_j`` (row max over unscaled scores, ``p = exp2(s * scale - m)``) while the other
-  warpgroup's products run. After the list: the last ``P V``, ``O / l`` through the warpgroup's
+  hands the turn over, waits for ``S_j`` alone and releases ``K_j``, applies the element mask
+  on a partial tile (every tile in the dense mode) and runs the online softmax of ``S_j`` (row
+  max over unscaled scores, ``p = exp2(s * scale - m)``) while its own ``P V`` and the other
+  warpgroup's products run; then it waits for its ``P V``, releases ``V_{j-1}`` and rescales
+  O. After the list: the last ``P V``, ``O / l`` through the warpgroup's
   Q half in shared memory and one TMA store, and the lse of its rows (``-inf`` and ``O = 0`` on a
   fully masked row).
 
@@ -113,6 +114,7 @@ class HopperForward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
+        seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
@@ -121,7 +123,8 @@ class HopperForward:
         """``mQ``/``mO [B, Sq, Hq, D]``, ``mK``/``mV [B, Sk, Hk, D]`` (unit stride along D),
         ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 ``[B, Hm, 4, Sk]``, ``mEntries``
         int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32 ``[B, Hm, Tm]``, ``mOrder`` int32
-        ``[B * Hq * Tm]`` (read only when ordered); ``qk_scale`` = softmax scale x log2(e) > 0."""
+        ``[B * Hq * Tm]`` (read only when ordered), ``mBounds`` read only with a mask; ``seqlen_k``:
+        Sk; ``qk_scale`` = softmax scale x log2(e) > 0."""
         dtype = mQ.element_type
         # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
@@ -130,14 +133,20 @@ class HopperForward:
         # V as the P V product's B operand: (D, Sk, H, B), D (its N mode) contiguous.
         v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
 
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype,
-            dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
-            cutlass.Float32,
-            (1, 1, 1),
-            self.qk_tiler[:2],
+        # Two copies of the Q K^T MMA: one for a tile's first k-block (it overwrites S), one
+        # for the rest (it accumulates). Each has its accumulate field set once, outside any
+        # staged branch or loop: a field set under a branch does not reach uses after it.
+        qk_mma_init, qk_mma = (
+            sm90_utils.make_trivial_tiled_mma(
+                dtype,
+                dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K,
+                cutlass.Float32,
+                (1, 1, 1),
+                self.qk_tiler[:2],
+            )
+            for _ in range(2)
         )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype,
@@ -187,9 +196,9 @@ class HopperForward:
         self.shared_storage = SharedStorage
         num_m_tiles = cute.ceil_div(mQ.shape[1], BLOCK_M)
         self.kernel(
-            qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder, q_smem, k_smem,
-            v_smem, heads_per_kv, heads_per_mask_head, qk_scale,
+            qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
+            tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder, q_smem,
+            k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
         ).launch(
             grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
             block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -203,6 +212,7 @@ class HopperForward:
     @cute.kernel
     def kernel(
         self,
+        qk_mma_init: cute.TiledMma,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
@@ -221,6 +231,7 @@ class HopperForward:
         q_smem: cute.ComposedLayout,
         k_smem: cute.ComposedLayout,
         v_smem: cute.ComposedLayout,
+        seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
@@ -279,9 +290,9 @@ class HopperForward:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGISTERS)
             self.consume(
-                qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
                 k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
-                tidx % WARPGROUP_THREADS, warp, qk_scale,
+                tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
             )  # fmt: skip
 
     @cute.jit
@@ -331,8 +342,8 @@ class HopperForward:
 
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
-        k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, qk_scale,
+        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+        k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k, qk_scale,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile."""
         qk_thr = qk_mma.get_slice(thread)
@@ -342,9 +353,11 @@ class HopperForward:
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C(self.pv_tiler[:2]))
         acc_o.fill(0.0)
-        # O accumulates from the first P V on (set once: a field set inside the staged loop
-        # would not reach the epilogue's uses of the MMA).
+        # O accumulates from the first P V on. Fields are set once, here: one set inside a
+        # staged loop or branch would not reach the uses after it.
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         s_shape = qk_thr.partition_shape_C(self.qk_tiler[:2])
         # Coordinates (row, column) of each score the thread holds, within the 64 x N tile.
         tScS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
@@ -354,9 +367,10 @@ class HopperForward:
         row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        # Each row's O rescaling factor of the current step, applied once P_{j-1} V_{j-1} lands.
+        o_scale = cute.make_rmem_tensor(cute.make_layout(num_rows), cutlass.Float32)
         p_prev = cute.make_rmem_tensor(probabilities_layout(self.v.block_n), sQ.element_type)
         seqlen_q = mO.shape[0]
-        seqlen_k = mBounds.shape[3]
         row0 = m_tile * BLOCK_M + wg * HALF_ROWS
         my_turn = TURN_BARRIER[0]
         other_turn = TURN_BARRIER[1]
@@ -369,51 +383,60 @@ class HopperForward:
         cute.arch.mbarrier_wait(q_full, 0)
         q_stage = tSrQ[None, None, None, wg]
         stages = self.v.kv_stages
+        # Slot 0 holds step 0's K and V. The loop's states start one step on; V is waited for
+        # at the end of a step and used (then released) at the next one, so v_release lags
+        # v_wait by one and its index is the slot of the previous step's V.
+        first_slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        # V is waited for at the end of a step and used (then released) at the next one:
-        # v_release lags v_wait by one, and its index is the slot of the previous step's V.
+        k_state.advance()
         v_wait = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        v_wait.advance()
         v_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for it in cutlass.range(count, unroll=1):
+        # Step 0 has no P V to overlap; peeled, so that no warpgroup MMA is issued under a
+        # branch (ptxas then closes its commit group on every path, and the wait for S_j
+        # would also wait for P_{j-1} V_{j-1}). It binds no name the loop uses.
+        if count > 0:
+            k_pipe.consumer_wait(first_slot)
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
+            s_first = self.issue_scores(qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, 0)
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(first_slot)
+            self.scores_to_probabilities(
+                s_first, p_prev, mEntries[b, mask_head, m_tile, 0], tScS_mn, mBounds, b,
+                mask_head, row0, seqlen_q, seqlen_k, row_max, row_sum, o_scale, qk_scale,
+            )  # fmt: skip
+            v_pipe.consumer_wait(first_slot)
+        for it in cutlass.range(1, count, unroll=1):
             entry = mEntries[b, mask_head, m_tile, it]
             k_pipe.consumer_wait(k_state)
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
-            acc_s = qk_thr.make_fragment_C(s_shape)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(
-                    qk_mma, acc_s, q_stage[None, None, kb], tSrK[None, None, kb, k_state.index],
-                    acc_s,
-                )  # fmt: skip
-            warpgroup.commit_group()
-            if it > 0:
-                self.accumulate_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
+            acc_s = self.issue_scores(
+                qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, k_state.index
+            )
+            self.issue_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
             cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
-            warpgroup.wait_group(0)
+            # Only S_j is awaited here: the softmax of S_j runs while P_{j-1} V_{j-1} is still
+            # on the tensor cores; O is rescaled, and P_j overwrites P_{j-1}, once that
+            # product has landed.
+            warpgroup.wait_group(1)
             k_pipe.consumer_release(k_state)
             k_state.advance()
-            if it > 0:
-                v_pipe.consumer_release(v_release)
-                v_release.advance()
-            n_tile = entry
-            if entry < 0:
-                n_tile = -entry - 1
             s_mn = cute.make_tensor(acc_s.iterator, row_col_view(acc_s.layout))
-            if cutlass.const_expr(self.v.mask_full_tiles):
-                self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
-            else:
-                if entry >= 0:
-                    self.hide(
-                        s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k
-                    )
-            self.online_softmax(s_mn, acc_o, row_max, row_sum, qk_scale)
+            self.mask_and_softmax(
+                s_mn, tScS_mn, mBounds, entry, b, mask_head, row0, seqlen_q, seqlen_k, row_max,
+                row_sum, o_scale, qk_scale,
+            )  # fmt: skip
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(v_release)
+            v_release.advance()
+            self.rescale(acc_o, o_scale)
             p_as_s = cute.make_tensor(p_prev.iterator, acc_s.layout)
             p_as_s.store(acc_s.load().to(sQ.element_type))
             v_pipe.consumer_wait(v_wait)
             v_wait.advance()
         if count > 0:
-            self.accumulate_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
+            self.issue_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_release)
         if wg == 0:
@@ -425,8 +448,44 @@ class HopperForward:
         )  # fmt: skip
 
     @cute.jit
-    def accumulate_pv(self, pv_mma, acc_o, p, tOrV, v_index):
-        """Issue ``O += P V`` from V slot ``v_index`` (asynchronous; the caller commits)."""
+    def issue_scores(self, qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, k_index):
+        """Issue ``S = Q K^T`` against K slot ``k_index`` and commit it; returns the score
+        accumulator (valid once the group completes)."""
+        acc_s = qk_thr.make_fragment_C(s_shape)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(q_stage, mode=[2])):
+            mma = qk_mma if kb > 0 else qk_mma_init
+            cute.gemm(mma, acc_s, q_stage[None, None, kb], tSrK[None, None, kb, k_index], acc_s)
+        warpgroup.commit_group()
+        return acc_s
+
+    @cute.jit
+    def mask_and_softmax(
+        self, s_mn, tScS_mn, mBounds, entry, b, mask_head, row0, seqlen_q, seqlen_k, row_max,
+        row_sum, o_scale, qk_scale,
+    ):  # fmt: skip
+        """Hide the scores of list entry ``entry``'s tile (a partial tile, ``entry >= 0``,
+        takes the element mask, an unmasked one, ``-tile - 1``, none; in the dense mode every
+        tile does), then :meth:`online_softmax`. The softmax sits in each branch, not after
+        them: in one block with the wait that follows, ptxas would hoist that wait above it
+        to interleave the P conversion with the exponentials, and the overlap of the
+        softmax with ``P V`` would be lost."""
+        n_tile = entry
+        if entry < 0:
+            n_tile = -entry - 1
+        if cutlass.const_expr(self.v.mask_full_tiles):
+            self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
+            self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
+        else:
+            if entry >= 0:
+                self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
+                self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
+            else:
+                self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
+
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_o, p, tOrV, v_index):
+        """Issue ``O += P V`` from V slot ``v_index`` and commit it (asynchronous)."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(p, mode=[2])):
             cute.gemm(pv_mma, acc_o, p[None, None, kb], tOrV[None, None, kb, v_index], acc_o)
@@ -434,39 +493,67 @@ class HopperForward:
 
     @cute.jit
     def hide(self, s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k):
-        """Set the hidden scores of ``s_mn`` (the thread's ``(rows, columns)``) to -inf."""
+        """Set the hidden scores of ``s_mn`` (the thread's ``(rows, columns)``) to -inf.
+
+        With a mask, each column's ``(LTS, LTE, UTS, UTE)`` is one 16-byte load from
+        ``mBounds`` (``column_major_bounds``: padded to whole tiles, whose extra columns hide
+        every row, so no column needs a range check). Without one, only the columns past
+        ``Sk`` and the causal triangle are hidden."""
         col0 = n_tile * self.v.block_n
+        rows = cute.size(s_mn, mode=[0])
+        # The thread's rows, and the last column each may see under the causal triangle.
+        row = [row0 + tScS_mn[i, 0][0] for i in range(rows)]
+        last_col = [r + seqlen_k - seqlen_q for r in row]
         for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             col = col0 + tScS_mn[0, j][1]
-            in_range = col < seqlen_k
-            safe_col = cutlass.min(col, seqlen_k - 1)
-            lts = seqlen_q
-            lte = seqlen_q
-            uts = seqlen_q
-            ute = seqlen_q
+            lts = cutlass.Int32(0)
+            lte = cutlass.Int32(0)
+            uts = cutlass.Int32(0)
+            ute = cutlass.Int32(0)
             if cutlass.const_expr(self.v.has_mask):
-                lts = mBounds[b, mask_head, 0, safe_col]
-                lte = mBounds[b, mask_head, 1, safe_col]
-                if cutlass.const_expr(self.v.has_upper):
-                    uts = mBounds[b, mask_head, 2, safe_col]
-                    ute = mBounds[b, mask_head, 3, safe_col]
-            for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                row = row0 + tScS_mn[i, 0][0]
-                hidden = not in_range
+                offset = ((b * mBounds.shape[1] + mask_head) * mBounds.shape[2] + col) * 4
+                column = cute.make_tensor(
+                    mBounds.iterator + cute.assume(offset, divby=4), cute.make_layout(4)
+                )
+                bound = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+                cute.autovec_copy(column, bound)
+                lts = bound[0]
+                lte = bound[1]
+                uts = bound[2]
+                ute = bound[3]
+            for i in cutlass.range_constexpr(rows):
+                hidden = False
                 if cutlass.const_expr(self.v.has_mask):
-                    hidden = hidden or (row >= lts and row < lte)
+                    hidden = row[i] >= lts and row[i] < lte
                     if cutlass.const_expr(self.v.has_upper):
-                        hidden = hidden or (row >= uts and row < ute)
+                        hidden = hidden or (row[i] >= uts and row[i] < ute)
+                else:
+                    hidden = col >= seqlen_k
                 if cutlass.const_expr(self.v.causal):
-                    hidden = hidden or (col > row + seqlen_k - seqlen_q)
+                    hidden = hidden or col > last_col[i]
                 if hidden:
                     s_mn[i, j] = -cutlass.Float32.inf
 
     @cute.jit
-    def online_softmax(self, s_mn, acc_o, row_max, row_sum, qk_scale):
-        """Fold the scores ``s_mn`` into the running row max and sum, rescale ``acc_o`` and
-        leave ``p = exp2(s * qk_scale - m)`` in ``s_mn``."""
-        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+    def scores_to_probabilities(
+        self, acc_s, p, entry, tScS_mn, mBounds, b, mask_head, row0, seqlen_q, seqlen_k,
+        row_max, row_sum, o_scale, qk_scale,
+    ):  # fmt: skip
+        """Step 0 of the list: mask and softmax the first scores into ``p`` (O is still
+        zero: nothing to rescale)."""
+        s_mn = cute.make_tensor(acc_s.iterator, row_col_view(acc_s.layout))
+        self.mask_and_softmax(
+            s_mn, tScS_mn, mBounds, entry, b, mask_head, row0, seqlen_q, seqlen_k, row_max,
+            row_sum, o_scale, qk_scale,
+        )  # fmt: skip
+        p_as_s = cute.make_tensor(p.iterator, acc_s.layout)
+        p_as_s.store(acc_s.load().to(p.element_type))
+
+    @cute.jit
+    def online_softmax(self, s_mn, row_max, row_sum, o_scale, qk_scale):
+        """Fold the scores ``s_mn`` into the running row max and sum, leave
+        ``p = exp2(s * qk_scale - m)`` in ``s_mn`` and each row's O rescaling factor in
+        ``o_scale`` (O itself is untouched: its last product may still be running)."""
         for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             tile_max = s_mn[i, 0]
             for j in cutlass.range_constexpr(1, cute.size(s_mn, mode=[1])):
@@ -485,8 +572,15 @@ class HopperForward:
                 s_mn[i, j] = cute.math.exp2(s_mn[i, j] * qk_scale - m_shift, fastmath=True)
                 tile_sum += s_mn[i, j]
             row_sum[i] = row_sum[i] * alpha + tile_sum
+            o_scale[i] = alpha
+
+    @cute.jit
+    def rescale(self, acc_o, o_scale):
+        """Multiply each row of the O accumulator by its factor in ``o_scale``."""
+        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+        for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[i, j] = o_mn[i, j] * alpha
+                o_mn[i, j] = o_mn[i, j] * o_scale[i]
 
     @cute.jit
     def finish_rows(

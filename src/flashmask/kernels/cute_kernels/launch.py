@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from flashmask._tensor_cache import TensorKeyedCache
+from flashmask.kernels import preparation
 from flashmask.kernels.tiles import TileLists
 
 # This family targets Hopper: compile for sm_90a, also on a machine without a GPU. CuTe DSL reads
@@ -61,7 +63,7 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
         _symbolic(dtype, 4, 8),  # v
         _symbolic(dtype, 4, 8),  # out
         _symbolic(cutlass.Float32, 3, 1),  # lse
-        _symbolic(cutlass.Int32, 4, 1),  # bounds
+        _symbolic(cutlass.Int32, 4, 4),  # bounds, column-major: 16-byte columns
         _symbolic(cutlass.Int32, 4, 1),  # entries
         _symbolic(cutlass.Int32, 3, 1),  # counts
         _symbolic(cutlass.Int32, 1, 1),  # order
@@ -72,9 +74,40 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
         *tensors,
         cutlass.Int32(1),
         cutlass.Int32(1),
+        cutlass.Int32(1),
         cutlass.Float32(1.0),
         stream,
     )
+
+
+# Column-major bounds of each row-major bounds tensor, kept while that tensor lives unchanged
+# (the preparation's cache hands every layer the same one).
+_COLUMN_MAJOR: TensorKeyedCache[torch.Tensor] = TensorKeyedCache(capacity=8)
+
+
+def column_major_bounds(bounds: torch.Tensor, seqlen_q: int, columns: int) -> torch.Tensor:
+    """The CuTe forward's form of ``bounds [B, Hm, 4, Sk]``: int32 ``[B, Hm, columns, 4]``,
+    contiguous, so that a key column's ``(LTS, LTE, UTS, UTE)`` is one 16-byte load. The
+    ``columns - Sk`` columns past the keys (``columns``: the key tiles' width) hide every row,
+    ``(0, seqlen_q, 0, 0)``, so that the kernel needs no range check. Cached per ``bounds``
+    tensor where the preparation caches (not under graph capture or ``torch.compile``)."""
+
+    def build() -> torch.Tensor:
+        b, hm, _, sk = bounds.shape
+        out = torch.zeros(b, hm, columns, 4, dtype=torch.int32, device=bounds.device)
+        out[:, :, :sk] = bounds.transpose(2, 3)
+        out[:, :, sk:, 1] = seqlen_q
+        return out
+
+    if not preparation.may_cache(bounds.device):
+        return build()
+    return _COLUMN_MAJOR.get(bounds, (seqlen_q, columns), build)
+
+
+@functools.cache
+def _unread_bounds(device: torch.device) -> torch.Tensor:
+    """A 16-byte aligned stand-in for the bounds of an unmasked call (the kernel reads none)."""
+    return torch.zeros(1, 1, 1, 4, dtype=torch.int32, device=device)
 
 
 def _view(x: torch.Tensor, align: int):
@@ -105,8 +138,6 @@ def forward(
 
     b, sq, hq, d = q.shape
     has_mask = bounds is not None
-    if bounds is None:
-        bounds = torch.zeros(b, 1, 4, k.shape[1], dtype=torch.int32, device=q.device)
     variant = ForwardVariant(
         head_dim=d,
         block_n=key_tile(d),
@@ -122,10 +153,14 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if order is None:
         order = lists.counts.view(-1)  # never read
+    if bounds is None:
+        bounds = _unread_bounds(q.device)
+    else:
+        bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * key_tile(d))
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(
         _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
-        _view(bounds, 4), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
-        hq // k.shape[2], hq // mask_heads, softmax_scale * LOG2E, stream,
+        _view(bounds, 16), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
+        k.shape[1], hq // k.shape[2], hq // mask_heads, softmax_scale * LOG2E, stream,
     )  # fmt: skip
     return out, lse
