@@ -72,8 +72,7 @@ def _cases() -> list[Case]:
         for sq, sk in ((256, 384), (384, 256), (1000, 1100))
         for d in (64, 128, 256)
     ]
-    # More query tiles than the GPU has SMs: each persistent program runs several, the later
-    # ones taken from the launch's counter, with the K/V rings running on from one to the next.
+    # More query tiles than the GPU has SMs (several waves of programs, heaviest first).
     many = ("full", "causal", "causal_document", "share_question", "global_sliding_window")
     cases += [Case(name, 4096, 4096, 8, 2, 128, True) for name in many]
     cases += [Case("random_eviction", 4096, 4096, 8, 2, 128, True, mask_heads=2)]
@@ -106,7 +105,7 @@ def test_matches_reference(case: Case):
 
 @pytest.mark.parametrize("name", ["causal_document", "share_question", "global_sliding_window"])
 def test_skipping_equals_dense_bit_for_bit(name: str):
-    x = make_inputs(Case(name, 4096, 4096, 8, 2, 128, True))  # several tiles per program
+    x = make_inputs(Case(name, 4096, 4096, 8, 2, 128, True))  # several waves of programs
     skipped = cute_forward(x, 0.088)
     dense = cute_forward(x, 0.088, skip_tiles=False)
     assert torch.equal(skipped[0], dense[0]) and torch.equal(skipped[1], dense[1])

@@ -94,25 +94,6 @@ def probabilities_layout(block_n: int) -> cute.Layout:
     return cute.make_layout(((2, 2, 2), 1, block_n // 16), stride=((1, 2, 4), 0, 8))
 
 
-def consumer_state(stages: int, n) -> pipeline.PipelineState:
-    """A consumer's state of a ``stages``-slot ring at its ``n``-th tile (slot ``n % stages``,
-    phase bit ``n // stages`` mod 2): what ``n`` advances of a fresh state give."""
-    return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2)
-
-
-@dataclass(frozen=True)
-class WorkItems:
-    """The launch's work items, one per (query tile, query head, batch): ``num_items`` of them
-    over ``num_m_tiles`` tiles and ``num_heads`` heads; the head ratios that map a query head
-    to its K/V head and mask head."""
-
-    num_m_tiles: cutlass.Int32
-    num_heads: cutlass.Int32
-    num_items: cutlass.Int32
-    heads_per_kv: cutlass.Int32
-    heads_per_mask_head: cutlass.Int32
-
-
 class HopperForward:
     """The CuTe forward of one :class:`ForwardVariant`; call it through ``cute.compile``."""
 
@@ -133,8 +114,6 @@ class HopperForward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
-        mNextItem: cute.Tensor,
-        num_programs: cutlass.Int32,
         seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
@@ -208,10 +187,6 @@ class HopperForward:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            q_empty: cute.struct.MemRange[cutlass.Int64, 1]
-            item_ready: cute.struct.MemRange[cutlass.Int64, 2]
-            item_empty: cute.struct.MemRange[cutlass.Int64, 2]
-            items: cute.struct.MemRange[cutlass.Int32, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
@@ -219,18 +194,18 @@ class HopperForward:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
 
         self.shared_storage = SharedStorage
+        num_m_tiles = cute.ceil_div(mQ.shape[1], BLOCK_M)
         self.kernel(
             qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
-            tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
-            mNextItem, q_smem, k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
-            qk_scale,
+            tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder, q_smem,
+            k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
         ).launch(
-            grid=[num_programs, 1, 1],
+            grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
             block=[3 * WARPGROUP_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            # 384 threads, one program per SM (persistent): 168 registers each at launch
-            # (setmaxnreg moves them from the producer to the consumers).
+            # 384 threads, one program per SM: 168 registers each at launch (setmaxnreg
+            # moves them from the producer to the consumers).
             min_blocks_per_mp=1,
         )  # fmt: skip
 
@@ -253,7 +228,6 @@ class HopperForward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
-        mNextItem: cute.Tensor,
         q_smem: cute.ComposedLayout,
         k_smem: cute.ComposedLayout,
         v_smem: cute.ComposedLayout,
@@ -271,10 +245,18 @@ class HopperForward:
         sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
         sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
         q_full = storage.q_full.data_ptr()
-        q_empty = storage.q_empty.data_ptr()
-        items = storage.items.get_tensor(cute.make_layout(2))
-        item_ready = storage.item_ready.data_ptr()
-        item_empty = storage.item_empty.data_ptr()
+
+        # The program's work: (query tile, query head, batch), heaviest first.
+        num_m_tiles, num_heads, _ = cute.arch.grid_dim()
+        p, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.v.ordered):
+            item = mOrder[p + num_m_tiles * (h + num_heads * b)]
+            p = item % num_m_tiles
+            h = (item // num_m_tiles) % num_heads
+            b = item // (num_m_tiles * num_heads)
+        m_tile = num_m_tiles - 1 - p
+        mask_head = h // heads_per_mask_head
+        count = mCounts[b, mask_head, m_tile]
 
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # One arrival per consumer warp (the pipeline signals from each warp's first lane).
@@ -295,195 +277,75 @@ class HopperForward:
         v_pipe = ring(storage.v_barriers, self.v_bytes)
         if warp == 0 and cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_init(q_full, 1)
-            # Each consumer warpgroup's epilogue frees the Q tile; each reads every item.
-            cute.arch.mbarrier_init(q_empty, 2)
-            for slot in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_init(item_ready + slot, 1)
-                cute.arch.mbarrier_init(item_empty + slot, 2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        work = WorkItems(
-            num_m_tiles=cute.ceil_div(mO.shape[0], BLOCK_M),
-            num_heads=mO.shape[2],
-            num_items=cute.ceil_div(mO.shape[0], BLOCK_M) * mO.shape[2] * mO.shape[3],
-            heads_per_kv=heads_per_kv,
-            heads_per_mask_head=heads_per_mask_head,
-        )
         if role == 0:
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGISTERS)
             if warp == 0:
                 self.produce(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, q_empty, items,
-                    item_ready, item_empty, k_pipe, v_pipe, mEntries, mCounts, mOrder, mNextItem,
-                    work,
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
+                    mEntries, count, m_tile, h, b, h // heads_per_kv, mask_head,
                 )  # fmt: skip
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGISTERS)
             self.consume(
-                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
-                sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
-                role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+                k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
+                tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
             )  # fmt: skip
-
-    @cute.jit
-    def locate(self, work, mOrder, w):
-        """``(m_tile, h, b)`` of work item ``w``: its place in the launch order (the grid's
-        own order unless ordered), the query tiles of a head counted from the last, the
-        heaviest under a causal mask."""
-        item = w
-        if cutlass.const_expr(self.v.ordered):
-            item = mOrder[w]
-        p = item % work.num_m_tiles
-        h = (item // work.num_m_tiles) % work.num_heads
-        b = item // (work.num_m_tiles * work.num_heads)
-        return work.num_m_tiles - 1 - p, h, b
 
     @cute.jit
     def produce(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, q_empty, items, item_ready,
-        item_empty, k_pipe, v_pipe, mEntries, mCounts, mOrder, mNextItem, work,
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
+        mEntries, count, m_tile, h, b, kv_head, mask_head,
     ):  # fmt: skip
-        """The producer warp: for each of the program's work items (its own first, then each
-        next one from the launch's counter, handed to the consumers through the item ring),
-        both Q halves and K and V of every listed key tile. The first K/V tiles of an item go
-        out before its Q, which waits for the consumers' epilogue of the previous item (their
-        O leaves through the Q tile): the ring refills under that epilogue."""
-        programs, _, _ = cute.arch.grid_dim()
-        w, _, _ = cute.arch.block_idx()
-        # K and V advance together: one state walks both rings, across items.
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
-        u = cutlass.Int32(0)
-        while w < work.num_items:
-            m_tile, h, b = self.locate(work, mOrder, w)
-            mask_head = h // work.heads_per_mask_head
-            kv_head = h // work.heads_per_kv
-            count = mCounts[b, mask_head, m_tile]
-            gK = cute.local_tile(
-                mK[None, None, kv_head, b], (self.v.block_n, self.v.head_dim), (None, 0)
-            )
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                cute.group_modes(gK, 0, 2),
-            )  # fmt: skip
-            gV = cute.local_tile(
-                mV[None, None, kv_head, b], (self.v.head_dim, self.v.block_n), (0, None)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                cute.group_modes(gV, 0, 2),
-            )  # fmt: skip
-            q_after = cutlass.min(count, self.v.kv_stages)
-            for it in cutlass.range(count, unroll=1):
-                if it == q_after:
-                    self.load_q(tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u)
-                entry = mEntries[b, mask_head, m_tile, it]
-                n_tile = entry
-                if entry < 0:
-                    n_tile = -entry - 1
-                k_pipe.producer_acquire(state)
-                cute.copy(
-                    tma_k, tKgK[None, n_tile], tKsK[None, state.index],
-                    tma_bar_ptr=k_pipe.producer_get_barrier(state),
-                )  # fmt: skip
-                v_pipe.producer_acquire(state)
-                cute.copy(
-                    tma_v, tVgV[None, n_tile], tVsV[None, state.index],
-                    tma_bar_ptr=v_pipe.producer_get_barrier(state),
-                )  # fmt: skip
-                state.advance()
-            if q_after == count:
-                self.load_q(tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u)
-            # The next item (past the last: the consumers' signal to stop), into slot u % 2
-            # once both warpgroups have read what it held.
-            nxt = w + programs
-            if programs < work.num_items:
-                if cute.arch.lane_idx() == 0:
-                    nxt = cute.arch.atomic_add(mNextItem.iterator, cutlass.Int32(1)) + programs
-                nxt = cute.arch.shuffle_sync(nxt, 0)
-            slot = u % 2
-            cute.arch.mbarrier_wait(item_empty + slot, ((u // 2) % 2) ^ 1)
-            if cute.arch.lane_idx() == 0:
-                items[slot] = nxt
-                cute.arch.mbarrier_arrive(item_ready + slot)
-            w = nxt
-            u += 1
-
-    @cute.jit
-    def load_q(self, tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u):
-        """Both Q halves of the program's ``u``-th item, once the consumers' epilogue of the
-        item before has left the Q tile."""
-        if u > 0:
-            cute.arch.mbarrier_wait(q_empty, (u - 1) % 2)
+        """The producer warp: both Q halves, then K and V of every listed key tile."""
         gQ = cute.local_tile(mQ[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        gK = cute.local_tile(
+            mK[None, None, kv_head, b], (self.v.block_n, self.v.head_dim), (None, 0)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        gV = cute.local_tile(
+            mV[None, None, kv_head, b], (self.v.head_dim, self.v.block_n), (0, None)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
         for half in cutlass.range_constexpr(2):
             cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
+        # K and V advance together: one state walks both rings.
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
+        for it in cutlass.range(count, unroll=1):
+            entry = mEntries[b, mask_head, m_tile, it]
+            n_tile = entry
+            if entry < 0:
+                n_tile = -entry - 1
+            k_pipe.producer_acquire(state)
+            cute.copy(
+                tma_k, tKgK[None, n_tile], tKsK[None, state.index],
+                tma_bar_ptr=k_pipe.producer_get_barrier(state),
+            )  # fmt: skip
+            v_pipe.producer_acquire(state)
+            cute.copy(
+                tma_v, tVgV[None, n_tile], tVsV[None, state.index],
+                tma_bar_ptr=v_pipe.producer_get_barrier(state),
+            )  # fmt: skip
+            state.advance()
 
     @cute.jit
     def consume(
-        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
-        sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work, wg,
-        thread, warp, seqlen_k, qk_scale,
+        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+        k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k, qk_scale,
     ):  # fmt: skip
-        """Consumer warpgroup ``wg``: rows ``wg * 64 ...`` of each of the program's query
-        tiles, the program's own item first, then each one the producer hands over."""
-        # Fields are set once, here: one set inside a staged loop or branch would not reach
-        # the uses after it. O accumulates from the first P V on.
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
-        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        w, _, _ = cute.arch.block_idx()
-        u = cutlass.Int32(0)
-        # K/V tiles consumed by the program's earlier items (the rings run on across items).
-        consumed = cutlass.Int32(0)
-        # The turns at the tensor cores alternate across items as within one: warpgroup 0
-        # holds the first, warpgroup 1 hands it over once per program, and warpgroup 0 takes
-        # warpgroup 1's last hand-over after the last item. (A hand-over per item would race:
-        # warpgroup 1 could hand over the next item's first turn before warpgroup 0 took the
-        # last one of this item, and the barrier would complete on warpgroup 1's arrivals.)
-        if wg == 1:
-            cute.arch.barrier_arrive(
-                barrier_id=TURN_BARRIER[0], number_of_threads=2 * WARPGROUP_THREADS
-            )
-        while w < work.num_items:
-            m_tile, h, b = self.locate(work, mOrder, w)
-            mask_head = h // work.heads_per_mask_head
-            count = mCounts[b, mask_head, m_tile]
-            self.consume_item(
-                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV,
-                q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
-                seqlen_k, qk_scale, u, consumed,
-            )  # fmt: skip
-            if thread == 0:
-                # The O store has read the Q tile: the producer may load the next Q into it.
-                cute.arch.mbarrier_arrive(q_empty)
-            slot = u % 2
-            cute.arch.mbarrier_wait(item_ready + slot, (u // 2) % 2)
-            w = items[slot]
-            # Both warpgroups' threads have read the slot before the producer refills it.
-            cute.arch.barrier(
-                barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS
-            )
-            if thread == 0:
-                cute.arch.mbarrier_arrive(item_empty + slot)
-            consumed += count
-            u += 1
-        if wg == 0:
-            cute.arch.barrier(barrier_id=TURN_BARRIER[0], number_of_threads=2 * WARPGROUP_THREADS)
-
-    @cute.jit
-    def consume_item(
-        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV,
-        q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k,
-        qk_scale, u, consumed,
-    ):  # fmt: skip
-        """One work item: rows ``m_tile * 128 + wg * 64 ...`` of query head ``h`` of batch
-        ``b``, the program's ``u``-th item, after ``consumed`` K/V tiles of earlier ones."""
+        """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile."""
         qk_thr = qk_mma.get_slice(thread)
         pv_thr = pv_mma.get_slice(thread)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -491,6 +353,11 @@ class HopperForward:
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C(self.pv_tiler[:2]))
         acc_o.fill(0.0)
+        # O accumulates from the first P V on. Fields are set once, here: one set inside a
+        # staged loop or branch would not reach the uses after it.
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         s_shape = qk_thr.partition_shape_C(self.qk_tiler[:2])
         # Coordinates (row, column) of each score the thread holds, within the 64 x N tile.
         tScS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
@@ -510,25 +377,28 @@ class HopperForward:
         if wg == 1:
             my_turn = TURN_BARRIER[1]
             other_turn = TURN_BARRIER[0]
-        cute.arch.mbarrier_wait(q_full, u % 2)
+        # Warpgroup 0 holds the first turn: warpgroup 1 hands it over once.
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
+        cute.arch.mbarrier_wait(q_full, 0)
         q_stage = tSrQ[None, None, None, wg]
         stages = self.v.kv_stages
-        # Step 0's K and V are the ring's tile number ``consumed``. The loop's states start one
-        # step on; V is waited for at the end of a step and used (then released) at the next
-        # one, so v_release lags v_wait by one and its index is the slot of the previous V.
-        first_slot = consumer_state(stages, consumed)
-        k_state = consumer_state(stages, consumed + 1)
-        v_wait = consumer_state(stages, consumed + 1)
-        v_release = consumer_state(stages, consumed)
+        # Slot 0 holds step 0's K and V. The loop's states start one step on; V is waited for
+        # at the end of a step and used (then released) at the next one, so v_release lags
+        # v_wait by one and its index is the slot of the previous step's V.
+        first_slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        k_state.advance()
+        v_wait = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        v_wait.advance()
+        v_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # Step 0 has no P V to overlap; peeled, so that no warpgroup MMA is issued under a
         # branch (ptxas then closes its commit group on every path, and the wait for S_j
         # would also wait for P_{j-1} V_{j-1}). It binds no name the loop uses.
         if count > 0:
             k_pipe.consumer_wait(first_slot)
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
-            s_first = self.issue_scores(
-                qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, first_slot.index
-            )
+            s_first = self.issue_scores(qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, 0)
             cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(first_slot)
@@ -569,9 +439,12 @@ class HopperForward:
             self.issue_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_release)
+        if wg == 0:
+            # Balance warpgroup 1's opening hand-over: its last arrival has no taker.
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
-            pv_mma, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b,
-            wg, thread, warp, row0, seqlen_q,
+            pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+            thread, warp, row0, seqlen_q,
         )  # fmt: skip
 
     @cute.jit
@@ -711,8 +584,8 @@ class HopperForward:
 
     @cute.jit
     def finish_rows(
-        self, pv_mma, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h,
-        b, wg, thread, warp, row0, seqlen_q,
+        self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+        thread, warp, row0, seqlen_q,
     ):  # fmt: skip
         """``O / l`` of the warpgroup's 64 rows through its Q half and one TMA store, and their
         lse (natural log; ``-inf`` with ``O = 0`` where no key is visible)."""
@@ -736,17 +609,12 @@ class HopperForward:
             if thread % 4 == 0 and row < seqlen_q:
                 mLse[b, h, row] = lse
         # O through this warpgroup's Q half (its last Q K^T has completed).
-        # stmatrix: four 8x8 matrices of 16-bit values per instruction.
+        sO = sQ[None, None, wg]
+        tOsO = pv_thr.partition_C(sO)
         out = cute.make_rmem_tensor_like(acc_o, sQ.element_type)
         out.store(acc_o.load().to(sQ.element_type))
-        store = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(
-                utils.LayoutEnum.ROW_MAJOR, sQ.element_type, cutlass.Float32
-            ),
-            pv_mma,
-        )
-        store_thr = store.get_slice(thread)
-        cute.copy(store, store_thr.retile(out), store_thr.partition_D(sQ[None, None, wg]))
+        for i in cutlass.range_constexpr(cute.size(out)):
+            tOsO[i] = out[i]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS)
         gO = cute.local_tile(mO[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))

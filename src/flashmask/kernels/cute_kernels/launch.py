@@ -10,7 +10,7 @@ import os
 import torch
 
 from flashmask._tensor_cache import TensorKeyedCache
-from flashmask.kernels import hardware, preparation
+from flashmask.kernels import preparation
 from flashmask.kernels.tiles import TileLists
 
 # This family targets Hopper: compile for sm_90a, also on a machine without a GPU. CuTe DSL reads
@@ -67,13 +67,11 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
         _symbolic(cutlass.Int32, 4, 1),  # entries
         _symbolic(cutlass.Int32, 3, 1),  # counts
         _symbolic(cutlass.Int32, 1, 1),  # order
-        _symbolic(cutlass.Int32, 1, 1),  # next item counter
     )
     stream = cuda.CUstream(0)
     return cute.compile(
         HopperForward(variant),
         *tensors,
-        cutlass.Int32(1),
         cutlass.Int32(1),
         cutlass.Int32(1),
         cutlass.Int32(1),
@@ -159,18 +157,10 @@ def forward(
         bounds = _unread_bounds(q.device)
     else:
         bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * key_tile(d))
-    # Persistent: one program per SM takes the query tiles, its own first, then each next one
-    # from a zeroed counter (needed only with more tiles than programs).
-    num_items = lists.counts.shape[-1] * hq * b
-    programs = min(num_items, hardware.multiprocessor_count(q.device))
-    next_item = lists.counts.view(-1)  # never read with one program per item
-    if programs < num_items:
-        next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(
         _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
         _view(bounds, 16), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
-        _view(next_item, 4), programs, k.shape[1], hq // k.shape[2], hq // mask_heads,
-        softmax_scale * LOG2E, stream,
+        k.shape[1], hq // k.shape[2], hq // mask_heads, softmax_scale * LOG2E, stream,
     )  # fmt: skip
     return out, lse
