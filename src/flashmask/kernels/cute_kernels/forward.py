@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory as memory
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -140,8 +141,8 @@ class HopperForward:
             sm90_utils.make_trivial_tiled_mma(
                 dtype,
                 dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
                 cutlass.Float32,
                 (1, 1, 1),
                 self.qk_tiler[:2],
@@ -151,18 +152,18 @@ class HopperForward:
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype,
             dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
             cutlass.Float32,
             (1, 1, 1),
             self.pv_tiler[:2],
             warpgroup.OperandSource.RMEM,
         )
-        q_layout = utils.LayoutEnum.ROW_MAJOR
+        q_layout = tensor_utils.LayoutEnum.ROW_MAJOR
         q_smem = sm90_utils.make_smem_layout_a(q_layout, self.qk_tiler, dtype, 2)
         k_smem = sm90_utils.make_smem_layout_b(q_layout, self.qk_tiler, dtype, self.v.kv_stages)
         v_smem = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.COL_MAJOR, self.pv_tiler, dtype, self.v.kv_stages
+            tensor_utils.LayoutEnum.COL_MAJOR, self.pv_tiler, dtype, self.v.kv_stages
         )
         q_one = cute.slice_(q_smem, (None, None, 0))
         k_one = cute.slice_(k_smem, (None, None, 0))
@@ -239,7 +240,7 @@ class HopperForward:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        smem = utils.SmemAllocator()
+        smem = memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
         sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
@@ -281,14 +282,14 @@ class HopperForward:
         cute.arch.sync_threads()
 
         if role == 0:
-            cute.arch.warpgroup_reg_dealloc(PRODUCER_REGISTERS)
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
                 self.produce(
                     tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
                     mEntries, count, m_tile, h, b, h // heads_per_kv, mask_head,
                 )  # fmt: skip
         else:
-            cute.arch.warpgroup_reg_alloc(CONSUMER_REGISTERS)
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
                 k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
