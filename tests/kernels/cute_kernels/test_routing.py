@@ -3,6 +3,7 @@ it the lists, bounds and launch order it prepares."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -86,3 +87,23 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
         True, False, 0.0625, True,
     )  # fmt: skip
     assert seen["order"] is not None and seen["order"].numel() == 3 * 4  # tiles x query heads
+
+
+def test_the_plan_follows_the_mask_form_at_head_dim_128(monkeypatch):
+    """``plan_forward`` (what the launcher and ``flashmask bench`` prepare for): at head dim 128
+    and 8K keys a causal mask's forward takes the CuTe lists, a non-causal mask's the Gluon
+    forward's (both 128-row tiles; the plan records which kernel)."""
+    from flashmask.kernels import forward_launcher
+
+    _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+    q, k, v = _qkv(head_dim=128)
+    sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
+    # The Hopper configuration (under the interpreter tile_config gives the small CPU one).
+    config = dataclasses.replace(kernels.tile_config(128, has_mask=True), fwd_gluon=True)
+    causal = forward_launcher.plan_forward(q, k, v, sri[..., :1], True, 0.1, False, config)
+    assert causal.use_cute and not causal.use_gluon
+    noncausal = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, False, config)
+    assert noncausal.use_gluon and not noncausal.use_cute
+    unmasked = forward_launcher.plan_forward(q, k, v, None, False, 0.1, False, config)
+    assert unmasked.use_cute
