@@ -20,9 +20,11 @@ preparation gives a launch order. Per program, 384 threads in three warpgroups:
   fully masked row).
 
 The element mask of a partial tile reads the four normalised row bounds ``(LTS, LTE, UTS, UTE)``
-of each of its key columns from ``bounds [B, Hm, 4, Sk]`` (``tiles.column_bounds``): query row
-``r`` is hidden from column ``c`` when ``LTS <= r < LTE`` or ``UTS <= r < UTE``, when causal and
-``c > r + Sk - Sq``, and when ``c >= Sk``. TMA reads past a sequence's end as zeros and clips the
+of each of its key columns in one 16-byte load from the column-major bounds
+``[B, Hm, Sk padded, 4]`` (``launch.column_major_bounds`` of ``tiles.column_bounds``): query
+row ``r`` is hidden from column ``c`` when ``LTS <= r < LTE`` or ``UTS <= r < UTE``, when causal
+and ``c > r + Sk - Sq``, and when ``c >= Sk`` (the padding columns hide every row; without a
+mask the kernel compares ``c`` with ``Sk``). TMA reads past a sequence's end as zeros and clips the
 O store, so any ``Sq`` and ``Sk`` run.
 
 The kernel compiles on a machine without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CPU suite builds
@@ -122,10 +124,10 @@ class HopperForward:
         stream,
     ):
         """``mQ``/``mO [B, Sq, Hq, D]``, ``mK``/``mV [B, Sk, Hk, D]`` (unit stride along D),
-        ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 ``[B, Hm, 4, Sk]``, ``mEntries``
-        int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32 ``[B, Hm, Tm]``, ``mOrder`` int32
-        ``[B * Hq * Tm]`` (read only when ordered), ``mBounds`` read only with a mask; ``seqlen_k``:
-        Sk; ``qk_scale`` = softmax scale x log2(e) > 0."""
+        ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 column-major ``[B, Hm, Sk padded, 4]``
+        (read only with a mask), ``mEntries`` int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32
+        ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
+        ``seqlen_k``: Sk; ``qk_scale`` = softmax scale x log2(e) > 0."""
         dtype = mQ.element_type
         # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
@@ -137,28 +139,16 @@ class HopperForward:
         # Two copies of the Q K^T MMA: one for a tile's first k-block (it overwrites S), one
         # for the rest (it accumulates). Each has its accumulate field set once, outside any
         # staged branch or loop: a field set under a branch does not reach uses after it.
-        qk_mma_init, qk_mma = (
-            sm90_utils.make_trivial_tiled_mma(
-                dtype,
-                dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.K,
-                cutlass.Float32,
-                (1, 1, 1),
-                self.qk_tiler[:2],
-            )
-            for _ in range(2)
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype,
-            dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            cutlass.Float32,
-            (1, 1, 1),
-            self.pv_tiler[:2],
-            warpgroup.OperandSource.RMEM,
-        )
+        def mma(b_major, tiler, a_source=warpgroup.OperandSource.SMEM):
+            """A one-warpgroup MMA over ``tiler``'s (M, N), A K-major, fp32 accumulator."""
+            return sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, cute.nvgpu.OperandMajorMode.K, b_major, cutlass.Float32, (1, 1, 1),
+                tiler[:2], a_source,
+            )  # fmt: skip
+
+        qk_mma_init, qk_mma = (mma(cute.nvgpu.OperandMajorMode.K, self.qk_tiler) for _ in range(2))
+        # P V: P from registers (the score accumulator's values), V MN-major.
+        pv_mma = mma(cute.nvgpu.OperandMajorMode.MN, self.pv_tiler, warpgroup.OperandSource.RMEM)
         q_layout = tensor_utils.LayoutEnum.ROW_MAJOR
         q_smem = sm90_utils.make_smem_layout_a(q_layout, self.qk_tiler, dtype, 2)
         k_smem = sm90_utils.make_smem_layout_b(q_layout, self.qk_tiler, dtype, self.v.kv_stages)
