@@ -53,8 +53,7 @@ def plan_forward(
     """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
     bench`` times :func:`prepare_plan` of it as a new mask's preparation)."""
     masked = startend_row_indices is not None
-    use_cute = routing.use_cute_forward(q, k, v, softmax_scale, masked, causal)
-    use_gluon = not use_cute and routing.use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    use_cute, use_gluon = routing.forward_kernel(q, k, v, softmax_scale, masked, causal, config)
     shapes = routing.forward_shapes(use_gluon, q.shape[-1], config, use_cute)
     # The backward's lists (its dout is shaped and typed like q), to be built in one go.
     gluon_backward = backward_follows and routing.use_gluon_backward(

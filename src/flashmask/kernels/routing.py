@@ -227,6 +227,22 @@ def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: Decod
     return skip_tiles and k.shape[1] > seqlen_q and seqlen_q * group <= decode.max_rows
 
 
+def forward_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    masked: bool,
+    causal: bool,
+    config: TileConfig,
+) -> tuple[bool, bool]:
+    """``(use_cute, use_gluon)``: which forward runs the call, the CuTe one first, then the
+    Gluon one (neither: the Triton forward)."""
+    use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal)
+    use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    return use_cute, use_gluon
+
+
 def forward_shapes(
     use_gluon: bool, head_dim: int, config: TileConfig, use_cute: bool = False
 ) -> list[tuple[int, int, bool]]:
@@ -281,8 +297,7 @@ def forward_list_shapes(
     the forward prepares for these inputs with ``config``: those of the kernel it routes them
     to."""
     masked = startend_row_indices is not None
-    use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal)
-    use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    use_cute, use_gluon = forward_kernel(q, k, v, softmax_scale, masked, causal, config)
     return forward_shapes(use_gluon, q.shape[-1], config, use_cute)
 
 
