@@ -115,10 +115,14 @@ def _gluon_backward(
     causal: bool,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One warp-specialised pass (``routing.gluon_backward_module``) computing dK, dV and, into
-    an fp32 accumulator through TMA reduce-adds, dQ."""
+    """One warp-specialised pass (``routing.gluon_backward_module``, or the CuTe backward where
+    ``routing.use_cute_backward`` holds) computing dK, dV and, into an fp32 accumulator through
+    TMA reduce-adds, dQ."""
     q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
-    module = routing.gluon_backward_module(q.shape[-1])
+    if routing.use_cute_backward(q):
+        from flashmask.kernels.cute_kernels import backward_launch as module
+    else:
+        module = routing.gluon_backward_module(q.shape[-1])
     dq_accumulator = None
     if module.one_launch(q, k, bounds is not None, causal):
         # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``); a backward in

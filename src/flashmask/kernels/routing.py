@@ -215,6 +215,17 @@ def use_gluon_backward(
     )
 
 
+# The CuTe backward (``cute_kernels.backward``) takes the Gluon backward's calls at these head
+# dims (it walks the same 64 x 128 lists): none until a GPU run measures it faster.
+CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
+
+
+def use_cute_backward(q: torch.Tensor) -> bool:
+    """Whether a call that :func:`use_gluon_backward` gives the Gluon backward runs the CuTe
+    backward instead: ``D`` in :data:`CUTE_BWD_HEAD_DIMS` and the ``cute`` extra installed."""
+    return q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
+
+
 def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: DecodeConfig) -> bool:
     """Whether a forward runs the split-KV kernels (``triton_kernels.decode``): more keys than
     queries (a cache: decoding or chunked prefill), and few enough queries that all of them,
