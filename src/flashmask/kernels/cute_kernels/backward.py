@@ -504,7 +504,7 @@ class HopperBackward:
                 ds_own = tSsdSt[None, None, None, wg, buf]
                 for i in cutlass.range_constexpr(cute.size(ds_as_st)):
                     ds_own[i] = ds_as_st[i]
-                if thread == 0:
+                if thread < cute.arch.WARP_SIZE:
                     # This warpgroup's dQ buffer of this tile was read by the reduce-add of two
                     # tiles ago: at most one later reduce may still be reading.
                     cute.arch.cp_async_bulk_wait_group(1, read=True)
@@ -537,7 +537,9 @@ class HopperBackward:
                     tDQsC[i] = acc_dq[i] * softmax_scale
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=my_barrier, number_of_threads=WARPGROUP_THREADS)
-                if thread == 0:
+                # The warpgroup's first warp issues it: the copy elects one lane (elect.sync
+                # over the whole warp, which a one-thread branch would leave hanging).
+                if thread < cute.arch.WARP_SIZE:
                     cute.copy(tma_dq, tDQsDQ[None, dq_stage], tDQgDQ[None, m_tile, wg])
                     cute.arch.cp_async_bulk_commit_group()
                 warpgroup.wait_group(0)
@@ -546,7 +548,7 @@ class HopperBackward:
                 if cute.arch.lane_idx() == 0:
                     cute.arch.mbarrier_arrive(empty + slot)
                 it += 1
-        if thread == 0:
+        if thread < cute.arch.WARP_SIZE:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dk_dv(
             dkv_thr, acc_dk, acc_dv, tma_dk, mdK, tma_dv, mdV, sK, sV, n_tile, h_kv, b, wg,
