@@ -1,6 +1,11 @@
 """The CuTe forward (``flashmask.kernels.cute_kernels``) on a Hopper GPU against the float32
 reference, over the cases of ``test_kernels`` that its shapes take, and skipping == dense bit
-for bit. Skipped without a Hopper GPU or without the ``flashmask[cute]`` extra."""
+for bit. The persistent variant (what ``launch.forward`` takes for a non-causal mask) runs on
+the non-causal cases, among them many with more query tiles than three programs per SM take;
+``test_persistent_matches_one_item_per_program`` forces it on and off on the same inputs.
+Skipped without a Hopper GPU or without the ``flashmask[cute]`` extra.
+
+    PYTHONPATH=src python -m pytest -q tests/gpu/test_cute.py -k persistent   # those cases"""
 
 from __future__ import annotations
 
@@ -33,9 +38,9 @@ pytestmark = [
 ]
 
 
-def cute_forward(x, scale: float, skip_tiles: bool = True):
+def cute_forward(x, scale: float, skip_tiles: bool = True, persistent: bool | None = None):
     """``(out, lse)`` of the CuTe forward on a case's inputs, with the lists and launch order
-    the launcher would prepare."""
+    the launcher would prepare; ``persistent``: as ``launch.forward`` (``None``: its rule)."""
     from flashmask.kernels.cute_kernels import launch
 
     q, k, v = (t.contiguous() for t in (x.q, x.k, x.v))
@@ -49,8 +54,9 @@ def cute_forward(x, scale: float, skip_tiles: bool = True):
         (order,) = preparation.program_orders([(lists, hq, True)])
     mask_heads = 1 if x.sri is None else x.sri.shape[1]
     return launch.forward(
-        q, k, v, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order
-    )
+        q, k, v, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
+        persistent=persistent,
+    )  # fmt: skip
 
 
 def _cases() -> list[Case]:
@@ -81,11 +87,82 @@ def _cases() -> list[Case]:
     return cases
 
 
+# Non-causal masks (the persistent variant by launch.forward's rule; the builders' non-causal
+# ones and random indices of both non-causal forms) with more query tiles than 3 x 132 SMs:
+# 2 x 8 x 32 = 512 work items at 4096 queries (576 at 4500), each program running several, the
+# later ones taken from the launch's counter, the K/V rings running on from one to the next.
+# Grouped-query (8 on 2) and not, per-head masks, every head dim, ragged lengths. (The
+# non-causal cases of test_matches_reference, at 1024 tokens, run one item per program.)
+def _persistent_cases() -> list[Case]:
+    cases = [
+        Case(name, 4096, 4096, 8, 2, 128, True)
+        for name in ("document", "prefix_lm_document", "prefix_lm_causal")
+    ]
+    cases += [Case("global_sliding_window", 4096, 4096, 8, 8, 128, True)]
+    cases += [Case("document", 4096, 4096, 8, 8, d, True) for d in (64, 256)]
+    cases += [
+        Case("random", sq, sk, 8, 2, 128, True, causal=False, columns=columns, mask_heads=hm)
+        for columns in (2, 4)
+        for sq, sk in ((4000, 4500), (4500, 4000))
+        for hm in (1, 2)
+    ]
+    cases += [
+        Case("random", 4500, 4000, 8, 2, d, True, causal=False, columns=4, mask_heads=2)
+        for d in (64, 256)
+    ]
+    return cases
+
+
+# The same inputs with the persistent variant forced on and off: the non-causal cases above and
+# forms launch.forward runs one item per program by default (causal masks, full, causal).
+AB_CASES = [
+    *(Case(name, 4096, 4096, 8, 2, 128, True) for name in ("document", "global_sliding_window")),
+    *(Case(name, 4096, 4096, 8, 2, 128, True) for name in ("share_question", "sliding_window")),
+    Case("random", 4500, 4000, 8, 2, 128, True, causal=False, columns=4, mask_heads=2),
+    Case("random", 4000, 4500, 8, 2, 128, True, causal=True, columns=2, mask_heads=2),
+    Case("document", 4096, 4096, 8, 2, 256, True),
+    Case("global_sliding_window", 4096, 4096, 8, 8, 64, True),
+    Case("full", 4000, 4500, 8, 2, 128, True),
+    Case("causal", 4096, 4096, 8, 2, 128, True),
+]
+
+
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
 def test_matches_reference(case: Case):
     x = make_inputs(case)
     scale = case.d**-0.5
     out, lse = cute_forward(x, scale)
+    check_against_reference(case, x, scale, out, lse)
+
+
+@pytest.mark.parametrize("case", _persistent_cases(), ids=lambda c: c.id)
+def test_persistent_matches_reference(case: Case):
+    x = make_inputs(case)
+    scale = case.d**-0.5
+    out, lse = cute_forward(x, scale)  # persistent by launch.forward's rule
+    check_against_reference(case, x, scale, out, lse)
+
+
+@pytest.mark.parametrize("case", AB_CASES, ids=lambda c: c.id)
+def test_persistent_matches_one_item_per_program(case: Case):
+    """Forced on and off on the same inputs, each within the reference's tolerance and both
+    within it of each other (the same ops per query tile: expected equal bit for bit)."""
+    x = make_inputs(case)
+    scale = case.d**-0.5
+    on = cute_forward(x, scale, persistent=True)
+    off = cute_forward(x, scale, persistent=False)
+    check_against_reference(case, x, scale, *on)
+    check_against_reference(case, x, scale, *off)
+    low = naive_attention(x.q, x.k, x.v, x.visible, scale, dtype=x.q.dtype)
+    assert_close_to_reference(on[0], off[0].float(), low, "out", context=f"{case.id} on/off")
+    assert torch.equal(torch.isinf(on[1]), torch.isinf(off[1])), "the same fully masked rows"
+    finite = torch.isfinite(off[1])
+    torch.testing.assert_close(on[1][finite], off[1][finite], atol=1e-3, rtol=1e-4)
+
+
+def check_against_reference(case: Case, x, scale: float, out, lse) -> None:
+    """``out`` and ``lse`` against the float32 reference: out as close as a plain bf16/fp16
+    computation, lse to 1e-3, ``-inf`` and ``O = 0`` exactly on the fully masked rows."""
     intervals = None
     if x.sri is not None:
         from flashmask.mask import FlashMask
@@ -105,7 +182,8 @@ def test_matches_reference(case: Case):
 
 @pytest.mark.parametrize("name", ["causal_document", "share_question", "global_sliding_window"])
 def test_skipping_equals_dense_bit_for_bit(name: str):
-    x = make_inputs(Case(name, 4096, 4096, 8, 2, 128, True))  # several waves of programs
+    # Several waves of programs (global_sliding_window: several items per persistent program).
+    x = make_inputs(Case(name, 4096, 4096, 8, 2, 128, True))
     skipped = cute_forward(x, 0.088)
     dense = cute_forward(x, 0.088, skip_tiles=False)
     assert torch.equal(skipped[0], dense[0]) and torch.equal(skipped[1], dense[1])

@@ -1,6 +1,6 @@
 """The CuTe forward compiles for sm_90a on a machine without a GPU, in every variant the
-launcher can ask for (each head dim, mask form, the dense mode and the launch order); its results
-are proved on a GPU by ``tests/gpu``."""
+launcher can ask for (each head dim, mask form, the dense mode, the launch order, and the
+persistent schedule); its results are proved on a GPU by ``tests/gpu``."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from flashmask.kernels.cute_kernels.forward import ForwardVariant
 FORMS = [(False, False, False), (True, False, False), (True, True, False), (False, True, True)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("form", FORMS, ids=["full", "causal", "causal_mask", "mask"])
-@pytest.mark.parametrize("dense", [False, True], ids=["skip", "dense"])
-def test_every_variant_compiles(head_dim: int, form: tuple[bool, bool, bool], dense: bool):
+FORM_IDS = ["full", "causal", "causal_mask", "mask"]
+
+
+def _variant(head_dim: int, form: tuple[bool, bool, bool], dense: bool, persistent: bool):
     causal, has_mask, has_upper = form
-    variant = ForwardVariant(
+    return ForwardVariant(
         head_dim=head_dim,
         block_n=launch.key_tile(head_dim),
         kv_stages=launch.KV_STAGES[head_dim],
@@ -36,7 +36,32 @@ def test_every_variant_compiles(head_dim: int, form: tuple[bool, bool, bool], de
         has_upper=has_upper,
         mask_full_tiles=dense,
         ordered=has_mask,  # launch orders exist only with a mask
+        persistent=persistent,
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+@pytest.mark.parametrize("dense", [False, True], ids=["skip", "dense"])
+def test_every_variant_compiles(head_dim: int, form: tuple[bool, bool, bool], dense: bool):
+    variant = _variant(head_dim, form, dense, persistent=False)
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
+
+
+# The persistent schedule: what the launcher takes for a non-causal mask (in both modes), and,
+# in the skipping mode, every other form (``launch.forward(..., persistent=True)`` forces it;
+# without a mask it runs the items in their own order, unordered).
+PERSISTENT = [(form, False) for form in FORMS] + [(FORMS[-1], True)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("form", "dense"), PERSISTENT, ids=[f"{i}-skip" for i in FORM_IDS] + ["mask-dense"]
+)
+def test_every_persistent_variant_compiles(
+    head_dim: int, form: tuple[bool, bool, bool], dense: bool
+):
+    variant = _variant(head_dim, form, dense, persistent=True)
     assert launch.compiled_forward(variant, torch.bfloat16) is not None
 
 

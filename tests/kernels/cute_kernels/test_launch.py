@@ -1,6 +1,9 @@
-"""The CuTe forward's host side: the column-major bounds its element mask reads."""
+"""The CuTe forward's host side: the column-major bounds its element mask reads, and which
+schedule (one program per query tile, or persistent programs) a launch takes."""
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -9,8 +12,8 @@ from flashmask.kernels import tiles
 from flashmask.kernels.cute_kernels import launch
 
 
-def _bounds(seqlen=300, batch=2):
-    mask = masks.example("share_question", seqlen, batch_size=batch)
+def _bounds(seqlen=300, batch=2, name="share_question"):
+    mask = masks.example(name, seqlen, batch_size=batch)
     return tiles.column_bounds(mask.startend_row_indices, mask.causal, seqlen, seqlen, batch, "cpu")
 
 
@@ -38,3 +41,50 @@ def test_it_is_built_once_per_bounds_tensor_and_rebuilt_after_an_edit():
     again = launch.column_major_bounds(bounds, 300, 384)
     assert again is not first and again[0, 0, 5, 0] == 7
     assert launch.column_major_bounds(bounds.clone(), 300, 384) is not again
+
+
+def _launch_args(monkeypatch, bounds, causal, persistent=None, seqlen=300, heads=4, batch=2):
+    """What ``launch.forward`` hands the compiled kernel on the CPU (a recording stand-in for
+    the kernel, the torch tensors themselves for their DLPack views; 4 "SMs", as
+    ``hardware.multiprocessor_count`` gives off CUDA): ``(variant, args)``."""
+    seen = []
+
+    def compiled(variant, dtype):
+        return lambda *args: seen.append((variant, args))
+
+    monkeypatch.setattr(launch, "compiled_forward", compiled)
+    monkeypatch.setattr(launch, "_view", lambda x, align: x)
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    )
+    q = torch.zeros(batch, seqlen, heads, 128, dtype=torch.bfloat16)
+    k = torch.zeros(batch, seqlen, 2, 128, dtype=torch.bfloat16)
+    tm = -(-seqlen // 128)
+    counts = torch.ones(batch, 1, tm, dtype=torch.int32)
+    lists = tiles.TileLists(torch.zeros(batch, 1, tm, tm, dtype=torch.int32), counts, counts)
+    order = torch.arange(batch * heads * tm, dtype=torch.int32) if bounds is not None else None
+    launch.forward(q, k, k, bounds, lists, 1, causal, not causal, 0.1, True, order, persistent)
+    (call,) = seen
+    return call
+
+
+def test_the_persistent_variant_runs_non_causal_masks_on_min_items_sms_programs(monkeypatch):
+    variant, args = _launch_args(monkeypatch, _bounds(name="document"), causal=False)
+    assert variant.persistent and variant.ordered
+    counter, programs = args[9], args[10]
+    assert programs == 4  # min(3 query tiles x 4 heads x 2, 4 SMs)
+    assert counter.dtype == torch.int32 and torch.equal(counter, torch.zeros(1, dtype=torch.int32))
+    # No more items than programs: one each, no counter.
+    bounds = _bounds(seqlen=100, batch=1, name="document")
+    variant, args = _launch_args(monkeypatch, bounds, False, heads=2, seqlen=100, batch=1)
+    assert variant.persistent and args[10] == 2 and args[9].numel() == 2  # the order, unread
+
+
+def test_causal_and_unmasked_calls_run_one_item_per_program_unless_forced(monkeypatch):
+    for bounds, causal in ((None, False), (None, True), (_bounds(), True)):
+        variant, args = _launch_args(monkeypatch, bounds, causal)
+        assert not variant.persistent and args[10] == 1
+        variant, args = _launch_args(monkeypatch, bounds, causal, persistent=True)
+        assert variant.persistent and args[10] == 4
+    variant, _ = _launch_args(monkeypatch, _bounds(name="document"), False, persistent=False)
+    assert not variant.persistent

@@ -27,6 +27,15 @@ and ``c > r + Sk - Sq``, and when ``c >= Sk`` (the padding columns hide every ro
 mask the kernel compares ``c`` with ``Sk``). TMA reads past a sequence's end as zeros and clips the
 O store, so any ``Sq`` and ``Sk`` run.
 
+The persistent variant (``ForwardVariant.persistent``; the launcher's choice for non-causal
+interval masks) launches one program per SM instead, each taking work items (query tile, query
+head, batch) in turn: its own first (its program index), then each next one from a global counter
+that the producer bumps and hands to the consumers through a two-slot ring in shared memory. The
+K/V rings run on from one item to the next (the producer loads an item's first K/V tiles before
+its Q, which waits until both consumer warpgroups' O stores of the previous item have left the
+Q tile), and the consumers' turns at the tensor cores alternate across items as within one. The
+other variants compile exactly as before (their PTX is unchanged).
+
 The kernel compiles on a machine without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CPU suite builds
 every variant (``tests/kernels/cute_kernels``); ``tests/gpu`` proves its results.
 """
@@ -67,7 +76,8 @@ class ForwardVariant:
     ``head_dim``: D (64, 128 or 256); ``block_n``: keys per tile (the lists' tile width);
     ``kv_stages``: K/V ring slots; ``causal``, ``has_mask``, ``has_upper``: the mask's form;
     ``mask_full_tiles``: the dense mode (every tile masked); ``ordered``: the grid follows a
-    launch order."""
+    launch order; ``persistent``: one program per SM takes query tiles from a counter (needs
+    the launch's program count and a zeroed counter)."""
 
     head_dim: int
     block_n: int
@@ -77,6 +87,7 @@ class ForwardVariant:
     has_upper: bool
     mask_full_tiles: bool
     ordered: bool
+    persistent: bool = False
 
 
 def row_col_view(layout: cute.Layout) -> cute.Layout:
@@ -95,6 +106,25 @@ def probabilities_layout(block_n: int) -> cute.Layout:
     same registers as the score accumulator ``((2, 2, block_n / 8), 1, 1)``: k-block ``kb``'s
     values ``(column pair, row half, column half)`` sit at ``c + 2 r + 4 h + 8 kb``."""
     return cute.make_layout(((2, 2, 2), 1, block_n // 16), stride=((1, 2, 4), 0, 8))
+
+
+def consumer_state(stages: int, n) -> pipeline.PipelineState:
+    """A consumer's state of a ``stages``-slot ring at its ``n``-th tile (slot ``n % stages``,
+    phase bit ``n // stages`` mod 2): what ``n`` advances of a fresh state give."""
+    return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2)
+
+
+@dataclass(frozen=True)
+class WorkItems:
+    """A persistent launch's work items, one per (query tile, query head, batch): ``num_items``
+    of them over ``num_m_tiles`` tiles and ``num_heads`` heads; the head ratios that map a query
+    head to its K/V head and mask head."""
+
+    num_m_tiles: cutlass.Int32
+    num_heads: cutlass.Int32
+    num_items: cutlass.Int32
+    heads_per_kv: cutlass.Int32
+    heads_per_mask_head: cutlass.Int32
 
 
 class HopperForward:
@@ -117,6 +147,8 @@ class HopperForward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
+        mNextItem: cute.Tensor,
+        num_programs: cutlass.Int32,
         seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
@@ -127,6 +159,8 @@ class HopperForward:
         ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 column-major ``[B, Hm, Sk padded, 4]``
         (read only with a mask), ``mEntries`` int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32
         ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
+        persistent only (the others ignore both): ``mNextItem`` int32 ``[1]``, zero at launch,
+        the counter the programs take items from, and ``num_programs``, the grid's size;
         ``seqlen_k``: Sk; ``qk_scale`` = softmax scale x log2(e) > 0."""
         dtype = mQ.element_type
         # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
@@ -175,30 +209,65 @@ class HopperForward:
         self.k_bytes = cute.size_in_bytes(dtype, k_one)
         self.v_bytes = cute.size_in_bytes(dtype, v_one)
 
-        @cute.struct
-        class SharedStorage:
-            q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.v.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
+        stages = self.v.kv_stages
+        if cutlass.const_expr(self.v.persistent):
+            # Also the Q tile's "empty" barrier and the item ring: two slots of an item index,
+            # each with a "ready" and an "empty" barrier.
+            @cute.struct
+            class PersistentStorage:
+                q_full: cute.struct.MemRange[cutlass.Int64, 1]
+                q_empty: cute.struct.MemRange[cutlass.Int64, 1]
+                item_ready: cute.struct.MemRange[cutlass.Int64, 2]
+                item_empty: cute.struct.MemRange[cutlass.Int64, 2]
+                k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                items: cute.struct.MemRange[cutlass.Int32, 2]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
 
-        self.shared_storage = SharedStorage
-        num_m_tiles = cute.ceil_div(mQ.shape[1], BLOCK_M)
-        self.kernel(
-            qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
-            tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder, q_smem,
-            k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
-        ).launch(
-            grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
-            block=[3 * WARPGROUP_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            # 384 threads, one program per SM: 168 registers each at launch (setmaxnreg
-            # moves them from the producer to the consumers).
-            min_blocks_per_mp=1,
-        )  # fmt: skip
+            self.shared_storage = PersistentStorage
+        else:
+
+            @cute.struct
+            class SharedStorage:
+                q_full: cute.struct.MemRange[cutlass.Int64, 1]
+                k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
+
+            self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.v.persistent):
+            self.persistent_kernel(
+                qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
+                tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
+                mNextItem, q_smem, k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
+                qk_scale,
+            ).launch(
+                grid=[num_programs, 1, 1],
+                block=[3 * WARPGROUP_THREADS, 1, 1],
+                smem=self.shared_storage.size_in_bytes(),
+                stream=stream,
+                # As below; the launcher starts at most one program per SM.
+                min_blocks_per_mp=1,
+            )  # fmt: skip
+        else:
+            num_m_tiles = cute.ceil_div(mQ.shape[1], BLOCK_M)
+            self.kernel(
+                qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
+                tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
+                q_smem, k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
+            ).launch(
+                grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
+                block=[3 * WARPGROUP_THREADS, 1, 1],
+                smem=self.shared_storage.size_in_bytes(),
+                stream=stream,
+                # 384 threads, one program per SM: 168 registers each at launch (setmaxnreg
+                # moves them from the producer to the consumers).
+                min_blocks_per_mp=1,
+            )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -230,11 +299,7 @@ class HopperForward:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        smem = memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
-        sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
-        sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
+        storage, sQ, sK, sV = self.shared_tiles(q_smem, k_smem, v_smem)
         q_full = storage.q_full.data_ptr()
 
         # The program's work: (query tile, query head, batch), heaviest first.
@@ -248,7 +313,103 @@ class HopperForward:
         m_tile = num_m_tiles - 1 - p
         mask_head = h // heads_per_mask_head
         count = mCounts[b, mask_head, m_tile]
+        k_pipe, v_pipe = self.init_barriers(storage, q_full, warp)
 
+        if role == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp == 0:
+                self.produce(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
+                    mEntries, count, m_tile, h, b, h // heads_per_kv, mask_head,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self.consume(
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
+                k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
+                tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale, 0, 0,
+            )  # fmt: skip
+
+    @cute.kernel
+    def persistent_kernel(
+        self,
+        qk_mma_init: cute.TiledMma,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mBounds: cute.Tensor,
+        mEntries: cute.Tensor,
+        mCounts: cute.Tensor,
+        mOrder: cute.Tensor,
+        mNextItem: cute.Tensor,
+        q_smem: cute.ComposedLayout,
+        k_smem: cute.ComposedLayout,
+        v_smem: cute.ComposedLayout,
+        seqlen_k: cutlass.Int32,
+        heads_per_kv: cutlass.Int32,
+        heads_per_mask_head: cutlass.Int32,
+        qk_scale: cutlass.Float32,
+    ):
+        """The persistent variant: the program's work items, its own (its index) first, then
+        each next one from ``mNextItem``."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        storage, sQ, sK, sV = self.shared_tiles(q_smem, k_smem, v_smem)
+        q_full = storage.q_full.data_ptr()
+        q_empty = storage.q_empty.data_ptr()
+        items = storage.items.get_tensor(cute.make_layout(2))
+        item_ready = storage.item_ready.data_ptr()
+        item_empty = storage.item_empty.data_ptr()
+        k_pipe, v_pipe = self.init_barriers(storage, q_full, warp)
+
+        # mO is the (S, D, H, B) view.
+        num_m_tiles = cute.ceil_div(mO.shape[0], BLOCK_M)
+        work = WorkItems(
+            num_m_tiles=num_m_tiles,
+            num_heads=mO.shape[2],
+            num_items=num_m_tiles * mO.shape[2] * mO.shape[3],
+            heads_per_kv=heads_per_kv,
+            heads_per_mask_head=heads_per_mask_head,
+        )
+        if role == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp == 0:
+                self.produce_items(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, q_empty, items,
+                    item_ready, item_empty, k_pipe, v_pipe, mEntries, mCounts, mOrder, mNextItem,
+                    work,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self.consume_items(
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
+                sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
+                role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
+            )  # fmt: skip
+
+    @cute.jit
+    def shared_tiles(self, q_smem, k_smem, v_smem):
+        """The program's shared memory and its Q, K and V tiles in it."""
+        smem = memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
+        sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
+        sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
+        return storage, sQ, sK, sV
+
+    @cute.jit
+    def init_barriers(self, storage, q_full, warp):
+        """The K and V rings and the Q tile's barrier (with the persistent variant's Q "empty"
+        and item ring barriers), initialised before any thread goes on."""
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # One arrival per consumer warp (the pipeline signals from each warp's first lane).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
@@ -268,23 +429,16 @@ class HopperForward:
         v_pipe = ring(storage.v_barriers, self.v_bytes)
         if warp == 0 and cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_init(q_full, 1)
+            if cutlass.const_expr(self.v.persistent):
+                # Each consumer warpgroup's epilogue frees the Q tile (one arrival each); both
+                # read every item slot before it is refilled.
+                cute.arch.mbarrier_init(storage.q_empty.data_ptr(), 2)
+                for slot in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(storage.item_ready.data_ptr() + slot, 1)
+                    cute.arch.mbarrier_init(storage.item_empty.data_ptr() + slot, 2)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-
-        if role == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-            if warp == 0:
-                self.produce(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, k_pipe, v_pipe,
-                    mEntries, count, m_tile, h, b, h // heads_per_kv, mask_head,
-                )  # fmt: skip
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self.consume(
-                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
-                k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
-                tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
-            )  # fmt: skip
+        return k_pipe, v_pipe
 
     @cute.jit
     def produce(
@@ -296,6 +450,23 @@ class HopperForward:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
+        kv = self.kv_partitions(tma_k, mK, tma_v, mV, sK, sV, kv_head, b)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
+        for half in cutlass.range_constexpr(2):
+            cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
+        # K and V advance together: one state walks both rings.
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
+        for it in cutlass.range(count, unroll=1):
+            self.load_kv(
+                tma_k, tma_v, kv, k_pipe, v_pipe, state, mEntries[b, mask_head, m_tile, it]
+            )
+            state.advance()
+
+    @cute.jit
+    def kv_partitions(self, tma_k, mK, tma_v, mV, sK, sV, kv_head, b):
+        """The TMA views ``(tKsK, tKgK, tVsV, tVgV)`` of K/V head ``kv_head`` of batch ``b``:
+        the ring slots and the key tiles."""
         gK = cute.local_tile(
             mK[None, None, kv_head, b], (self.v.block_n, self.v.head_dim), (None, 0)
         )
@@ -308,35 +479,174 @@ class HopperForward:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
+        return tKsK, tKgK, tVsV, tVgV
+
+    @cute.jit
+    def load_kv(self, tma_k, tma_v, kv, k_pipe, v_pipe, state, entry):
+        """K and V of list entry ``entry``'s key tile into ring slot ``state.index``, each
+        once the consumers have released that slot."""
+        tKsK, tKgK, tVsV, tVgV = kv
+        n_tile = entry
+        if entry < 0:
+            n_tile = -entry - 1
+        k_pipe.producer_acquire(state)
+        cute.copy(
+            tma_k, tKgK[None, n_tile], tKsK[None, state.index],
+            tma_bar_ptr=k_pipe.producer_get_barrier(state),
+        )  # fmt: skip
+        v_pipe.producer_acquire(state)
+        cute.copy(
+            tma_v, tVgV[None, n_tile], tVsV[None, state.index],
+            tma_bar_ptr=v_pipe.producer_get_barrier(state),
+        )  # fmt: skip
+
+    @cute.jit
+    def locate(self, work, mOrder, w):
+        """``(m_tile, h, b)`` of persistent work item ``w``: its place in the launch order
+        (the items' own order unless ordered), a head's query tiles counted from the last
+        (as the one-item grid's)."""
+        item = w
+        if cutlass.const_expr(self.v.ordered):
+            item = mOrder[w]
+        p = item % work.num_m_tiles
+        h = (item // work.num_m_tiles) % work.num_heads
+        b = item // (work.num_m_tiles * work.num_heads)
+        return work.num_m_tiles - 1 - p, h, b
+
+    @cute.jit
+    def produce_items(
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_full, q_empty, items, item_ready,
+        item_empty, k_pipe, v_pipe, mEntries, mCounts, mOrder, mNextItem, work,
+    ):  # fmt: skip
+        """The persistent producer warp: for each of the program's work items (its own first,
+        then each next one from the launch's counter, handed to the consumers through the item
+        ring), K and V of every listed key tile and both Q halves. An item's first K/V tiles
+        go out before its Q, which waits for the consumers' epilogue of the previous item
+        (their O leaves through the Q tile): the rings refill under that epilogue."""
+        programs, _, _ = cute.arch.grid_dim()
+        w, _, _ = cute.arch.block_idx()
+        # K and V advance together: one state walks both rings, across items.
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
+        u = cutlass.Int32(0)
+        while w < work.num_items:
+            m_tile, h, b = self.locate(work, mOrder, w)
+            mask_head = h // work.heads_per_mask_head
+            count = mCounts[b, mask_head, m_tile]
+            kv = self.kv_partitions(tma_k, mK, tma_v, mV, sK, sV, h // work.heads_per_kv, b)
+            q_after = cutlass.min(count, self.v.kv_stages)
+            for it in cutlass.range(count, unroll=1):
+                if it == q_after:
+                    self.load_q(tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u)
+                entry = mEntries[b, mask_head, m_tile, it]
+                self.load_kv(tma_k, tma_v, kv, k_pipe, v_pipe, state, entry)
+                state.advance()
+            if q_after == count:
+                self.load_q(tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u)
+            # The next item (past the last: the consumers' signal to stop), into slot u % 2
+            # once both consumer warpgroups have read what it held.
+            nxt = w + programs
+            if programs < work.num_items:
+                if cute.arch.lane_idx() == 0:
+                    nxt = cute.arch.atomic_add(mNextItem.iterator, cutlass.Int32(1)) + programs
+                nxt = cute.arch.shuffle_sync(nxt, 0)
+            slot = u % 2
+            cute.arch.mbarrier_wait(item_empty + slot, ((u // 2) % 2) ^ 1)
+            if cute.arch.lane_idx() == 0:
+                items[slot] = nxt
+                cute.arch.mbarrier_arrive(item_ready + slot)
+            w = nxt
+            u += 1
+
+    @cute.jit
+    def load_q(self, tma_q, mQ, sQ, q_full, q_empty, m_tile, h, b, u):
+        """Both Q halves of the program's ``u``-th item, once the consumers' epilogue of the
+        item before has left the Q tile (persistent variant)."""
+        if u > 0:
+            cute.arch.mbarrier_wait(q_empty, (u - 1) % 2)
+        gQ = cute.local_tile(mQ[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
         for half in cutlass.range_constexpr(2):
             cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
-        # K and V advance together: one state walks both rings.
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
-        for it in cutlass.range(count, unroll=1):
-            entry = mEntries[b, mask_head, m_tile, it]
-            n_tile = entry
-            if entry < 0:
-                n_tile = -entry - 1
-            k_pipe.producer_acquire(state)
-            cute.copy(
-                tma_k, tKgK[None, n_tile], tKsK[None, state.index],
-                tma_bar_ptr=k_pipe.producer_get_barrier(state),
+
+    @cute.jit
+    def consume_items(
+        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
+        sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work, wg,
+        thread, warp, seqlen_k, qk_scale,
+    ):  # fmt: skip
+        """Persistent consumer warpgroup ``wg``: rows ``wg * 64 ...`` of each of the program's
+        query tiles, the program's own item first, then each one the producer hands over."""
+        # Fields are set once, here: one set inside a staged loop or branch would not reach
+        # the uses after it. O accumulates from the first P V on.
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        w, _, _ = cute.arch.block_idx()
+        u = cutlass.Int32(0)
+        # K/V tiles consumed by the program's earlier items (the rings run on across items).
+        consumed = cutlass.Int32(0)
+        # The turns at the tensor cores alternate across items as within one: warpgroup 0
+        # holds the first, warpgroup 1 hands it over once per program (here), and warpgroup 0
+        # takes warpgroup 1's last hand-over once, after the last item. Balanced: each list
+        # step of every item is, for warpgroup 0, "wait TURN[0], issue, arrive TURN[1]" and,
+        # for warpgroup 1, "wait TURN[1], issue, arrive TURN[0]"; both run the same items with
+        # the same counts, N steps in all. TURN[0] gets N + 1 arrivals (warpgroup 1: the
+        # opening one and one per step) and N + 1 waits (warpgroup 0: one per step and the
+        # closing one); TURN[1] gets N arrivals (warpgroup 0) and N waits (warpgroup 1). Each
+        # barrier is 2 x 128 threads: one warpgroup's arrival and the other's wait complete a
+        # phase. No arrival can run ahead of the wait it pairs with: warpgroup 1's arrival
+        # after its step s follows its wait on TURN[1] at step s, which needs warpgroup 0's
+        # arrival at step s, which follows warpgroup 0's wait on TURN[0] at step s (the phase
+        # the previous arrival opened); symmetrically for TURN[1]. Item boundaries break no
+        # link of that chain, so the N steps behave as one list. (A hand-over per item would
+        # not: warpgroup 1 could make the next item's opening arrival before warpgroup 0
+        # took the closing turn of this one, and TURN[0] would complete on warpgroup 1's two
+        # arrivals alone.)
+        if wg == 1:
+            cute.arch.barrier_arrive(
+                barrier_id=TURN_BARRIER[0], number_of_threads=2 * WARPGROUP_THREADS
+            )
+        while w < work.num_items:
+            m_tile, h, b = self.locate(work, mOrder, w)
+            mask_head = h // work.heads_per_mask_head
+            count = mCounts[b, mask_head, m_tile]
+            self.consume(
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV,
+                q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
+                seqlen_k, qk_scale, u, consumed,
             )  # fmt: skip
-            v_pipe.producer_acquire(state)
-            cute.copy(
-                tma_v, tVgV[None, n_tile], tVsV[None, state.index],
-                tma_bar_ptr=v_pipe.producer_get_barrier(state),
-            )  # fmt: skip
-            state.advance()
+            if thread == 0:
+                # The warpgroup's O store has read its Q half: the producer may load the next
+                # Q once both have.
+                cute.arch.mbarrier_arrive(q_empty)
+            slot = u % 2
+            cute.arch.mbarrier_wait(item_ready + slot, (u // 2) % 2)
+            w = items[slot]
+            # All the warpgroup's threads have read the slot before the producer refills it.
+            cute.arch.barrier(
+                barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS
+            )
+            if thread == 0:
+                cute.arch.mbarrier_arrive(item_empty + slot)
+            consumed += count
+            u += 1
+        if wg == 0:
+            cute.arch.barrier(barrier_id=TURN_BARRIER[0], number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
     def consume(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
         k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k, qk_scale,
+        u, consumed,
     ):  # fmt: skip
-        """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile."""
+        """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile. In
+        the persistent variant the program's ``u``-th item, after ``consumed`` K/V tiles of its
+        earlier items (:meth:`consume_items` sets the MMA fields and opens and closes the
+        turns); the other variants pass ``u = consumed = 0``, unused."""
         qk_thr = qk_mma.get_slice(thread)
         pv_thr = pv_mma.get_slice(thread)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -344,11 +654,12 @@ class HopperForward:
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C(self.pv_tiler[:2]))
         acc_o.fill(0.0)
-        # O accumulates from the first P V on. Fields are set once, here: one set inside a
-        # staged loop or branch would not reach the uses after it.
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
-        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(not self.v.persistent):
+            # O accumulates from the first P V on. Fields are set once, here: one set inside a
+            # staged loop or branch would not reach the uses after it.
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            qk_mma_init.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         s_shape = qk_thr.partition_shape_C(self.qk_tiler[:2])
         # Coordinates (row, column) of each score the thread holds, within the 64 x N tile.
         tScS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
@@ -368,28 +679,44 @@ class HopperForward:
         if wg == 1:
             my_turn = TURN_BARRIER[1]
             other_turn = TURN_BARRIER[0]
-        # Warpgroup 0 holds the first turn: warpgroup 1 hands it over once.
-        if wg == 1:
-            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
-        cute.arch.mbarrier_wait(q_full, 0)
+        if cutlass.const_expr(self.v.persistent):
+            cute.arch.mbarrier_wait(q_full, u % 2)
+        else:
+            # Warpgroup 0 holds the first turn: warpgroup 1 hands it over once.
+            if wg == 1:
+                cute.arch.barrier_arrive(
+                    barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS
+                )
+            cute.arch.mbarrier_wait(q_full, 0)
         q_stage = tSrQ[None, None, None, wg]
         stages = self.v.kv_stages
-        # Slot 0 holds step 0's K and V. The loop's states start one step on; V is waited for
-        # at the end of a step and used (then released) at the next one, so v_release lags
-        # v_wait by one and its index is the slot of the previous step's V.
-        first_slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        k_state.advance()
-        v_wait = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        v_wait.advance()
-        v_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        # Slot 0 holds step 0's K and V (persistent: the ring's tile number ``consumed``). The
+        # loop's states start one step on; V is waited for at the end of a step and used (then
+        # released) at the next one, so v_release lags v_wait by one and its index is the slot
+        # of the previous step's V.
+        first_index = 0
+        if cutlass.const_expr(self.v.persistent):
+            first_slot = consumer_state(stages, consumed)
+            first_index = first_slot.index
+            k_state = consumer_state(stages, consumed + 1)
+            v_wait = consumer_state(stages, consumed + 1)
+            v_release = consumer_state(stages, consumed)
+        else:
+            first_slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            k_state.advance()
+            v_wait = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            v_wait.advance()
+            v_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         # Step 0 has no P V to overlap; peeled, so that no warpgroup MMA is issued under a
         # branch (ptxas then closes its commit group on every path, and the wait for S_j
         # would also wait for P_{j-1} V_{j-1}). It binds no name the loop uses.
         if count > 0:
             k_pipe.consumer_wait(first_slot)
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
-            s_first = self.issue_scores(qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, 0)
+            s_first = self.issue_scores(
+                qk_mma_init, qk_mma, qk_thr, s_shape, q_stage, tSrK, first_index
+            )
             cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(first_slot)
@@ -430,9 +757,11 @@ class HopperForward:
             self.issue_pv(pv_mma, acc_o, p_prev, tOrV, v_release.index)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(v_release)
-        if wg == 0:
-            # Balance warpgroup 1's opening hand-over: its last arrival has no taker.
-            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
+        # A static condition does not combine with a dynamic one in one ``if``.
+        if cutlass.const_expr(not self.v.persistent):  # noqa: SIM102
+            if wg == 0:
+                # Balance warpgroup 1's opening hand-over: its last arrival has no taker.
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
             pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
             thread, warp, row0, seqlen_q,

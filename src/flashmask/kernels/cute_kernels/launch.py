@@ -10,7 +10,7 @@ import os
 import torch
 
 from flashmask._tensor_cache import TensorKeyedCache
-from flashmask.kernels import preparation
+from flashmask.kernels import hardware, preparation
 from flashmask.kernels.tiles import TileLists
 
 # This family targets Hopper: compile for sm_90a, also on a machine without a GPU. CuTe DSL reads
@@ -67,11 +67,13 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
         _symbolic(cutlass.Int32, 4, 1),  # entries
         _symbolic(cutlass.Int32, 3, 1),  # counts
         _symbolic(cutlass.Int32, 1, 1),  # order
+        _symbolic(cutlass.Int32, 1, 1),  # next item counter (persistent)
     )
     stream = cuda.CUstream(0)
     return cute.compile(
         HopperForward(variant),
         *tensors,
+        cutlass.Int32(1),  # programs (persistent)
         cutlass.Int32(1),
         cutlass.Int32(1),
         cutlass.Int32(1),
@@ -116,6 +118,22 @@ def _view(x: torch.Tensor, align: int):
     return from_dlpack(x.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=x.ndim - 1)
 
 
+def persistent_programs(
+    num_items: int, device: torch.device, persistent: bool, unread: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """``(counter, programs)`` of a launch over ``num_items`` (query tile, query head, batch)
+    items: for the persistent variant ``min(num_items, SMs)`` programs and a zeroed int32
+    counter they take the items past the first ``programs`` from, allocated only when some
+    program takes more than one; otherwise ``unread`` (an int32 tensor the kernel never
+    reads)."""
+    if not persistent:
+        return unread, 1
+    programs = min(num_items, hardware.multiprocessor_count(device))
+    if programs < num_items:
+        return torch.zeros(1, dtype=torch.int32, device=device), programs
+    return unread, programs
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,16 +146,25 @@ def forward(
     softmax_scale: float,
     skip_tiles: bool,
     order: torch.Tensor | None = None,
+    persistent: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
     (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
-    interval mask). ``q``/``k``/``v`` contiguous, 16-byte aligned, bf16 or fp16."""
+    interval mask). ``q``/``k``/``v`` contiguous, 16-byte aligned, bf16 or fp16.
+
+    ``persistent``: launch the persistent variant (one program per SM, at most one per query
+    tile, taking the (query tile, head, batch) items in ``order`` from a counter) instead of
+    one program per item. ``None`` (the default) takes it exactly for a non-causal interval
+    mask (``bounds`` given, ``causal`` false); ``True``/``False`` force either on any call, so
+    that a benchmark or a test can compare both on the same inputs."""
     import cuda.bindings.driver as cuda
 
-    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
+    from flashmask.kernels.cute_kernels.forward import BLOCK_M, LOG2E, ForwardVariant
 
     b, sq, hq, d = q.shape
     has_mask = bounds is not None
+    if persistent is None:
+        persistent = has_mask and not causal
     variant = ForwardVariant(
         head_dim=d,
         block_n=key_tile(d),
@@ -147,6 +174,7 @@ def forward(
         has_upper=has_mask and has_upper,
         mask_full_tiles=not skip_tiles,
         ordered=order is not None,
+        persistent=persistent,
     )
     kernel = compiled_forward(variant, q.dtype)
     out = torch.empty_like(q)
@@ -157,10 +185,13 @@ def forward(
         bounds = _unread_bounds(q.device)
     else:
         bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * key_tile(d))
+    num_items = -(-sq // BLOCK_M) * hq * b
+    next_item, programs = persistent_programs(num_items, q.device, persistent, order)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(
         _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
         _view(bounds, 16), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
-        k.shape[1], hq // k.shape[2], hq // mask_heads, softmax_scale * LOG2E, stream,
+        _view(next_item, 4), programs, k.shape[1], hq // k.shape[2], hq // mask_heads,
+        softmax_scale * LOG2E, stream,
     )  # fmt: skip
     return out, lse
