@@ -13,16 +13,20 @@ warpgroups:
   base 2, ``+inf`` for a fully masked row or one past ``Sq``, so that its probabilities are
   zero) and of ``delta = rowsum(dO * O) - dlse``. A slot's "full" barrier completes with the
   copies' bytes and the warp's arrival after its row stores; its "empty" barrier takes one
-  arrival per consumer warp;
+  arrival per consumer warp. A second warp, the dQ writer, adds each tile's two dQ halves to
+  the fp32 dQ accumulator ``[B, Sq, Hq, D]`` with one TMA reduce-add each (the other two warps
+  idle);
 * warpgroups 1 and 2, the consumers, each owning 64 of the program's keys: per listed tile,
   ``S^T = K Q^T`` and ``dP^T = V dO^T`` (issued together), ``P^T = exp2(S^T * scale * log2 e -
   lse)`` with the element mask on a partial tile, ``dV += P^T dO`` (issued before ``dP^T`` is
   awaited), ``dS^T = P^T (dP^T - delta)``, stored into one of two shared ``dS`` buffers; once
   both warpgroups' halves are in, ``dQ = dS K`` over all 128 keys for one 64-column half of D
-  per warpgroup, then ``dK += dS^T Q``. Each warpgroup's dQ half (scaled) goes through its own
-  pair of fp32 shared buffers and one TMA reduce-add into the fp32 dQ accumulator ``[B, Sq,
-  Hq, D]``, issued by one thread and awaited (for its buffer's reuse) two tiles later. After the
-  lists, dK (scaled) and dV leave through the K and V tiles' buffers and one TMA store each.
+  per warpgroup, then ``dK += dS^T Q``. Each warpgroup leaves its dQ half (scaled) in one of
+  its two fp32 shared buffers for the writer ("dq_full"/"dq_empty" mbarriers), so no consumer
+  waits on a copy. After the lists, dK (scaled) and dV leave through the K and V tiles'
+  buffers and one TMA store each.
+
+The shared-memory stores of dS and dQ are vectorised (``autovec_copy``: column pairs).
 
 Q and dO serve as K-major B operands (for ``S^T`` and ``dP^T``) and, through transposed views
 of the same shared tiles, as MN-major ones (for ``dK`` and ``dV``); K likewise for ``dQ``.
@@ -63,8 +67,8 @@ DQ_BUFFERS = 2
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 # Named barrier ids (0 is __syncthreads): both consumer warpgroups (their dS halves stored;
-# their last dQ products done before dK/dV overwrite K and V), and each warpgroup's own (its dQ
-# half or its dK/dV rows stored before one thread's TMA reads them).
+# their last dQ products done before dK/dV overwrite K and V), and each warpgroup's own (its
+# dK/dV rows stored before one thread's TMA stores read them).
 CONSUMERS_BARRIER = 1
 OWN_BARRIER = (2, 3)
 CONSUMER_THREADS = 2 * WARPGROUP_THREADS
@@ -212,6 +216,8 @@ class HopperBackward:
             kv_full: cute.struct.MemRange[cutlass.Int64, 1]
             full: cute.struct.MemRange[cutlass.Int64, QDO_STAGES]
             empty: cute.struct.MemRange[cutlass.Int64, QDO_STAGES]
+            dq_full: cute.struct.MemRange[cutlass.Int64, 2 * DQ_BUFFERS]
+            dq_empty: cute.struct.MemRange[cutlass.Int64, 2 * DQ_BUFFERS]
             lse: cute.struct.MemRange[cutlass.Float32, QDO_STAGES * BLOCK_M]
             delta: cute.struct.MemRange[cutlass.Float32, QDO_STAGES * BLOCK_M]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(kv_smem)], 1024]
@@ -291,6 +297,8 @@ class HopperBackward:
         kv_full = storage.kv_full.data_ptr()
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
+        dq_full = storage.dq_full.data_ptr()
+        dq_empty = storage.dq_empty.data_ptr()
         rows = cute.make_layout((BLOCK_M, QDO_STAGES))
         sLse = storage.lse.get_tensor(rows)
         sDelta = storage.delta.get_tensor(rows)
@@ -311,6 +319,11 @@ class HopperBackward:
                 cute.arch.mbarrier_init(full + s, 2)
                 # One arrival per consumer warp.
                 cute.arch.mbarrier_init(empty + s, 8)
+            for s in cutlass.range_constexpr(2 * DQ_BUFFERS):
+                # One arrival per warp of the consumer warpgroup whose dQ half it holds; the
+                # writer's once the reduce-add has read it.
+                cute.arch.mbarrier_init(dq_full + s, 4)
+                cute.arch.mbarrier_init(dq_empty + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -322,12 +335,17 @@ class HopperBackward:
                     sLse, sDelta, kv_full, full, empty, mEntries, mCounts, n_tile, h_kv, b,
                     heads_per_kv, heads_per_mask_head,
                 )  # fmt: skip
+            if warp == 1:
+                self.write_dq(
+                    tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, n_tile, h_kv, b,
+                    heads_per_kv, heads_per_mask_head,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
-                sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dq, mdQ, tma_dk, mdK,
-                tma_dv, mdV, mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta,
-                kv_full, full, empty, n_tile, h_kv, b, role - 1, tidx % WARPGROUP_THREADS,
+                sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dk, mdK, tma_dv, mdV,
+                mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta, kv_full, full,
+                empty, dq_full, dq_empty, n_tile, h_kv, b, role - 1, tidx % WARPGROUP_THREADS,
                 mQ.shape[0], seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
                 softmax_scale,
             )  # fmt: skip
@@ -390,14 +408,13 @@ class HopperBackward:
 
     @cute.jit
     def consume(
-        self, sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dq, mdQ, tma_dk, mdK,
-        tma_dv, mdV, mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta,
-        kv_full, full, empty, n_tile, h_kv, b, wg, thread, seqlen_q, seqlen_k, heads_per_kv,
+        self, sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dk, mdK, tma_dv, mdV,
+        mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta, kv_full, full, empty,
+        dq_full, dq_empty, n_tile, h_kv, b, wg, thread, seqlen_q, seqlen_k, heads_per_kv,
         heads_per_mask_head, qk_scale, softmax_scale,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: dK and dV of keys ``n_tile * 128 + wg * 64 ...``, and its
-        half of D of every listed tile's dQ."""
-        d = self.v.head_dim
+        half of D of every listed tile's dQ (left for the writer warp)."""
         sdp_thr = sdp_mma.get_slice(thread)
         dkv_thr = dkv_mma.get_slice(thread)
         dq_thr = dq_mma.get_slice(thread)
@@ -452,12 +469,6 @@ class HopperBackward:
             count = mCounts[b, mask_head, n_tile]
             if cutlass.const_expr(self.v.has_mask):
                 self.load_bounds(mBounds, b, mask_head, keys, bounds)
-            tDQsDQ, tDQgDQ = cpasync.tma_partition(
-                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                cute.group_modes(
-                    cute.local_tile(mdQ[None, None, h, b], (BLOCK_M, d // 2), (None, None)), 0, 2
-                ),
-            )  # fmt: skip
             for j in cutlass.range(count, unroll=1):
                 entry = mEntries[b, mask_head, n_tile, j]
                 m_tile = entry
@@ -502,12 +513,7 @@ class HopperBackward:
                 # dS^T into this warpgroup's keys of the buffer (last read by the dQ products
                 # of two tiles ago, which both warpgroups awaited before the last barrier).
                 ds_own = tSsdSt[None, None, None, wg, buf]
-                for i in cutlass.range_constexpr(cute.size(ds_as_st)):
-                    ds_own[i] = ds_as_st[i]
-                if thread < cute.arch.WARP_SIZE:
-                    # This warpgroup's dQ buffer of this tile was read by the reduce-add of two
-                    # tiles ago: at most one later reduce may still be reading.
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+                cute.autovec_copy(ds_as_st, ds_own)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=CONSUMER_THREADS)
                 acc_dq = dq_thr.make_fragment_C(dq_shape)
@@ -532,28 +538,69 @@ class HopperBackward:
                 # accumulator.
                 warpgroup.wait_group(1)
                 dq_stage = wg * DQ_BUFFERS + buf
+                # The writer has read what this buffer held two tiles ago.
+                cute.arch.mbarrier_wait(dq_empty + dq_stage, ((it // DQ_BUFFERS) % 2) ^ 1)
                 tDQsC = dq_thr.partition_C(sdQ[None, None, dq_stage])
-                for i in cutlass.range_constexpr(cute.size(acc_dq)):
-                    tDQsC[i] = acc_dq[i] * softmax_scale
+                dq_scaled = cute.make_rmem_tensor_like(acc_dq, cutlass.Float32)
+                dq_scaled.store(acc_dq.load() * softmax_scale)
+                cute.autovec_copy(dq_scaled, tDQsC)
+                # Handed to the writer warp: the stores seen by the async proxy, each warp's
+                # lanes done, one arrival per warp.
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=my_barrier, number_of_threads=WARPGROUP_THREADS)
-                # The warpgroup's first warp issues it: the copy elects one lane (elect.sync
-                # over the whole warp, which a one-thread branch would leave hanging).
-                if thread < cute.arch.WARP_SIZE:
-                    cute.copy(tma_dq, tDQsDQ[None, dq_stage], tDQgDQ[None, m_tile, wg])
-                    cute.arch.cp_async_bulk_commit_group()
+                cute.arch.sync_warp()
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.mbarrier_arrive(dq_full + dq_stage)
                 warpgroup.wait_group(0)
                 # Every product reading the slot is done: one arrival per warp.
                 cute.arch.sync_warp()
                 if cute.arch.lane_idx() == 0:
                     cute.arch.mbarrier_arrive(empty + slot)
                 it += 1
-        if thread < cute.arch.WARP_SIZE:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dk_dv(
             dkv_thr, acc_dk, acc_dv, tma_dk, mdK, tma_dv, mdV, sK, sV, n_tile, h_kv, b, wg,
             thread, my_barrier, softmax_scale,
         )  # fmt: skip
+
+    @cute.jit
+    def write_dq(
+        self, tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, n_tile, h_kv, b,
+        heads_per_kv, heads_per_mask_head,
+    ):  # fmt: skip
+        """The dQ writer warp: walks the consumers' tile sequence and adds each tile's two dQ
+        halves, left in the consumers' buffers, to the fp32 accumulator with one TMA reduce-add
+        each (the copy elects one lane of the warp)."""
+        d = self.v.head_dim
+        it = cutlass.Int32(0)
+        for g in cutlass.range(heads_per_kv, unroll=1):
+            h = h_kv * heads_per_kv + g
+            mask_head = h // heads_per_mask_head
+            count = mCounts[b, mask_head, n_tile]
+            tDQsDQ, tDQgDQ = cpasync.tma_partition(
+                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                cute.group_modes(
+                    cute.local_tile(mdQ[None, None, h, b], (BLOCK_M, d // 2), (None, None)), 0, 2
+                ),
+            )  # fmt: skip
+            for j in cutlass.range(count, unroll=1):
+                entry = mEntries[b, mask_head, n_tile, j]
+                m_tile = entry
+                if entry < 0:
+                    m_tile = -entry - 1
+                buf = it % DQ_BUFFERS
+                phase = (it // DQ_BUFFERS) % 2
+                for wg in cutlass.range_constexpr(2):
+                    stage = wg * DQ_BUFFERS + buf
+                    cute.arch.mbarrier_wait(dq_full + stage, phase)
+                    cute.copy(tma_dq, tDQsDQ[None, stage], tDQgDQ[None, m_tile, wg])
+                cute.arch.cp_async_bulk_commit_group()
+                # The reduce-adds have read both buffers (not necessarily added yet); every
+                # lane waits, so the electing lane's wait is in before the arrivals.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                if cute.arch.lane_idx() == 0:
+                    for wg in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_arrive(dq_empty + wg * DQ_BUFFERS + buf)
+                it += 1
 
     @cute.jit
     def gemm_kblocks(self, mma_init, mma, acc, a, b):
