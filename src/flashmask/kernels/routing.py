@@ -132,16 +132,17 @@ def use_gluon_forward(
 
 
 # The CuTe forward (``cute_kernels``) runs where it measured faster than the kernel routed before
-# it, from 8K keys (``benchmarks/results/cute_forward_2026-12-06.md``, forward time on the
-# 12 masks, H200):
+# it, from 8K keys (forward time on the 12 masks; ``benchmarks/results/cute_2026-12-06.md``):
 # * head dim 256, every mask form: 1.07-1.20x the Triton forward on all 12 masks at 8K (H100,
-#   the same file's run of ada1f30);
+#   run of ada1f30);
 # * head dim 128, without a mask or with a causal one: 1.01-1.06x the Gluon forward on all nine
-#   such masks at 32K, 1.00-1.05x on eight of nine at 8K (random_eviction 0.99x). With a
-#   non-causal mask (its upper intervals double the element mask's work) the Gluon forward
-#   keeps the call: there CuTe measured 0.87-0.97x on three of four masks.
+#   such masks at 32K, 1.00-1.05x on eight of nine at 8K (random_eviction 0.99x) (H200);
+# * head dim 128 with a non-causal mask (upper intervals): with persistent programs (its
+#   ``launch.forward`` default for that form) 1.00-1.05x the Gluon forward on all four such
+#   masks at 8K and 32K (H100); one query tile per program had measured 0.87-0.97x on three.
+# The table keeps the form: a head dim routed later may not take non-causal masks.
 CUTE_FWD_HEAD_DIMS = (128, 256)
-CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (256,)
+CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (128, 256)
 CUTE_FWD_MIN_SEQLEN = 8192
 
 
@@ -215,8 +216,10 @@ def use_gluon_backward(
     )
 
 
-# The CuTe backward (``cute_kernels.backward``) takes the Gluon backward's calls at these head
-# dims (it walks the same 64 x 128 lists): none until a GPU run measures it faster.
+# The CuTe backward (``cute_kernels.backward``) would take the Gluon backward's calls at these
+# head dims (it walks the same 64 x 128 lists). None yet: at head dim 128 it measured 0.90-1.05x
+# the Gluon backward over the 12 masks at 8K and 32K, 0.90x on full attention (H100,
+# ``benchmarks/results/cute_2026-12-06.md``).
 CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 

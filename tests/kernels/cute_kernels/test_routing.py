@@ -50,17 +50,22 @@ def test_it_takes_head_dim_256_from_8k_keys_on_hopper_with_the_extra(monkeypatch
     assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
 
 
-def test_at_head_dim_128_it_takes_unmasked_and_causal_calls_and_leaves_the_rest_to_gluon(
-    monkeypatch,
-):
+def test_at_head_dim_128_it_takes_every_mask_form_from_8k_keys(monkeypatch):
     _as_if_on(monkeypatch, HOPPER)
     qkv = _qkv(head_dim=128)
     assert routing.use_cute_forward(*qkv, 0.1, masked=False, causal=False)  # full
     assert routing.use_cute_forward(*qkv, 0.1, masked=False, causal=True)  # causal
     assert routing.use_cute_forward(*qkv, 0.1, masked=True, causal=True)  # causal masks
-    # A non-causal mask (upper intervals): the Gluon forward measured faster.
-    assert not routing.use_cute_forward(*qkv, 0.1, masked=True, causal=False)
+    assert routing.use_cute_forward(*qkv, 0.1, masked=True, causal=False)  # upper intervals
     assert not routing.use_cute_forward(*_qkv(seqlen=4096, head_dim=128), 0.1, False, True)
+
+
+def test_a_head_dim_left_out_of_the_non_causal_table_leaves_those_masks_to_gluon(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS", (256,))
+    qkv = _qkv(head_dim=128)
+    assert not routing.use_cute_forward(*qkv, 0.1, masked=True, causal=False)
+    assert routing.use_cute_forward(*qkv, 0.1, masked=True, causal=True)
 
 
 def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch):
@@ -89,10 +94,10 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
     assert seen["order"] is not None and seen["order"].numel() == 3 * 4  # tiles x query heads
 
 
-def test_the_plan_follows_the_mask_form_at_head_dim_128(monkeypatch):
+def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):
     """``plan_forward`` (what the launcher and ``flashmask bench`` prepare for): at head dim 128
-    and 8K keys a causal mask's forward takes the CuTe lists, a non-causal mask's the Gluon
-    forward's (both 128-row tiles; the plan records which kernel)."""
+    and 8K keys every mask form's forward takes the CuTe lists; with a non-causal mask left out
+    of the table, the Gluon forward's (both 128-row tiles; the plan records which kernel)."""
     from flashmask.kernels import forward_launcher
 
     _as_if_on(monkeypatch, HOPPER)
@@ -104,6 +109,47 @@ def test_the_plan_follows_the_mask_form_at_head_dim_128(monkeypatch):
     causal = forward_launcher.plan_forward(q, k, v, sri[..., :1], True, 0.1, False, config)
     assert causal.use_cute and not causal.use_gluon
     noncausal = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, False, config)
-    assert noncausal.use_gluon and not noncausal.use_cute
+    assert noncausal.use_cute and not noncausal.use_gluon
     unmasked = forward_launcher.plan_forward(q, k, v, None, False, 0.1, False, config)
     assert unmasked.use_cute
+    monkeypatch.setattr(routing, "CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS", (256,))
+    noncausal = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, False, config)
+    assert noncausal.use_gluon and not noncausal.use_cute
+
+
+def test_the_cute_backward_takes_no_call_until_a_head_dim_is_routed(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    q = _qkv(head_dim=128)[0]
+    assert not routing.use_cute_backward(q)
+    monkeypatch.setattr(routing, "CUTE_BWD_HEAD_DIMS", (128,))
+    assert routing.use_cute_backward(q)
+    assert not routing.use_cute_backward(_qkv(head_dim=64)[0])
+    _as_if_on(monkeypatch, HOPPER, cute=False)
+    assert not routing.use_cute_backward(q)
+
+
+def test_a_routed_call_goes_to_the_cute_backward_with_the_gluon_lists_and_order(monkeypatch):
+    seen = {}
+
+    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, *, order,
+                      dq_accumulator):  # fmt: skip
+        seen.update(q=q, delta=delta, bounds=bounds, lists=lists, hm=hm, causal=causal)
+        seen.update(order=order, dq_accumulator=dq_accumulator)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.cute_kernels.backward_launch", fake)
+    monkeypatch.setattr(cute_kernels, "backward_launch", fake, raising=False)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
+    monkeypatch.setattr(routing, "use_cute_backward", lambda q: True)
+    mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
+    q = torch.randn(1, 384, 4, 128)
+    k = torch.randn(1, 384, 2, 128)
+    out, lse = torch.randn_like(q), torch.randn(1, 4, 384)
+    kernels.backward(q, None, q, k, k, out, lse, mask.startend_row_indices, True, 0.1, False)
+    assert seen["lists"].entries.shape[-2:] == (3, 6)  # 384 / 128 key tiles, 384 / 64 queries
+    assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1 and seen["causal"]
+    assert seen["order"] is not None and seen["order"].numel() == 3 * 2  # tiles x kv heads
+    # Zeroed by the row-term kernel, which computed delta = rowsum(dO * O) beside it.
+    assert torch.equal(seen["dq_accumulator"], torch.zeros_like(q))
+    torch.testing.assert_close(seen["delta"], (q * out).sum(-1).transpose(1, 2))
