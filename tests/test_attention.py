@@ -226,6 +226,78 @@ def test_every_row_masked_gives_zeros_never_nan(dtype):
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
+# ---------------------------------------------------------------------------- sinks
+def naive_attention_with_sinks(q, k, v, dense_mask, scale, sinks):
+    """``(out, lse)`` of float64 dense attention whose softmax takes one more column per query
+    head, ``sinks[h]``, that carries no value (gpt-oss's sinks, written out directly)."""
+    hq, hk = q.shape[2], k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    scores = qh @ kh.mT * scale
+    if dense_mask is not None:
+        visible = dense_mask.repeat_interleave(hq // dense_mask.shape[1], dim=1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    column = sinks.to(scores.dtype).view(1, hq, 1, 1).expand(*scores.shape[:3], 1)
+    logits = torch.cat([scores, column], dim=-1)
+    p = torch.softmax(logits, dim=-1)[..., :-1]
+    return (p @ vh).transpose(1, 2), torch.logsumexp(logits, dim=-1)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k"), LENGTHS, ids=LENGTH_IDS)
+def test_sinks_join_every_rows_softmax_with_their_gradients(form, seqlen_q, seqlen_k):
+    """out, lse and the gradients of q, k, v and the sinks equal float64 dense attention with
+    one extra softmax column per query head (GQA, Sq != Sk, rows that see no key included)."""
+    q, k, v = qkv(5, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=5, requires_grad=True)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    sinks.requires_grad_(True)
+    indices = random_indices(7, form, 2, 2, seqlen_q, seqlen_k)
+    out, lse = flashmask.flashmask_attention(
+        q, k, v, indices, causal=form.causal, return_softmax_lse=True, sinks=sinks
+    )
+    dense = flashmask.to_dense(indices, causal=form.causal, seqlen_q=seqlen_q)
+    ref_out, ref_lse = naive_attention_with_sinks(q, k, v, dense, 8**-0.5, sinks)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    g = torch.Generator().manual_seed(8)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    inputs = (q, k, v, sinks)
+    grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), inputs)
+    ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), inputs)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref, strict=True):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_with_sinks_a_row_that_sees_no_key_gives_zeros_and_the_sink_as_lse():
+    q, k, v = qkv(9)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    hidden = torch.full((2, 1, 12, 1), 0, dtype=torch.int32)  # LTS = 0: every row hidden
+    out, lse = flashmask.flashmask_attention(
+        q, k, v, hidden, causal=True, return_softmax_lse=True, sinks=sinks
+    )
+    assert (out == 0).all()
+    torch.testing.assert_close(lse, sinks.view(1, 4, 1).expand(2, 4, 12))
+
+
+def test_sinks_of_minus_infinity_change_nothing():
+    q, k, v = qkv(10)
+    plain, plain_lse = flashmask.flashmask_attention(q, k, v, causal=True, return_softmax_lse=True)
+    out, lse = flashmask.flashmask_attention(
+        q, k, v, causal=True, return_softmax_lse=True, sinks=torch.full((4,), float("-inf"))
+    )
+    torch.testing.assert_close(out, plain)
+    torch.testing.assert_close(lse, plain_lse)
+
+
+def test_low_precision_sinks_get_a_gradient_of_their_dtype():
+    q, k, v = qkv(11, dtype=torch.float32)
+    sinks = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    flashmask.flashmask_attention(q, k, v, sinks=sinks).sum().backward()
+    assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
+
+
 # ---------------------------------------------------------------------------- errors
 def _call(**overrides):
     """Call flashmask_attention with valid float32 arguments, some replaced by ``overrides``."""
@@ -477,6 +549,14 @@ ERRORS = [
         "window_size entries must be >= -1",
         id="window-below-minus-one",
     ),
+    pytest.param({"sinks": [0.0] * 4}, TypeError, "sinks must be a torch.Tensor", id="sinks-list"),
+    pytest.param(
+        {"sinks": Z(4, dtype=I32)}, TypeError, "sinks must be a floating tensor", id="sinks-int"
+    ),
+    pytest.param(
+        {"sinks": Z(2)}, ValueError, r"sinks must have shape \[Hq\] = \[4\]", id="sinks-shape"
+    ),
+    pytest.param({"sinks": Z(4, **META)}, ValueError, "sinks is on meta", id="sinks-device"),
 ]
 
 

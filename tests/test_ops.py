@@ -121,8 +121,11 @@ def test_compiled_module_never_recompiles_for_new_mask_values():
         lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, sri[..., 0], causal=True),
         lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, window_size=(2, 1)),
         lambda q, k, v, sri: flashmask.flashmask_attention(q, k, v, causal=True, softmax_scale=0.3),
+        lambda q, k, v, sri: flashmask.flashmask_attention(
+            q, k, v, sri, sinks=torch.zeros(q.shape[2], dtype=q.dtype)
+        ),
     ],
-    ids=["raw-indices", "3d-indices", "window_size", "no-mask"],
+    ids=["raw-indices", "3d-indices", "window_size", "no-mask", "sinks"],
 )
 def test_every_mask_path_traces_as_one_graph(call):
     q, k, v = qkv(30)

@@ -25,6 +25,7 @@ def flashmask_attention(
     softmax_scale: float | None = None,
     return_softmax_lse: bool = False,
     deterministic: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention under a FlashMask column-interval mask.
 
@@ -48,6 +49,12 @@ def flashmask_attention(
             masked scores, float32 ``[B, Hq, Sq]`` (float64 for float64 inputs), ``-inf`` for
             fully masked rows. It is differentiable.
         deterministic: make the backward bit-reproducible (no atomics in the GPU kernels).
+        sinks: learnable attention sinks (gpt-oss's), a floating tensor ``[Hq]`` of finite
+            logits in the units of the scaled scores: query head ``h``'s sink joins every row's
+            softmax denominator as ``exp(sinks[h])`` and carries no value, so each row's output
+            is scaled by ``1 - p_sink``. Differentiable (its gradient has ``sinks``' dtype). The
+            returned lse includes the sink, so a row that sees no key then has lse
+            ``sinks[h]`` (its output is still 0). Works with every mask and kernel.
 
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no
@@ -95,10 +102,46 @@ def flashmask_attention(
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
+    if sinks is not None:
+        _check_sinks(sinks, query)
     out, lse = ops.attention(
         query, key, value, indices, causal, float(softmax_scale), deterministic
     )
+    if sinks is not None:
+        out, lse = _fold_sinks(out, lse, sinks)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_sinks(sinks: object, query: torch.Tensor) -> None:
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating tensor, got {sinks.dtype}")
+    heads_q = query.shape[2]
+    if sinks.shape != (heads_q,):
+        raise ValueError(
+            f"sinks must have shape [Hq] = [{heads_q}] (one logit per query head), got "
+            f"{list(sinks.shape)}"
+        )
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
+
+
+def _fold_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of attention whose rows' softmax denominators gain ``exp(sinks[h])``, from
+    those of attention without them (``out [B, Sq, Hq, Dv]``, ``lse [B, Hq, Sq]``): ``lse' =
+    logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. Plain differentiable torch ops, so
+    the attention's own backward receives the chain rule's ``dout`` and ``dlse`` and the sinks
+    their gradient ``sum over rows of p_sink * (dlse' - rowsum(dout' * out'))``."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    # A row that sees no key (lse = -inf) keeps out = 0 whatever the factor; with a -inf sink
+    # too, total is -inf and the difference NaN, so the factor is taken as 1 there.
+    keep = torch.exp(torch.where(total == float("-inf"), 0.0, lse - total))
+    scaled = out * keep.transpose(1, 2).unsqueeze(-1)
+    return scaled.to(out.dtype), total
 
 
 def window_mask_indices(

@@ -192,6 +192,41 @@ def test_launcher_usage_errors(capsys):
     assert "COMMAND is one of" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------------- learnable sinks
+def test_gpt_oss_with_learnable_sinks_trains_like_eager():
+    """gpt-oss (sinks in every layer, sliding and full layers alternating): losses, logits and
+    every gradient, the sinks' included, as eager attention's."""
+    model = tiny_model("gpt_oss")
+    with torch.no_grad():  # transformers initialises the sinks to 0; make them matter
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(2)
+    inputs = {"input_ids": torch.randint(1, 256, (2, 16), generator=g)}
+    _compare(model, inputs, "eager", inputs, ctx="gpt_oss")
+    result = run(variant(model, "flashmask", F32), inputs)
+    assert any(name.endswith("sinks") for name in result if name.startswith("grad:"))
+
+
+def test_gpt_oss_greedy_generation_with_left_padding_matches_eager():
+    """Prefill and decode steps over the cache, past the sliding layers' window, with sinks."""
+    model = tiny_model("gpt_oss")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(13)
+    input_ids = torch.randint(1, 256, (2, 9), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    outputs = []
+    for attn in ("flashmask", "eager"):
+        m = variant(model, attn)
+        m.generation_config.pad_token_id = 0
+        outputs.append(
+            m.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+        )
+    assert torch.equal(outputs[0], outputs[1])
+
+
 # ---------------------------------------------------------------------- packed sequences
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_position_ids_match_sdpa_packing(kind):
@@ -477,8 +512,6 @@ def test_unsupported_arguments_are_errors():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcap"):
         fm_transformers.flashmask_attention_forward(module, q, q, q, None, softcap=30.0)
-    with pytest.raises(ValueError, match="s_aux"):
-        fm_transformers.flashmask_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="sliding_window"):
         fm_transformers.flashmask_attention_forward(module, q, q, q, None, sliding_window=0)
 

@@ -21,8 +21,16 @@ TINY = {
 }
 
 
+# What a kind needs beyond TINY: gpt-oss's experts, head dim and a window its sliding layers
+# (every other layer) apply within the tests' short sequences.
+KIND_DEFAULTS = {
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 6, "experts_implementation": "eager"},
+}  # fmt: skip
+
+
 def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", **overrides):
-    """A float64 tiny model (``kind``: llama, mistral or qwen2) with eager attention; the
+    """A float64 tiny model (``kind``: llama, mistral, qwen2 or gpt_oss) with eager attention; the
     "flashmask" backend is registered."""
     import transformers
 
@@ -32,8 +40,9 @@ def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", *
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "gpt_oss": transformers.GptOssConfig,
     }[kind]
-    config = config_class(**{**TINY, **overrides})
+    config = config_class(**{**TINY, **KIND_DEFAULTS.get(kind, {}), **overrides})
     model_class = {
         "causal_lm": transformers.AutoModelForCausalLM,
         "score": transformers.AutoModelForSequenceClassification,

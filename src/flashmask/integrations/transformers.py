@@ -77,8 +77,11 @@ float32 inputs (PEFT upcasts layer norms) are cast to the dtype the Triton kerne
 the attention module's first half-precision ``nn.Linear`` weight) and the output is cast back;
 without one they run the exact (slow) float32 reference.
 
-Not supported (clear errors): attention dropout while training, ``softcap``, attention sinks
-(``s_aux``). ``output_attentions`` returns ``None`` weights. Models that overlay their own mask
+Learnable attention sinks (gpt-oss's ``s_aux``, one logit per query head) join every row's
+softmax (:func:`flashmask.flashmask_attention`'s ``sinks``), with their gradient.
+
+Not supported (clear errors): attention dropout while training, ``softcap``.
+``output_attentions`` returns ``None`` weights. Models that overlay their own mask
 functions on the causal mask (``or_mask_function``/``and_mask_function``, e.g. bidirectional
 image tokens) get only the masks above, as with FlashAttention. Because the name contains
 "flash", transformers 5.x treats the backend as a FlashAttention flavour where it checks names
@@ -201,26 +204,45 @@ def _skip_flash_attention_preload() -> None:
     """Let transformers accept a registered name that contains "flash".
 
     transformers 5.x treats every ``attn_implementation`` containing "flash" as a FlashAttention
-    flavour and, when a model is built or switched to it, preloads the FlashAttention package or
-    a Hub kernel of that name (``modeling_utils.lazy_import_flash_attention``), which fails for
-    "flashmask". The preload's result is unused there, so for our names it is skipped; every
-    other name goes to transformers' function unchanged.
+    flavour. When a model is built or switched to it, ``modeling_utils`` then (1) preloads the
+    FlashAttention package or a Hub kernel of that name (``lazy_import_flash_attention``), which
+    fails for "flashmask", and (2) replaces the name by a FlashAttention kernel of the model's
+    own list where it has one (gpt-oss's ``_compatible_flash_implementations``), so the model
+    would never call flashmask. For our names both are skipped: the preload returns nothing (its
+    result is unused there), and ``modeling_utils``' own ``is_flash_attention_requested`` answers
+    False for them (the other modules, e.g. the mask builders, keep transformers' answer). Every
+    other name goes to transformers' functions unchanged.
     """
     try:
         import transformers.modeling_utils as modeling_utils
     except ImportError:  # pragma: no cover - depends on the installed version
         return
     original = getattr(modeling_utils, "lazy_import_flash_attention", None)
-    if original is None or getattr(original, "_flashmask_skips", None) is _REGISTERED:
-        return
+    if original is not None and getattr(original, "_flashmask_skips", None) is not _REGISTERED:
 
-    def lazy_import_flash_attention(implementation: Any, *args: Any, **kwargs: Any) -> Any:
-        if implementation in _REGISTERED:
-            return None
-        return original(implementation, *args, **kwargs)
+        def lazy_import_flash_attention(implementation: Any, *args: Any, **kwargs: Any) -> Any:
+            if implementation in _REGISTERED:
+                return None
+            return original(implementation, *args, **kwargs)
 
-    lazy_import_flash_attention._flashmask_skips = _REGISTERED
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+        lazy_import_flash_attention._flashmask_skips = _REGISTERED
+        modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+    requested = getattr(modeling_utils, "is_flash_attention_requested", None)
+    if requested is not None and getattr(requested, "_flashmask_skips", None) is not _REGISTERED:
+
+        def is_flash_attention_requested(
+            config: Any = None, requested_attention_implementation: Any = None, **kwargs: Any
+        ) -> bool:
+            if config is None and requested_attention_implementation in _REGISTERED:
+                return False
+            return requested(
+                config=config,
+                requested_attention_implementation=requested_attention_implementation,
+                **kwargs,
+            )
+
+        is_flash_attention_requested._flashmask_skips = _REGISTERED
+        modeling_utils.is_flash_attention_requested = is_flash_attention_requested
 
 
 def flashmask_mask_interface(
@@ -337,7 +359,7 @@ def flashmask_attention_forward(
     Raises:
         ValueError: a non-causal explicit mask on a causal module without
             ``flashmask_bidirectional=True``; a FlashMask built for another query length;
-            unsupported arguments (dropout while training, ``softcap``, ``s_aux``);
+            unsupported arguments (dropout while training, ``softcap``);
             cumulative lengths that cannot describe the call (see :func:`resolve_mask`); a
             layer mask policy with ``cu_seq_lens_k`` over more keys than queries.
         TypeError: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` that are not integer tensors.
@@ -350,8 +372,7 @@ def flashmask_attention_forward(
         )
     if softcap is not None:
         raise ValueError(f"the flashmask attention backend does not support softcap={softcap}")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("the flashmask attention backend does not support attention sinks (s_aux)")
+    sinks = kwargs.get("s_aux")  # gpt-oss's learnable sinks, one logit per query head
     if flashmask is not None and startend_row_indices is not None:
         raise ValueError("pass either flashmask or startend_row_indices, not both")
     _check_integer_tensor("cu_seq_lens_q", cu_seq_lens_q)
@@ -413,9 +434,9 @@ def flashmask_attention_forward(
     compute, output = _dtypes(q, k, v, module)
     q, k, v = (t.to(compute) for t in (q, k, v))
     if mask is None:
-        out = flashmask_attention(q, k, v, causal=causal, softmax_scale=scaling)
+        out = flashmask_attention(q, k, v, causal=causal, softmax_scale=scaling, sinks=sinks)
     else:
-        out = flashmask_attention(q, k, v, mask, softmax_scale=scaling)
+        out = flashmask_attention(q, k, v, mask, softmax_scale=scaling, sinks=sinks)
     return out.to(output), None
 
 
