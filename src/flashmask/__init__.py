@@ -10,12 +10,14 @@ from flashmask.mask import (
     to_dense,
     validate,
 )
+from flashmask.varlen import flashmask_varlen_attention
 
 __all__ = [
     "FlashMask",
     "MaskNotRepresentableError",
     "TileClass",
     "flashmask_attention",
+    "flashmask_varlen_attention",
     "intersect",
     "masks",
     "to_dense",

@@ -100,6 +100,11 @@ from flashmask import masks
 from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.attention import flashmask_attention
 from flashmask.mask import FlashMask, intersect
+from flashmask.varlen import check_cumulative as _check_cumulative
+from flashmask.varlen import column_mask as _column_mask
+from flashmask.varlen import cumulative_lengths as _cumulative
+from flashmask.varlen import may_read_values as _may_sync
+from flashmask.varlen import segment_bounds
 
 try:
     from transformers import AttentionInterface
@@ -617,15 +622,6 @@ def _is_key_rows(attention_mask: torch.Tensor | None) -> bool:
     )
 
 
-def _may_sync() -> bool:
-    """Whether values may be read back to the host (data-dependent checks and shortcuts): not
-    while ``torch.compile`` traces, nor while a CUDA graph is being captured (a read there would
-    break the graph or fail the capture). The masks themselves never need a read."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _derived_mask(
     batch: int,
     seqlen_q: int,
@@ -691,7 +687,10 @@ def _derived_mask(
                 f"{seqlen_k} keys"
             )
         else:
-            lts, ute, anchor = _segment_bounds(cu_q.to(device), cu_k.to(device), seqlen_q, seqlen_k)
+            names = ("cu_seq_lens_q", "cu_seq_lens_k", "seqlen_q", "seqlen_k")
+            lts, ute, anchor = segment_bounds(
+                cu_q.to(device), cu_k.to(device), seqlen_q, seqlen_k, names
+            )
             aligned = False
             shaped = True
     if kind == "cu_seq_lens_q":
@@ -798,14 +797,6 @@ def _expand_batch(mask: FlashMask, batch: int) -> FlashMask:
     return dataclasses.replace(mask, startend_row_indices=sri)
 
 
-def _column_mask(lts: torch.Tensor, ute: torch.Tensor, causal: bool, seqlen_q: int) -> FlashMask:
-    """FlashMask ``[B, 1, Sk, C]`` masking rows ``[lts_j, Sq)`` (plus ``[0, ute_j)`` and C = 2
-    when not causal) of every key column ``j``; ``lts``/``ute`` are ``[B, Sk]``."""
-    columns = [lts] if causal else [lts, ute]
-    bounds = torch.stack([c.clamp(0, seqlen_q) for c in columns], dim=-1)
-    return FlashMask(bounds.unsqueeze(1).to(torch.int32).contiguous(), causal, seqlen_q)
-
-
 def _window_only(
     seqlen_q: int, seqlen_k: int, causal: bool, window: int, device: torch.device
 ) -> FlashMask:
@@ -845,61 +836,6 @@ def _starts_from_cu_seqlens(
     starts[:, 0] = True  # a row never continues the previous one
     valid = (torch.arange(total, device=device) < cu[-1]).view(batch, seqlen)
     return starts, valid
-
-
-def _cumulative(cu_seq_lens: torch.Tensor, name: str) -> torch.Tensor:
-    """``cu_seq_lens`` as a flat int64 tensor of at least two entries (a shape check only)."""
-    cu = cu_seq_lens.to(dtype=torch.int64).flatten()
-    if cu.numel() < 2:
-        raise ValueError(
-            f"{name} must hold at least two cumulative lengths [0, ...], got shape "
-            f"{tuple(cu_seq_lens.shape)}"
-        )
-    return cu
-
-
-def _check_cumulative(name: str, cu: torch.Tensor, limit: int, limit_name: str) -> None:
-    """``cu`` rises from 0 to at most ``limit`` (reads the values: eager mode only)."""
-    if int(cu[0]) != 0 or int(cu[-1]) > limit or bool((cu.diff() < 0).any()):
-        raise ValueError(
-            f"{name} must rise from 0 to at most {limit_name} = {limit}, got "
-            f"{cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}"
-        )
-
-
-def _segment_bounds(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, seqlen_q: int, seqlen_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(lts, ute, anchor)``, each int64 ``[1, Sk]``, of segments whose queries and keys are
-    packed one segment after the other (continuous batching).
-
-    Segment ``r`` has queries ``[cu_q[r], cu_q[r+1])`` and keys ``[cu_k[r], cu_k[r+1])``, its
-    last query standing at its last key. Key column ``j`` of segment ``r`` is visible to query
-    rows ``[cu_q[r], cu_q[r+1])`` only: masked rows ``[0, ute_j)`` and ``[lts_j, Sq)``, one
-    visible run per column, so every such layout is a non-causal ``C = 2`` FlashMask whatever
-    the segment lengths. ``anchor_j = j - cu_k[r+1] + cu_q[r+1]`` is the query row at key ``j``'s
-    position (causality and windows are relative to it). Keys past the last segment (padding)
-    are hidden from every row.
-    """
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            "cu_seq_lens_q and cu_seq_lens_k must describe the same segments, got "
-            f"{cu_q.numel()} and {cu_k.numel()} boundaries"
-        )
-    if _may_sync():
-        _check_cumulative("cu_seq_lens_q", cu_q, seqlen_q, "seqlen_q")
-        _check_cumulative("cu_seq_lens_k", cu_k, seqlen_k, "seqlen_k")
-    segments = cu_k.numel() - 1
-    cols = torch.arange(seqlen_k, device=cu_k.device)
-    # Segment of key j: the number of segment ends at or before j (empty segments never match).
-    seg = torch.searchsorted(cu_k[1:].contiguous(), cols, right=True)
-    inside = (seg < segments) & (cols >= cu_k[0])
-    seg = seg.clamp(max=segments - 1)
-    q_start, q_end, k_end = cu_q[seg], cu_q[seg + 1], cu_k[seg + 1]
-    lts = torch.where(inside, q_end, 0)
-    ute = torch.where(inside, q_start, 0)
-    anchor = cols - k_end + q_end
-    return lts.unsqueeze(0), ute.unsqueeze(0), anchor.unsqueeze(0)
 
 
 def _from_dense_4d(
