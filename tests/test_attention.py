@@ -298,6 +298,41 @@ def test_low_precision_sinks_get_a_gradient_of_their_dtype():
     assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
 
 
+# ---------------------------------------------------------------------------- logit cap
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k"), LENGTHS, ids=LENGTH_IDS)
+def test_softcap_caps_the_scaled_scores_before_the_mask(form, seqlen_q, seqlen_k):
+    """out, lse and gradients equal float64 dense attention over ``cap * tanh(s / cap)``."""
+    q, k, v = qkv(14, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=5, requires_grad=True)
+    indices = random_indices(15, form, 2, 2, seqlen_q, seqlen_k)
+    out, lse = flashmask.flashmask_attention(
+        q, k, v, indices, causal=form.causal, return_softmax_lse=True, softcap=0.7
+    )
+    visible = flashmask.to_dense(indices, causal=form.causal, seqlen_q=seqlen_q)
+    visible = visible.repeat_interleave(2, dim=1)  # mask heads -> query heads
+    kh, vh = (t.transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    scores = 0.7 * torch.tanh(q.transpose(1, 2) @ kh.mT * 8**-0.5 / 0.7)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    seen = visible.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(seen, scores, 0.0), dim=-1) * visible
+    ref_out = (p @ vh).transpose(1, 2)
+    ref_lse = torch.where(seen, scores, 0.0).logsumexp(-1).masked_fill(~seen[..., 0], -torch.inf)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(16), dtype=out.dtype)
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v))
+    ref = torch.autograd.grad((ref_out * dout).sum(), (q, k, v))
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_softcap_zero_or_none_is_off():
+    q, k, v = qkv(17)
+    plain = flashmask.flashmask_attention(q, k, v, causal=True)
+    assert torch.equal(flashmask.flashmask_attention(q, k, v, causal=True, softcap=0), plain)
+    assert torch.equal(flashmask.flashmask_attention(q, k, v, causal=True, softcap=None), plain)
+
+
 # ---------------------------------------------------------------------------- errors
 def _call(**overrides):
     """Call flashmask_attention with valid float32 arguments, some replaced by ``overrides``."""
@@ -557,6 +592,12 @@ ERRORS = [
         {"sinks": Z(2)}, ValueError, r"sinks must have shape \[Hq\] = \[4\]", id="sinks-shape"
     ),
     pytest.param({"sinks": Z(4, **META)}, ValueError, "sinks is on meta", id="sinks-device"),
+    pytest.param({"softcap": "50"}, TypeError, "softcap must be a float", id="softcap-str"),
+    pytest.param({"softcap": True}, TypeError, "softcap must be a float", id="softcap-bool"),
+    pytest.param({"softcap": -1.0}, ValueError, "softcap must be a finite number", id="softcap<0"),
+    pytest.param(
+        {"softcap": float("inf")}, ValueError, "softcap must be a finite number", id="softcap-inf"
+    ),
 ]
 
 

@@ -26,6 +26,7 @@ def flashmask_attention(
     return_softmax_lse: bool = False,
     deterministic: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention under a FlashMask column-interval mask.
 
@@ -55,6 +56,10 @@ def flashmask_attention(
             is scaled by ``1 - p_sink``. Differentiable (its gradient has ``sinks``' dtype). The
             returned lse includes the sink, so a row that sees no key then has lse
             ``sinks[h]`` (its output is still 0). Works with every mask and kernel.
+        softcap: Gemma's logit soft-capping: each scaled score ``s`` becomes
+            ``softcap * tanh(s / softcap)`` before the mask and softmax (gradients through the
+            cap's derivative). ``None`` or 0 (flash-attn's "off") leave the scores; on the GPU a
+            capped call runs the Triton kernels.
 
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no
@@ -104,12 +109,24 @@ def flashmask_attention(
 
     if sinks is not None:
         _check_sinks(sinks, query)
+    cap = _check_softcap(softcap)
     out, lse = ops.attention(
-        query, key, value, indices, causal, float(softmax_scale), deterministic
+        query, key, value, indices, causal, float(softmax_scale), deterministic, cap
     )
     if sinks is not None:
         out, lse = _fold_sinks(out, lse, sinks)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_softcap(softcap: object) -> float:
+    """``softcap`` as the ops take it: 0.0 for off (``None`` or 0), else the positive cap."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
+    return float(softcap)
 
 
 def _check_sinks(sinks: object, query: torch.Tensor) -> None:

@@ -55,17 +55,20 @@ def _forward(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``; arguments are already validated. The
-    kernels where they take the inputs, else the reference."""
+    """Returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``; arguments are already validated
+    (``softcap``: 0 or the logit cap). The kernels where they take the inputs, else the
+    reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
 
         return kernels.forward(
-            q, k, v, startend_row_indices, causal, softmax_scale, deterministic=deterministic
-        )
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic=deterministic,
+            softcap=softcap,
+        )  # fmt: skip
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
-    return reference.reference_forward(q, k, v, intervals, causal, softmax_scale)
+    return reference.reference_forward(q, k, v, intervals, causal, softmax_scale, softcap=softcap)
 
 
 def _forward_op(
@@ -76,12 +79,15 @@ def _forward_op(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_forward` as the custom op runs it: compiled code calls it, possibly inside a CUDA
     graph pool (cudagraph trees' warm-up), so the mask's preparation is not kept between calls
     (:func:`flashmask.kernels.preparation.uncached`)."""
     with _uncached():
-        return _forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+        return _forward(
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap
+        )
 
 
 def _uncached():
@@ -98,7 +104,7 @@ attention_forward = torch.library.custom_op("flashmask::attention_forward", muta
 
 
 @attention_forward.register_fake
-def _(q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
+def _(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0):
     b, sq, hq, _ = q.shape
     out = q.new_empty(b, sq, hq, v.shape[-1])
     lse = q.new_empty(b, hq, sq, dtype=_lse_dtype(q))
@@ -117,6 +123,7 @@ def _backward_grads(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``: the kernels where they take
     the inputs, else the reference."""
@@ -125,11 +132,11 @@ def _backward_grads(
 
         return kernels.backward(
             dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-            deterministic,
+            deterministic, softcap=softcap,
         )  # fmt: skip
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
     return reference.reference_backward(
-        dout, dlse, q, k, v, out, lse, intervals, causal, softmax_scale
+        dout, dlse, q, k, v, out, lse, intervals, causal, softmax_scale, softcap=softcap
     )
 
 
@@ -145,12 +152,13 @@ def _backward_op(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_backward_grads` as the custom op runs it (uncached, as :func:`_forward_op`)."""
     with _uncached():
         return _backward_grads(
             dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-            deterministic,
+            deterministic, softcap,
         )  # fmt: skip
 
 
@@ -160,17 +168,22 @@ attention_backward = torch.library.custom_op("flashmask::attention_backward", mu
 
 
 @attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, deterministic):
+def _(
+    dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, deterministic,
+    softcap=0.0,
+):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, startend_row_indices, causal, softmax_scale, deterministic = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, *rest = inputs
+    softcap = rest[0] if rest else 0.0  # a call that left the default out
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.deterministic = deterministic
+    ctx.softcap = softcap
 
 
 def _backward(ctx, dout, dlse):
@@ -179,9 +192,9 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = attention_backward(
         dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
-        ctx.softmax_scale, ctx.deterministic,
+        ctx.softmax_scale, ctx.deterministic, ctx.softcap,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -189,13 +202,13 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' computation and autograd rule as a plain ``autograd.Function``:
-    ``apply(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)`` returns
+    ``apply(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)`` returns
     ``(out, lse)``, both differentiable, exactly as :func:`attention_forward` with its
     registered backward does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
-        inputs = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap):
+        inputs = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)
         out, lse = _forward(*inputs)
         # An unused output's gradient arrives as None, as the custom op's backward gets it
         # (no zeros for dlse to subtract, no zero dout to multiply).
@@ -211,7 +224,7 @@ class _EagerAttention(torch.autograd.Function):
                 dout = torch.zeros_like(out)
             grads = _backward_grads(
                 dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
-                ctx.softmax_scale, ctx.deterministic,
+                ctx.softmax_scale, ctx.deterministic, ctx.softcap,
             )  # fmt: skip
         needing = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
         if torch.is_grad_enabled() and needing:
@@ -219,7 +232,7 @@ class _EagerAttention(torch.autograd.Function):
             # the custom backward op (no autograd rule) does, instead of none at all, which
             # would drop their second-order terms without a word.
             grads = _FirstOrderOnly.apply(needing[0], *grads)
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -260,12 +273,12 @@ def attention(
     causal: bool,
     softmax_scale: float,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`attention_forward`, differentiable: through
     :class:`_EagerAttention` for plain CUDA tensors in eager mode, else through the custom ops
-    (see the module docstring)."""
+    (see the module docstring). ``softcap``: 0, or the logit cap."""
+    args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)
     if q.is_cuda and _plain_eager(q, k, v, startend_row_indices):
-        return _EagerAttention.apply(
-            q, k, v, startend_row_indices, causal, softmax_scale, deterministic
-        )
-    return attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic)
+        return _EagerAttention.apply(*args)
+    return attention_forward(*args)

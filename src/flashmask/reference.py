@@ -125,6 +125,19 @@ def _key_range(visible: torch.Tensor | None, seqlen_k: int) -> tuple[int, int]:
     return int(seen[0]), int(seen[-1]) + 1
 
 
+def capped_scores(
+    products: torch.Tensor, softmax_scale: float, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scores, slope)`` of the dot products ``q . k``: ``scale * q . k``, or with ``softcap >
+    0`` Gemma's logit cap ``softcap * tanh(scale * q . k / softcap)``, and the cap's derivative
+    ``1 - tanh^2`` (``None`` without a cap), which the backward multiplies ``dS`` by."""
+    scores = products * softmax_scale
+    if not softcap:
+        return scores, None
+    t = torch.tanh(scores / softcap)
+    return softcap * t, 1.0 - t * t
+
+
 def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -133,11 +146,13 @@ def reference_forward(
     causal: bool,
     softmax_scale: float,
     chunk_size: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact masked attention; returns ``(out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq])``.
 
     ``intervals`` are the clamped column intervals of the mask (``None``: no interval mask); lse
-    is float32, or float64 for float64 inputs.
+    is float32, or float64 for float64 inputs. ``softcap > 0`` caps the scaled scores
+    (:func:`capped_scores`); 0 leaves them.
     """
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -157,7 +172,7 @@ def reference_forward(
             lse[:, :, r0:r1] = float("-inf")
             continue
         qc = _grouped(q[:, r0:r1], hk, dtype)  # [B, Hk, G, rows, D]
-        scores = (qc @ kg[..., lo:hi, :].transpose(-1, -2)) * softmax_scale
+        scores, _ = capped_scores(qc @ kg[..., lo:hi, :].transpose(-1, -2), softmax_scale, softcap)
         if visible is not None:
             scores = scores.masked_fill(~visible[..., lo:hi], float("-inf"))
         row_max = scores.amax(-1, keepdim=True)
@@ -193,11 +208,13 @@ def reference_backward(
     causal: bool,
     softmax_scale: float,
     chunk_size: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` in the input dtypes, given ``dout`` and optionally ``dlse``.
 
     Uses ``dS = P * (dP - rowsum(dO * O) + dlse)``: the lse gradient enters exactly like a
     shift of the softmax's row term, so merging partial results by lse stays differentiable.
+    With ``softcap > 0`` it is also multiplied by the cap's derivative ``1 - tanh^2``.
     """
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -227,7 +244,7 @@ def reference_backward(
         doc = _grouped(dout[:, r0:r1], hk, dtype)
         lse_c = lse[:, :, r0:r1].reshape(b, hk, g, rows, 1)
         delta_c = delta[:, :, r0:r1].reshape(b, hk, g, rows, 1)
-        scores = (qc @ kc.transpose(-1, -2)) * softmax_scale
+        scores, slope = capped_scores(qc @ kc.transpose(-1, -2), softmax_scale, softcap)
         p = torch.exp(scores - torch.where(torch.isinf(lse_c), 0.0, lse_c))
         hidden = torch.isinf(lse_c)
         if visible is not None:
@@ -236,6 +253,8 @@ def reference_backward(
         dv[:, :, lo:hi] += (p.transpose(-1, -2) @ doc).sum(2)
         dp = doc @ vc.transpose(-1, -2)
         ds = p * (dp - delta_c) * softmax_scale
+        if slope is not None:
+            ds = ds * slope
         if nonfinite is None:
             dsk = ds @ kc
         else:

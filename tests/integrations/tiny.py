@@ -21,17 +21,19 @@ TINY = {
 }
 
 
-# What a kind needs beyond TINY: gpt-oss's experts, head dim and a window its sliding layers
-# (every other layer) apply within the tests' short sequences.
+# What a kind needs beyond TINY: a head dim; a window that the sliding layers (every other
+# layer) apply within the tests' short sequences; gpt-oss's experts; Gemma 2's logit cap, low
+# enough to change the scores.
 KIND_DEFAULTS = {
     "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "sliding_window": 6, "experts_implementation": "eager"},
+    "gemma2": {"head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 2.0},
 }  # fmt: skip
 
 
 def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", **overrides):
-    """A float64 tiny model (``kind``: llama, mistral, qwen2 or gpt_oss) with eager attention; the
-    "flashmask" backend is registered."""
+    """A float64 tiny model (``kind``: llama, mistral, qwen2, gpt_oss or gemma2) with eager
+    attention; the "flashmask" backend is registered."""
     import transformers
 
     import flashmask.integrations.transformers  # noqa: F401  (registers "flashmask")
@@ -41,6 +43,7 @@ def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", *
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "gpt_oss": transformers.GptOssConfig,
+        "gemma2": transformers.Gemma2Config,
     }[kind]
     config = config_class(**{**TINY, **KIND_DEFAULTS.get(kind, {}), **overrides})
     model_class = {

@@ -78,9 +78,10 @@ the attention module's first half-precision ``nn.Linear`` weight) and the output
 without one they run the exact (slow) float32 reference.
 
 Learnable attention sinks (gpt-oss's ``s_aux``, one logit per query head) join every row's
-softmax (:func:`flashmask.flashmask_attention`'s ``sinks``), with their gradient.
+softmax (:func:`flashmask.flashmask_attention`'s ``sinks``), with their gradient; Gemma's logit
+soft-capping (``softcap``) caps the scores (on the GPU through the Triton kernels).
 
-Not supported (clear errors): attention dropout while training, ``softcap``.
+Not supported (clear error): attention dropout while training.
 ``output_attentions`` returns ``None`` weights. Models that overlay their own mask
 functions on the causal mask (``or_mask_function``/``and_mask_function``, e.g. bidirectional
 image tokens) get only the masks above, as with FlashAttention. Because the name contains
@@ -364,7 +365,7 @@ def flashmask_attention_forward(
     Raises:
         ValueError: a non-causal explicit mask on a causal module without
             ``flashmask_bidirectional=True``; a FlashMask built for another query length;
-            unsupported arguments (dropout while training, ``softcap``);
+            attention dropout while training;
             cumulative lengths that cannot describe the call (see :func:`resolve_mask`); a
             layer mask policy with ``cu_seq_lens_k`` over more keys than queries.
         TypeError: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` that are not integer tensors.
@@ -375,8 +376,6 @@ def flashmask_attention_forward(
             "(the model is training with config.attention_dropout > 0); set "
             "config.attention_dropout = 0"
         )
-    if softcap is not None:
-        raise ValueError(f"the flashmask attention backend does not support softcap={softcap}")
     sinks = kwargs.get("s_aux")  # gpt-oss's learnable sinks, one logit per query head
     if flashmask is not None and startend_row_indices is not None:
         raise ValueError("pass either flashmask or startend_row_indices, not both")
@@ -439,9 +438,13 @@ def flashmask_attention_forward(
     compute, output = _dtypes(q, k, v, module)
     q, k, v = (t.to(compute) for t in (q, k, v))
     if mask is None:
-        out = flashmask_attention(q, k, v, causal=causal, softmax_scale=scaling, sinks=sinks)
+        out = flashmask_attention(
+            q, k, v, causal=causal, softmax_scale=scaling, sinks=sinks, softcap=softcap
+        )
     else:
-        out = flashmask_attention(q, k, v, mask, softmax_scale=scaling, sinks=sinks)
+        out = flashmask_attention(
+            q, k, v, mask, softmax_scale=scaling, sinks=sinks, softcap=softcap
+        )
     return out.to(output), None
 
 

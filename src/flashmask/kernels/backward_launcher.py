@@ -64,8 +64,10 @@ def backward(
     *,
     skip_tiles: bool = True,
     config: TileConfig | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``.
+    """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``. A logit cap (``softcap > 0``, as
+    the forward took it) runs the Triton passes.
 
     With ``deterministic=False`` on Hopper, where ``config.bwd_gluon`` and
     :func:`~.routing.use_gluon_backward` allow, one warp-specialised Gluon pass computes dK, dV
@@ -77,14 +79,16 @@ def backward(
         return with_fitting_config(
             lambda cfg: backward(
                 dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-                deterministic, skip_tiles=skip_tiles, config=cfg,
+                deterministic, skip_tiles=skip_tiles, config=cfg, softcap=softcap,
             ),
             q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip
     q, k, v, dout = (tensors.last_dim_contiguous(x) for x in (q, k, v, dout))
     d = q.shape[-1]
     masked = startend_row_indices is not None
-    use_gluon = routing.use_gluon_backward(q, k, v, dout, deterministic, skip_tiles, masked, config)
+    use_gluon = routing.use_gluon_backward(
+        q, k, v, dout, deterministic, skip_tiles, masked, config, softcap
+    )
     shapes = routing.backward_shapes(use_gluon, d, config)
     bounds, lists = preparation.prepare_cached(
         startend_row_indices, causal, q.shape[1], k.shape[1], q.shape[0], q.device, shapes,
@@ -97,7 +101,7 @@ def backward(
         )
     return _triton_backward(
         dout, dlse, q, k, v, out, lse, bounds, lists, hm, causal, softmax_scale, skip_tiles,
-        config,
+        config, softcap,
     )  # fmt: skip
 
 
@@ -151,6 +155,7 @@ def _triton_backward(
     softmax_scale: float,
     skip_tiles: bool,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton passes (bit-reproducible): dK/dV over the column-major ``lists[0]`` and dQ
     over the row-major ``lists[1]``, in one grid where their warp counts agree (so neither
@@ -179,6 +184,7 @@ def _triton_backward(
         HAS_MASK=masked,
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
+        SOFTCAP=float(softcap),
     )
     block_d = tensors.padded_head_dim(d)
     qk_scale = softmax_scale * LOG2E_VALUE

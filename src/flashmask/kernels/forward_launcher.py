@@ -49,15 +49,19 @@ def plan_forward(
     deterministic: bool,
     config: TileConfig,
     backward_follows: bool = True,
+    softcap: float = 0.0,
 ) -> ForwardPlan:
     """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
-    bench`` times :func:`prepare_plan` of it as a new mask's preparation)."""
+    bench`` times :func:`prepare_plan` of it as a new mask's preparation). A logit cap
+    (``softcap > 0``) runs on the Triton kernels only."""
     masked = startend_row_indices is not None
-    use_cute, use_gluon = routing.forward_kernel(q, k, v, softmax_scale, masked, causal, config)
+    use_cute, use_gluon = routing.forward_kernel(
+        q, k, v, softmax_scale, masked, causal, config, softcap
+    )
     shapes = routing.forward_shapes(use_gluon, q.shape[-1], config, use_cute)
     # The backward's lists (its dout is shaped and typed like q), to be built in one go.
     gluon_backward = backward_follows and routing.use_gluon_backward(
-        q, k, v, q, deterministic, True, masked, config
+        q, k, v, q, deterministic, True, masked, config, softcap
     )
     if backward_follows:
         backward_shapes = routing.backward_shapes(gluon_backward, q.shape[-1], config)
@@ -110,8 +114,12 @@ def forward(
     config: TileConfig | None = None,
     deterministic: bool = False,
     decode: DecodeConfig | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
+
+    ``softcap > 0`` caps the scaled scores at ``softcap * tanh(score / softcap)`` (Gemma's logit
+    soft-capping); such calls run the Triton training forward (no split-KV, Gluon or CuTe).
 
     Few queries over many keys (:func:`~.routing.use_decode`) run the split-KV kernels of
     :mod:`.decode_launcher` with ``decode`` (default :func:`~.config.device_decode_config`); other
@@ -125,13 +133,14 @@ def forward(
     than four), so that its backward finds them prepared.
     """
     decode = decode or device_decode_config(q.shape[-1], q.device)
-    if routing.use_decode(q, k, skip_tiles, decode):
+    if not softcap and routing.use_decode(q, k, skip_tiles, decode):
         return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:
         return with_fitting_config(
             lambda cfg: forward(
                 q, k, v, startend_row_indices, causal, softmax_scale,
                 skip_tiles=skip_tiles, config=cfg, deterministic=deterministic, decode=decode,
+                softcap=softcap,
             ),
             q.device, q.shape[-1], startend_row_indices is not None,
         )  # fmt: skip
@@ -144,7 +153,7 @@ def forward(
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     plan = plan_forward(
         q, k, v, startend_row_indices, causal, softmax_scale, deterministic, config,
-        backward_follows,
+        backward_follows, softcap,
     )  # fmt: skip
     bounds, all_lists, orders = prepare_plan(
         plan, startend_row_indices, causal, sq, sk, b, q.device, skip_tiles
@@ -195,7 +204,9 @@ def forward(
         HAS_MASK=startend_row_indices is not None,
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
-        POSITIVE_SCALE=softmax_scale > 0,
+        # A cap's tanh needs the scaled scores: it takes the scale-first path.
+        POSITIVE_SCALE=softmax_scale > 0 and not softcap,
+        SOFTCAP=float(softcap),
         EVEN_M=sq % config.fwd_m == 0,
         EVEN_N=sk % config.fwd_n == 0,
         EVEN_D=d == block_d,

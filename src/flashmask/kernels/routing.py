@@ -197,12 +197,14 @@ def use_gluon_backward(
     skip_tiles: bool,
     masked: bool,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> bool:
-    """``config.bwd_gluon``, ``deterministic=False`` and no
+    """No logit cap (``softcap``: the Triton backward's alone), ``config.bwd_gluon``,
+    ``deterministic=False`` and no
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
     skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
     (``masked``) also at least the keys :data:`GLUON_BWD_MIN_MASKED_SEQLEN` asks at its head dim."""
-    if not config.bwd_gluon or deterministic or not skip_tiles:
+    if softcap or not config.bwd_gluon or deterministic or not skip_tiles:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
@@ -249,9 +251,12 @@ def forward_kernel(
     masked: bool,
     causal: bool,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> tuple[bool, bool]:
     """``(use_cute, use_gluon)``: which forward runs the call, the CuTe one first, then the
-    Gluon one (neither: the Triton forward)."""
+    Gluon one (neither: the Triton forward, the only one with a logit cap, ``softcap > 0``)."""
+    if softcap:
+        return False, False
     use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal)
     use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
     return use_cute, use_gluon

@@ -967,3 +967,58 @@ def test_delta_kernel_refuses_an_accumulator_unlike_out():
     ):
         with pytest.raises(ValueError, match="dq_accumulator"):
             backward_launcher.backward_delta(out, out, None, bad)
+
+
+# -------------------------------------------------------------------------------- logit cap
+SOFTCAP_CASES = [
+    Case("causal-C1", 37, 50, 2, 2, 2, 40),
+    Case("noncausal-C4", 50, 50, 2, 2, 1, 64, mask="structured"),
+    Case("nomask-causal", 50, 37, 4, 2, 1, 64),
+    Case("nomask-full", 33, 65, 2, 1, 1, 16),
+]
+
+
+def _capped_low_precision(x: Inputs, causal: bool, softcap: float) -> tuple[torch.Tensor, ...]:
+    """``(out, dq, dk, dv)`` of plain capped attention in the input dtype (autograd)."""
+    b, sq, hq, _ = x.q.shape
+    hk = x.k.shape[2]
+    visible = visibility(x.sri, causal, b, sq, x.k.shape[1]).to(DEVICE)
+    visible = visible.repeat_interleave(hq // visible.shape[1], dim=1)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+    kh = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    scores = q.transpose(1, 2) @ (kh * x.scale).transpose(-1, -2)
+    scores = softcap * torch.tanh(scores / softcap)
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    out = (p @ vh).transpose(1, 2)
+    grads = torch.autograd.grad(out, (q, k, v), x.dout)
+    return out.detach(), *grads
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0])
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=[c.id for c in SOFTCAP_CASES])
+def test_logit_cap_matches_reference(case, softcap):
+    """``softcap``: the forward's capped scores and the backward's cap derivative agree with the
+    float64 reference (0.5 caps hard, 5.0 barely) within the suite's rule; the lse too."""
+    x = make_inputs(case, torch.float16)
+    causal = case.causal
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale, softcap=softcap)
+    grads = kernels.backward(
+        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, causal, x.scale, True, softcap=softcap
+    )
+    intervals = None if x.sri is None else FlashMask(x.sri, causal).intervals(case.seqlen_q)
+    q, k, v, dout = (t.double() for t in (x.q, x.k, x.v, x.dout))
+    ref_out, ref_lse = reference_forward(q, k, v, intervals, causal, x.scale, softcap=softcap)
+    ref_grads = reference_backward(
+        dout, None, q, k, v, ref_out, ref_lse, intervals, causal, x.scale, softcap=softcap
+    )
+    low = _capped_low_precision(x, causal, softcap)
+    for name, actual, hi, lo in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), low, strict=True
+    ):
+        assert_close_to_reference(actual, hi, lo, name, context=f"{case.id}-cap{softcap}")
+    live = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[live], ref_lse[live].float(), atol=2e-3, rtol=1e-3)
+    # The cap changes the result: the uncapped forward is farther from the capped reference.
+    plain, _ = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale)
+    assert (plain.double() - ref_out).abs().max() > (out.double() - ref_out).abs().max()

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from flashmask.kernels.triton_kernels.forward import (
     LOG2E,
+    capped_tanh,
     element_mask,
     load_tile,
     store_tile,
@@ -50,6 +51,7 @@ def _dkdv_tile(
     APPLY_MASK: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Add query tile ``m_tile``'s contribution to this key tile's ``(dk, dv)``."""
     offs_m = m_tile * offs_m0.shape[0] + offs_m0
@@ -61,7 +63,11 @@ def _dkdv_tile(
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
     # Transposed scores: [BLOCK_N keys, BLOCK_M queries].
     # fma as in the forward, so skipping and dense modes run the same arithmetic.
-    pT = tl.math.exp2(tl.fma(tl.dot(k, tl.trans(q)), qk_scale, -lse[None, :]))
+    if SOFTCAP > 0:
+        tT = capped_tanh(tl.dot(k, tl.trans(q)), qk_scale, SOFTCAP)
+        pT = tl.math.exp2(tT * (SOFTCAP * LOG2E) - lse[None, :])
+    else:
+        pT = tl.math.exp2(tl.fma(tl.dot(k, tl.trans(q)), qk_scale, -lse[None, :]))
     if APPLY_MASK:
         hidden = element_mask(
             bounds_ptr, offs_m[None, :], cols, seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
@@ -75,6 +81,8 @@ def _dkdv_tile(
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
     dpT = tl.dot(v, tl.trans(do))
     dsT = pT * (dpT - delta[None, :])
+    if SOFTCAP > 0:
+        dsT = dsT * (1.0 - tT * tT)  # the cap's derivative
     dk += tl.dot(dsT.to(q.dtype), q)
     return dk, dv
 
@@ -102,6 +110,7 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dK and dV of key tile ``n_tile`` of (batch ``b``, kv head ``h_kv``)."""
     b64 = b.to(tl.int64)
@@ -140,14 +149,14 @@ def _dkdv_program(
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
                 offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_M, EVEN_D,
+                CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_M, EVEN_D, SOFTCAP,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
                 offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_D,
+                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_D, SOFTCAP,
             )  # fmt: skip
 
     dk = dk * softmax_scale
@@ -171,6 +180,7 @@ def _dq_tile(
     APPLY_MASK: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
     block_n: tl.constexpr = offs_n0.shape[0]
@@ -184,7 +194,11 @@ def _dq_tile(
         v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
         d_ok[:, None], col_ok, EVEN_D, EVEN_N,
     )  # fmt: skip
-    p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
+    if SOFTCAP > 0:
+        t = capped_tanh(tl.dot(q, kT), qk_scale, SOFTCAP)
+        p = tl.math.exp2(t * (SOFTCAP * LOG2E) - lse[:, None])
+    else:
+        p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse[:, None]))
     if APPLY_MASK:
         hidden = element_mask(
             bounds_ptr, rows, offs_n[None, :], seqlen_q, seqlen_k, CAUSAL, HAS_MASK, HAS_UPPER
@@ -192,6 +206,8 @@ def _dq_tile(
         p = tl.where(hidden, 0.0, p)
     dp = tl.dot(do, vT)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * (1.0 - t * t)  # the cap's derivative
     dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
     return dq
 
@@ -218,6 +234,7 @@ def _dq_program(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dQ of query tile ``m_tile`` of (batch ``b``, query head ``h``)."""
     bh = b * num_heads_q + h
@@ -258,14 +275,14 @@ def _dq_program(
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
             offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D,
+            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, SOFTCAP,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
             offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D,
+            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, SOFTCAP,
         )  # fmt: skip
 
     dq = dq * softmax_scale
@@ -297,6 +314,7 @@ def flashmask_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dK/dV pass alone; grid ``(key tiles, kv heads, batch)``."""
     # (tile, head, batch) grid axes: heads and batch each stay under the 65535 limit of axes 1-2.
@@ -309,7 +327,7 @@ def flashmask_bwd_dkdv_kernel(
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N,
-        EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+        EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, SOFTCAP,
     )  # fmt: skip
 
 
@@ -334,6 +352,7 @@ def flashmask_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dQ pass alone; grid ``(query tiles, query heads, batch)``, heaviest tiles first."""
     _dq_program(
@@ -345,7 +364,7 @@ def flashmask_bwd_dq_kernel(
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
         num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
-        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, SOFTCAP,
     )  # fmt: skip
 
 
@@ -379,6 +398,7 @@ def flashmask_bwd_fused_kernel(
     Q_BLOCK_N: tl.constexpr,
     Q_STAGES: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Both backward passes in one launch; grid ``(key tiles + G * query tiles, kv heads, batch)``.
 
@@ -400,7 +420,7 @@ def flashmask_bwd_fused_kernel(
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
             num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, KV_EVEN_M, KV_EVEN_N, EVEN_D,
-            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES,
+            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES, SOFTCAP,
         )  # fmt: skip
     else:
         r = pid - kv_num_n_tiles
@@ -415,7 +435,7 @@ def flashmask_bwd_fused_kernel(
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
             q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
-            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES,
+            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES, SOFTCAP,
         )  # fmt: skip
 
 

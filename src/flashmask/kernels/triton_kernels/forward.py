@@ -45,6 +45,16 @@ def element_mask(
 
 
 @triton.jit
+def capped_tanh(products, qk_scale, SOFTCAP: tl.constexpr):
+    """``tanh(scale * products / SOFTCAP)`` of dot products, ``qk_scale = scale * log2(e)``:
+    Gemma's logit cap is ``SOFTCAP * tanh(...)`` (times ``log2(e)`` in the kernels' base-2
+    units), its derivative ``1 - tanh^2``. Written with exp2 (``1 - 2 / (e^(2x) + 1)``, exact
+    at both ends: +-1 where the exponential overflows or vanishes)."""
+    x = products * (qk_scale / (SOFTCAP * LOG2E))
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
 def load_tile(ptrs, row_ok, col_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
     """Load a 2-D tile, masking (with zeros) only the dimensions that may run past the tensor.
 
@@ -122,10 +132,12 @@ def flashmask_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
     copies, no per-thread address arithmetic) instead of pointer loads; same values.
-    ``ORDERED``: programs run in the order ``ProgramOrder`` gives (:func:`launched_program`)."""
+    ``ORDERED``: programs run in the order ``ProgramOrder`` gives (:func:`launched_program`).
+    ``SOFTCAP > 0``: Gemma's logit cap on the scaled scores (with ``POSITIVE_SCALE`` off)."""
     grid_tile, h, b = launched_program(ProgramOrder, num_m_tiles, num_heads_q, ORDERED)
     # Heavier query tiles (later rows under causal-like masks) launch first.
     m_tile = num_m_tiles - 1 - grid_tile
@@ -181,7 +193,10 @@ def flashmask_fwd_kernel(
         # differs), so the dense mode (every tile masked) matches skipping bit for bit. Left to
         # itself the compiler contracts ``qk * scale - m`` into an fma on some paths only, hence
         # the explicit fma / the fma with a zero addend that no pass can contract further.
-        if not POSITIVE_SCALE:
+        if SOFTCAP > 0:
+            # The logit cap (the launcher turns POSITIVE_SCALE off): capped scores, base 2.
+            qk = capped_tanh(qk, qk_scale, SOFTCAP) * (SOFTCAP * LOG2E)
+        elif not POSITIVE_SCALE:
             # Zero or negative scale: scale first, since such a factor does not preserve the row
             # max (hidden entries must be -inf after scaling).
             qk = tl.fma(qk, qk_scale, 0.0)
