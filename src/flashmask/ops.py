@@ -207,7 +207,9 @@ class _EagerAttention(torch.autograd.Function):
     registered backward does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap):
+    def forward(
+        ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0
+    ):
         inputs = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)
         out, lse = _forward(*inputs)
         # An unused output's gradient arrives as None, as the custom op's backward gets it

@@ -291,7 +291,7 @@ def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
         seen.append(("fwd", masked))
         return False
 
-    def record_backward(q, k, v, dout, deterministic, skip_tiles, masked, config):
+    def record_backward(q, k, v, dout, deterministic, skip_tiles, masked, config, softcap=0.0):
         seen.append(("bwd", masked))
         return False
 
