@@ -28,11 +28,23 @@ KIND_DEFAULTS = {
     "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "sliding_window": 6, "experts_implementation": "eager"},
     "gemma2": {"head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 2.0},
+    "qwen3": {"head_dim": 16},
+    "phi3": {"pad_token_id": 0},
+    "gemma3": {"head_dim": 16, "sliding_window": 6},
+    # Multi-head latent attention: q/k head dim 8 + 16 = 24, v head dim 16 (D != Dv).
+    "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+                    "n_shared_experts": 1, "experts_implementation": "eager"},
 }  # fmt: skip
+# The kinds of the model matrix (tests/integrations/test_models.py).
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_oss",
+         "deepseek_v3")  # fmt: skip
 
 
 def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", **overrides):
-    """A float64 tiny model (``kind``: llama, mistral, qwen2, gpt_oss or gemma2) with eager
+    """A float64 tiny model (``kind``: one of :data:`KINDS`) with eager
     attention; the "flashmask" backend is registered."""
     import transformers
 
@@ -44,6 +56,10 @@ def tiny_model(kind: str = "llama", *, seed: int = 0, task: str = "causal_lm", *
         "qwen2": transformers.Qwen2Config,
         "gpt_oss": transformers.GptOssConfig,
         "gemma2": transformers.Gemma2Config,
+        "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[kind]
     config = config_class(**{**TINY, **KIND_DEFAULTS.get(kind, {}), **overrides})
     model_class = {
