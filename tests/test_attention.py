@@ -64,12 +64,12 @@ def window_dense(left, right, causal, seqlen_q, seqlen_k) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- semantics
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
-@pytest.mark.parametrize("mask_heads", ["Hm1", "HmHk"])
+@pytest.mark.parametrize("mask_heads", ["Hm1", "HmHk", "HmHq"])
 @pytest.mark.parametrize(("seqlen_q", "seqlen_k"), LENGTHS, ids=LENGTH_IDS)
 def test_matches_the_dense_definition(form, mask_heads, seqlen_q, seqlen_k):
-    """[B, S, H, D] layout, GQA (Hq=4, Hk=2), Hm in {1, Hk}, Sq != Sk: out and lse equal naive
-    float64 attention under ``to_dense`` of the same indices."""
-    heads_m = 1 if mask_heads == "Hm1" else 2
+    """[B, S, H, D] layout, GQA (Hq=4, Hk=2), Hm in {1, Hk, Hq}, Sq != Sk: out and lse equal
+    naive float64 attention under ``to_dense`` of the same indices."""
+    heads_m = {"Hm1": 1, "HmHk": 2, "HmHq": 4}[mask_heads]
     q, k, v = qkv(1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=5)
     indices = random_indices(2, form, 2, heads_m, seqlen_q, seqlen_k)
     out, lse = flashmask.flashmask_attention(
@@ -471,10 +471,10 @@ ERRORS = [
         id="indices-batch",
     ),
     pytest.param(
-        {"startend_row_indices": Z(2, 4, 5, 2, dtype=I32)},
+        {"startend_row_indices": Z(2, 3, 5, 2, dtype=I32)},
         ValueError,
-        r"startend_row_indices.shape\[1\] \(mask heads\) must be 1 \(broadcast\) or "
-        "the number of key/value heads 2, but got 4",
+        r"startend_row_indices.shape\[1\] \(mask heads\) must be 1 \(broadcast\), "
+        "the number of key/value heads 2 or of query heads 4, but got 3",
         id="indices-heads",
     ),
     pytest.param(

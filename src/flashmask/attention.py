@@ -35,7 +35,8 @@ def flashmask_attention(
         key: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA: query head ``h`` reads key/value
             head ``h // (Hq // Hk)``).
         value: ``[B, Sk, Hk, Dv]``.
-        startend_row_indices: int32 ``[B, Hm, Sk, C]`` (``Hm`` in ``{1, Hk}``), or ``[B, Hm, Sk]``
+        startend_row_indices: int32 ``[B, Hm, Sk, C]`` (``Hm`` in ``{1, Hk, Hq}``: one mask for
+            all heads, one per key/value head, or one per query head), or ``[B, Hm, Sk]``
             read as ``C = 1``, or a :class:`FlashMask` (which carries its own ``causal`` and the
             ``seqlen_q`` it was built for: another ``Sq`` raises ``ValueError``, see
             :meth:`FlashMask.with_seqlen_q`), or ``None`` for plain full/causal attention. Entry
@@ -96,7 +97,7 @@ def flashmask_attention(
             window_size, seqlen_q, seqlen_k, causal=causal, device=query.device
         ).expand(batch, -1, -1, -1)
     indices, causal = _normalize_mask(startend_row_indices, causal, query, key)
-    _check_indices(indices, batch, seqlen_k, heads_k, query.device)
+    _check_indices(indices, batch, seqlen_k, heads_k, query.shape[2], query.device)
 
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -279,7 +280,12 @@ def _normalize_mask(
 
 
 def _check_indices(
-    indices: torch.Tensor | None, batch: int, seqlen_k: int, heads_k: int, device: torch.device
+    indices: torch.Tensor | None,
+    batch: int,
+    seqlen_k: int,
+    heads_k: int,
+    heads_q: int,
+    device: torch.device,
 ) -> None:
     if indices is None:
         return
@@ -293,10 +299,10 @@ def _check_indices(
             "startend_row_indices.shape[2] must be equal to seqlen_k, but got "
             f"{indices.shape[2]} and {seqlen_k}"
         )
-    if indices.shape[1] not in (1, heads_k):
+    if indices.shape[1] not in (1, heads_k, heads_q):
         raise ValueError(
-            "startend_row_indices.shape[1] (mask heads) must be 1 (broadcast) or the number of "
-            f"key/value heads {heads_k}, but got {indices.shape[1]}"
+            "startend_row_indices.shape[1] (mask heads) must be 1 (broadcast), the number of "
+            f"key/value heads {heads_k} or of query heads {heads_q}, but got {indices.shape[1]}"
         )
     if indices.device != device:
         raise ValueError(

@@ -60,15 +60,22 @@ def _visible(
     seqlen_q: int,
     seqlen_k: int,
     device: torch.device,
+    heads_k: int | None = None,
 ) -> torch.Tensor | None:
-    """Visibility of a row chunk, broadcastable to ``[B, Hk, G, rows, Sk]`` (None = all visible)."""
+    """Visibility of a row chunk, broadcastable to ``[B, Hk, G, rows, Sk]`` (None = all visible):
+    mask heads ``Hm`` in ``{1, Hk}`` broadcast over the group, ``Hm = Hq`` (``heads_k`` given,
+    ``Hm > heads_k``) split into ``[Hk, G]``."""
     if intervals is None:
         if not causal:
             return None
         rows = torch.arange(row_start, row_end, device=device).view(-1, 1)
         cols = torch.arange(seqlen_k, device=device).view(1, -1)
         return cols <= rows + (seqlen_k - seqlen_q)
-    return dense_rows(intervals, causal, row_start, row_end, seqlen_q).unsqueeze(2)
+    dense = dense_rows(intervals, causal, row_start, row_end, seqlen_q)
+    b, hm = dense.shape[:2]
+    if heads_k is not None and hm > heads_k:  # one mask per query head
+        return dense.view(b, heads_k, hm // heads_k, *dense.shape[2:])
+    return dense.unsqueeze(2)
 
 
 class _NonFinite(NamedTuple):
@@ -165,7 +172,7 @@ def reference_forward(
     step = _rows_per_chunk(b, hq, sk, chunk_size)
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
-        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device, hk)
         lo, hi = _key_range(visible, sk)
         if lo == hi:  # every row of the chunk is fully masked
             out[:, r0:r1] = 0
@@ -234,7 +241,7 @@ def reference_backward(
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
         rows = r1 - r0
-        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device)
+        visible = _visible(intervals, causal, r0, r1, sq, sk, q.device, hk)
         lo, hi = _key_range(visible, sk)
         if lo == hi:  # fully masked rows have zero gradients
             dq[:, r0:r1] = 0

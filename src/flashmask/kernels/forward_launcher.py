@@ -133,7 +133,10 @@ def forward(
     than four), so that its backward finds them prepared.
     """
     decode = decode or device_decode_config(q.shape[-1], q.device)
-    if not softcap and routing.use_decode(q, k, skip_tiles, decode):
+    # The split-KV kernels pack a key/value head's query heads into one program: one mask per
+    # query head (more mask heads than key/value heads) runs the training forward.
+    per_query_head = startend_row_indices is not None and startend_row_indices.shape[1] > k.shape[2]
+    if not softcap and not per_query_head and routing.use_decode(q, k, skip_tiles, decode):
         return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:
         return with_fitting_config(

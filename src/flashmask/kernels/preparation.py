@@ -274,7 +274,11 @@ def program_orders(
                     found[i] = hit[1]
     missing = [i for i, order in enumerate(found) if order is None]
     if missing:
-        computed = _launch_program_orders([requests[i] for i in missing])
+        pending = [_per_grid_head(*requests[i]) for i in missing]
+        if len({lists.counts.shape[:2] for lists, _, _ in pending}) == 1:
+            computed = _launch_program_orders(pending)
+        else:  # one mask per query head: the backward's counts were summed per kv head
+            computed = [_launch_program_orders([request])[0] for request in pending]
         for i, order in zip(missing, computed, strict=True):
             found[i] = order
         if caching:
@@ -284,6 +288,27 @@ def program_orders(
                 while len(_ORDERS) > ORDER_CAPACITY:
                     _ORDERS.popitem(last=False)
     return found
+
+
+def _per_grid_head(
+    lists: tiles.TileLists, grid_heads: int, reverse_tiles: bool
+) -> tuple[tiles.TileLists, int, bool]:
+    """``(lists, grid_heads, reverse_tiles)`` as the order kernel takes it: where there are more
+    mask heads than grid heads (one mask per query head, a grid over key/value heads whose
+    programs walk the lists of all the query heads of their group), each grid head's work is the
+    sum of its group's list lengths."""
+    batch, mask_heads, tiles_ = lists.counts.shape
+    if mask_heads <= grid_heads:
+        return lists, grid_heads, reverse_tiles
+    if mask_heads % grid_heads:
+        raise ValueError(f"{mask_heads} mask heads do not split into {grid_heads} grid heads")
+    group = mask_heads // grid_heads
+    summed = lists.counts.view(batch, grid_heads, group, tiles_).sum(2, dtype=torch.int32)
+    return (
+        tiles.TileLists(lists.entries, summed.contiguous(), lists.num_partial),
+        grid_heads,
+        (reverse_tiles),
+    )
 
 
 # Mask items counted per step of the order's sort (every program counts all of a mask's

@@ -1022,3 +1022,29 @@ def test_logit_cap_matches_reference(case, softcap):
     # The cap changes the result: the uncapped forward is farther from the capped reference.
     plain, _ = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale)
     assert (plain.double() - ref_out).abs().max() > (out.double() - ref_out).abs().max()
+
+
+# ---------------------------------------------------------------- one mask per query head
+PER_QUERY_HEAD_CASES = [
+    Case("causal-C1", 48, 64, 4, 2, 4, 40),
+    Case("noncausal-C4", 50, 50, 4, 1, 4, 16),
+    Case("noncausal-C2", 37, 50, 6, 2, 6, 64, batch=2),
+]
+
+
+@pytest.mark.parametrize("case", PER_QUERY_HEAD_CASES, ids=[c.id for c in PER_QUERY_HEAD_CASES])
+def test_one_mask_per_query_head_matches_reference(case):
+    """Mask heads = query heads (``Hm = Hq > Hk``, as Paddle now accepts): the forward reads
+    each query head's own mask, the dK/dV pass walks each query head's list of its group; and
+    the launch order of a grid over key/value heads sums its group's list lengths."""
+    x = make_inputs(case, torch.float16)
+    assert x.sri.shape[1] == case.heads_q > case.heads_k
+    actual = run_kernels(x, case.causal, deterministic=True)
+    check_against_reference(actual, x, case.causal, case.id)
+    _, (lists,) = preparation.prepare_cached(
+        x.sri, case.causal, case.seqlen_q, case.seqlen_k, case.batch, DEVICE, [(16, 16, False)]
+    )
+    order = preparation.program_order(lists, case.heads_k, False)
+    group = case.heads_q // case.heads_k
+    summed = lists.counts.view(case.batch, case.heads_k, group, -1).sum(2)
+    assert torch.equal(order.cpu(), tiles.program_order(summed.cpu(), case.heads_k, False))
