@@ -84,6 +84,12 @@ def _cases() -> list[Case]:
     cases += [Case("random_eviction", 4096, 4096, 8, 2, 128, True, mask_heads=2)]
     cases += [Case("causal_document", 4096, 4096, 8, 2, d, True) for d in (64, 256)]
     cases += [Case("causal", 4000, 4500, 8, 2, 128, True)]
+    # One mask per query head (Hm = Hq > Hk).
+    cases += [
+        Case("random", 1024, 1024, 8, 2, d, True, causal=causal, columns=columns, mask_heads=8)
+        for causal, columns in FORMS
+        for d in (128, 256)
+    ]
     return cases
 
 

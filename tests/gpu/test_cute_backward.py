@@ -70,6 +70,11 @@ def _cases() -> list[Case]:
     cases += [Case(name, 4096, 4096, 8, 2, 128, False) for name in many]
     cases += [Case("random_eviction", 4096, 4096, 8, 8, 128, False, mask_heads=8)]
     cases += [replace(Case("document", 2048, 2048, 16, 16, 128, False), batch=4)]
+    # One mask per query head (Hm = Hq > Hk).
+    cases += [
+        Case("random", 2048, 2048, 8, 2, 128, False, causal=causal, columns=columns, mask_heads=8)
+        for causal, columns in FORMS
+    ]
     return cases
 
 

@@ -131,6 +131,13 @@ def _shape_cases() -> list[Case]:
             for d in (128, 256):
                 for hq, hk in ((4, 4), (8, 2)):
                     cases.append(Case(name, sq, sk, hq, hk, d, hk == 4))
+    # One mask per query head (Hm = Hq > Hk): every kernel family, deterministic or not.
+    for d in (64, 128, 256):
+        for det in (True, False):
+            cases.append(Case("random", 1024, 1024, 8, 2, d, det, causal=True, columns=2,
+                              mask_heads=8))  # fmt: skip
+            cases.append(Case("random", 2048, 2048, 8, 2, d, det, causal=False, columns=4,
+                              mask_heads=8))  # fmt: skip
     # More (batch x head) programs than one grid axis may hold: heads and batch have axes of
     # their own, so this must run and be right.
     cases.append(Case("random", 16, 16, 16, 16, 64, True, causal=True, columns=1, batch=4100))
