@@ -81,7 +81,7 @@ def backward(
                 dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
                 deterministic, skip_tiles=skip_tiles, config=cfg, softcap=softcap,
             ),
-            q.device, q.shape[-1], startend_row_indices is not None,
+            q.device, max(q.shape[-1], v.shape[-1]), startend_row_indices is not None,
         )  # fmt: skip
     q, k, v, dout = (tensors.last_dim_contiguous(x) for x in (q, k, v, dout))
     d = q.shape[-1]
@@ -185,6 +185,10 @@ def _triton_backward(
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
         SOFTCAP=float(softcap),
+        # V's (and dO's, dV's) head dim, which may differ from Q's and K's.
+        HEAD_DIM_V=v.shape[-1],
+        BLOCK_DV=tensors.padded_head_dim(v.shape[-1]),
+        EVEN_DV=v.shape[-1] == tensors.padded_head_dim(v.shape[-1]),
     )
     block_d = tensors.padded_head_dim(d)
     qk_scale = softmax_scale * LOG2E_VALUE

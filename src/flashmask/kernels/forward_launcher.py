@@ -134,9 +134,11 @@ def forward(
     """
     decode = decode or device_decode_config(q.shape[-1], q.device)
     # The split-KV kernels pack a key/value head's query heads into one program: one mask per
-    # query head (more mask heads than key/value heads) runs the training forward.
+    # query head (more mask heads than key/value heads) runs the training forward, and so do a
+    # value head dim other than the query's and a logit cap, which they do not take.
     per_query_head = startend_row_indices is not None and startend_row_indices.shape[1] > k.shape[2]
-    if not softcap and not per_query_head and routing.use_decode(q, k, skip_tiles, decode):
+    plain = not softcap and not per_query_head and v.shape[-1] == q.shape[-1]
+    if plain and routing.use_decode(q, k, skip_tiles, decode):
         return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
     if config is None:
         return with_fitting_config(
@@ -145,7 +147,8 @@ def forward(
                 skip_tiles=skip_tiles, config=cfg, deterministic=deterministic, decode=decode,
                 softcap=softcap,
             ),
-            q.device, q.shape[-1], startend_row_indices is not None,
+            # The tiles of the larger head dim (Q/K's or V's) fit both.
+            q.device, max(q.shape[-1], v.shape[-1]), startend_row_indices is not None,
         )  # fmt: skip
     from flashmask.kernels.triton_kernels.forward import LOG2E_VALUE, flashmask_fwd_kernel
 
@@ -183,10 +186,13 @@ def forward(
         bounds = lists.counts  # never read without a mask
     tm, tn = lists.entries.shape[-2:]
     block_d = tensors.padded_head_dim(d)
-    out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
+    dv = v.shape[-1]
+    block_dv = tensors.padded_head_dim(dv)
+    out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     use_tma = (
-        config.fwd_tma
+        dv == d
+        and config.fwd_tma
         and tensors.tma_usable((q, k, v))
         and tensors.tma_tiles_safe(config.fwd_m, config.fwd_n, block_d)
     )
@@ -219,6 +225,9 @@ def forward(
         BLOCK_N=config.fwd_n,
         BLOCK_D=block_d,
         NUM_STAGES=config.fwd_stages,
+        HEAD_DIM_V=dv,
+        BLOCK_DV=block_dv,
+        EVEN_DV=dv == block_dv,
         num_warps=config.fwd_warps,
     )  # fmt: skip
     return out, lse

@@ -69,17 +69,15 @@ def device_supported(device: torch.device) -> bool:
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: fp16/bf16, ``D == Dv``, ``D % 8 == 0``, ``D <= 256``,
-    on a GPU of compute capability >= 8.0.
+    """Whether the kernels take these inputs: fp16/bf16, head dims ``D`` (of q and k) and
+    ``Dv`` (of v, equal or not: multi-head latent attention runs the Triton kernels) each a
+    multiple of 8 in ``[16, 256]``, on a GPU of compute capability >= 8.0.
 
     Other inputs (float32/float64, other head dims, older GPUs) run the exact reference instead.
     """
-    d = q.shape[-1]
     return (
         q.dtype in KERNEL_DTYPES
-        and v.shape[-1] == d
-        and d % 8 == 0
-        and 16 <= d <= MAX_HEAD_DIM
+        and all(x % 8 == 0 and 16 <= x <= MAX_HEAD_DIM for x in (q.shape[-1], v.shape[-1]))
         and device_supported(q.device)
     )
 

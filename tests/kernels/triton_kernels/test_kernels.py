@@ -1048,3 +1048,22 @@ def test_one_mask_per_query_head_matches_reference(case):
     group = case.heads_q // case.heads_k
     summed = lists.counts.view(case.batch, case.heads_k, group, -1).sum(2)
     assert torch.equal(order.cpu(), tiles.program_order(summed.cpu(), case.heads_k, False))
+
+
+# ----------------------------------------------------------- value head dim != query head dim
+@pytest.mark.parametrize(
+    ("form", "head_dim", "head_dim_v"),
+    [("causal-C1", 24, 16), ("noncausal-C4", 40, 64), ("nomask-causal", 48, 32),
+     ("nomask-full", 16, 24)],
+)  # fmt: skip
+def test_value_head_dim_other_than_the_query_s_matches_reference(form, head_dim, head_dim_v):
+    """``Dv != D`` (multi-head latent attention: q/k 192, v 128): out and dv take V's head dim,
+    dq and dk Q's; padded head dims on both sides, GQA, ragged lengths."""
+    case = Case(form, 37, 50, 4, 2, 2 if FORMS[form][1] else 1, head_dim)
+    x = make_inputs(case, torch.float16)
+    gen = torch.Generator().manual_seed(_seed(case.id, head_dim_v))
+    x.v = torch.randn(1, 50, 2, head_dim_v, generator=gen).to(DEVICE, torch.float16)
+    x.dout = torch.randn(1, 37, 4, head_dim_v, generator=gen).to(DEVICE, torch.float16)
+    actual = run_kernels(x, case.causal, deterministic=True)
+    assert actual[0].shape[-1] == head_dim_v and actual[4].shape[-1] == head_dim_v
+    check_against_reference(actual, x, case.causal, f"{case.id}-dv{head_dim_v}")

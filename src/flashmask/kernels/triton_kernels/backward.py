@@ -44,7 +44,7 @@ def _load_lse_log2(Lse, offs, row_ok):
 @triton.jit
 def _dkdv_tile(
     k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-    offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
+    offs_m0, offs_d, d_ok, offs_dv, dv_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
@@ -52,6 +52,7 @@ def _dkdv_tile(
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    EVEN_DV: tl.constexpr,
 ):  # fmt: skip
     """Add query tile ``m_tile``'s contribution to this key tile's ``(dk, dv)``."""
     offs_m = m_tile * offs_m0.shape[0] + offs_m0
@@ -74,8 +75,8 @@ def _dkdv_tile(
         )
         pT = tl.where(hidden, 0.0, pT)
     do = load_tile(
-        do_base + offs_m[:, None] * stride_dos + offs_d[None, :],
-        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+        do_base + offs_m[:, None] * stride_dos + offs_dv[None, :],
+        row_ok[:, None], dv_ok[None, :], EVEN_M, EVEN_DV,
     )  # fmt: skip
     dv += tl.dot(pT.to(do.dtype), do)
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
@@ -110,6 +111,9 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dK and dV of key tile ``n_tile`` of (batch ``b``, kv head ``h_kv``)."""
@@ -119,16 +123,18 @@ def _dkdv_program(
     offs_m0 = tl.arange(0, BLOCK_M)
     col_ok = offs_n[:, None] < seqlen_k
     d_ok = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     k = load_tile(
         K + b64 * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
         col_ok, d_ok[None, :], EVEN_N, EVEN_D,
     )  # fmt: skip
     v = load_tile(
-        V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-        col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+        V + b64 * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+        col_ok, dv_ok[None, :], EVEN_N, EVEN_DV,
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     cols = offs_n[:, None]
 
     for g in range(0, heads_per_kv):
@@ -148,15 +154,16 @@ def _dkdv_program(
             m_tile = tl.load(entries + it)
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_M, EVEN_D, SOFTCAP,
+                offs_m0, offs_d, d_ok, offs_dv, dv_ok, stride_qs, stride_dos, seqlen_q, seqlen_k,
+                qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_M, EVEN_D, SOFTCAP, EVEN_DV,
             )  # fmt: skip
         for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
             m_tile = -tl.load(entries + it) - 1
             dk, dv = _dkdv_tile(
                 k, v, dk, dv, m_tile, cols, q_base, do_base, Lse, Delta, row_base, bounds_ptr,
-                offs_m0, offs_d, d_ok, stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale,
-                CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_D, SOFTCAP,
+                offs_m0, offs_d, d_ok, offs_dv, dv_ok, stride_qs, stride_dos, seqlen_q, seqlen_k,
+                qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_D, SOFTCAP,
+                EVEN_DV,
             )  # fmt: skip
 
     dk = dk * softmax_scale
@@ -165,15 +172,15 @@ def _dkdv_program(
         dk.to(DK.dtype.element_ty), col_ok, d_ok[None, :], EVEN_N, EVEN_D,
     )  # fmt: skip
     store_tile(
-        DV + b64 * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-        dv.to(DV.dtype.element_ty), col_ok, d_ok[None, :], EVEN_N, EVEN_D,
+        DV + b64 * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :],
+        dv.to(DV.dtype.element_ty), col_ok, dv_ok[None, :], EVEN_N, EVEN_DV,
     )  # fmt: skip
 
 
 @triton.jit
 def _dq_tile(
     q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
-    offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
+    offs_n0, offs_d, d_ok, offs_dv, dv_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_UPPER: tl.constexpr,
@@ -181,6 +188,7 @@ def _dq_tile(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    EVEN_DV: tl.constexpr,
 ):  # fmt: skip
     """Add key tile ``n_tile``'s contribution to this query tile's (unscaled) ``dq``."""
     block_n: tl.constexpr = offs_n0.shape[0]
@@ -191,8 +199,8 @@ def _dq_tile(
         d_ok[:, None], col_ok, EVEN_D, EVEN_N,
     )  # fmt: skip
     vT = load_tile(
-        v_base + offs_n[None, :] * stride_vs + offs_d[:, None],
-        d_ok[:, None], col_ok, EVEN_D, EVEN_N,
+        v_base + offs_n[None, :] * stride_vs + offs_dv[:, None],
+        dv_ok[:, None], col_ok, EVEN_DV, EVEN_N,
     )  # fmt: skip
     if SOFTCAP > 0:
         t = capped_tanh(tl.dot(q, kT), qk_scale, SOFTCAP)
@@ -234,6 +242,9 @@ def _dq_program(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dQ of query tile ``m_tile`` of (batch ``b``, query head ``h``)."""
@@ -247,13 +258,15 @@ def _dq_program(
     offs_n0 = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
     q = load_tile(
         Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
         row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
     )  # fmt: skip
     do = load_tile(
-        DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-        row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D,
+        DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+        row_ok[:, None], dv_ok[None, :], EVEN_M, EVEN_DV,
     )  # fmt: skip
     row_base = bh.to(tl.int64) * seqlen_q
     lse = _load_lse_log2(Lse, row_base + offs_m, row_ok)
@@ -274,15 +287,16 @@ def _dq_program(
         n_tile = tl.load(entries + it)
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
-            offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, SOFTCAP,
+            offs_n0, offs_d, d_ok, offs_dv, dv_ok, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, True, EVEN_N, EVEN_D, SOFTCAP, EVEN_DV,
         )  # fmt: skip
     for it in tl.range(num_partial, count, num_stages=NUM_STAGES):
         n_tile = -tl.load(entries + it) - 1
         dq = _dq_tile(
             q, do, dq, lse, delta, n_tile, rows, k_base, v_base, bounds_ptr,
-            offs_n0, offs_d, d_ok, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale,
-            CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, SOFTCAP,
+            offs_n0, offs_d, d_ok, offs_dv, dv_ok, stride_ks, stride_vs, seqlen_q, seqlen_k,
+            qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_N, EVEN_D, SOFTCAP,
+            EVEN_DV,
         )  # fmt: skip
 
     dq = dq * softmax_scale
@@ -314,6 +328,9 @@ def flashmask_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dK/dV pass alone; grid ``(key tiles, kv heads, batch)``."""
@@ -327,7 +344,7 @@ def flashmask_bwd_dkdv_kernel(
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
         num_mask_heads, num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N,
-        EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, SOFTCAP,
+        EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, HEAD_DIM_V, BLOCK_DV, EVEN_DV, SOFTCAP,
     )  # fmt: skip
 
 
@@ -352,6 +369,9 @@ def flashmask_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """dQ pass alone; grid ``(query tiles, query heads, batch)``, heaviest tiles first."""
@@ -364,7 +384,7 @@ def flashmask_bwd_dq_kernel(
         seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
         num_m_tiles, num_n_tiles, head_dim, qk_scale, softmax_scale,
         CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, EVEN_M, EVEN_N, EVEN_D,
-        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, SOFTCAP,
+        BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, HEAD_DIM_V, BLOCK_DV, EVEN_DV, SOFTCAP,
     )  # fmt: skip
 
 
@@ -398,6 +418,9 @@ def flashmask_bwd_fused_kernel(
     Q_BLOCK_N: tl.constexpr,
     Q_STAGES: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Both backward passes in one launch; grid ``(key tiles + G * query tiles, kv heads, batch)``.
@@ -420,7 +443,7 @@ def flashmask_bwd_fused_kernel(
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head,
             num_mask_heads, kv_num_m_tiles, kv_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, KV_EVEN_M, KV_EVEN_N, EVEN_D,
-            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES, SOFTCAP,
+            KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, KV_STAGES, HEAD_DIM_V, BLOCK_DV, EVEN_DV, SOFTCAP,
         )  # fmt: skip
     else:
         r = pid - kv_num_n_tiles
@@ -435,7 +458,7 @@ def flashmask_bwd_fused_kernel(
             seqlen_q, seqlen_k, num_heads_q, heads_per_kv, heads_per_mask_head, num_mask_heads,
             q_num_m_tiles, q_num_n_tiles, head_dim, qk_scale, softmax_scale,
             CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, Q_EVEN_M, Q_EVEN_N, EVEN_D,
-            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES, SOFTCAP,
+            Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, Q_STAGES, HEAD_DIM_V, BLOCK_DV, EVEN_DV, SOFTCAP,
         )  # fmt: skip
 
 

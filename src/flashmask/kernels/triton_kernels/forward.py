@@ -132,9 +132,14 @@ def flashmask_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
-    """``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
+    """``HEAD_DIM_V`` (``BLOCK_DV`` padded, ``EVEN_DV`` unpadded): V's and the output's head dim,
+    which may differ from Q's and K's (multi-head latent attention); ``USE_TMA`` only when they
+    agree. ``USE_TMA``: Q, K and V tiles come through the TMA descriptors ``Desc*`` (Hopper's bulk
     copies, no per-thread address arithmetic) instead of pointer loads; same values.
     ``ORDERED``: programs run in the order ``ProgramOrder`` gives (:func:`launched_program`).
     ``SOFTCAP > 0``: Gemma's logit cap on the scaled scores (with ``POSITIVE_SCALE`` off)."""
@@ -151,6 +156,8 @@ def flashmask_fwd_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q
     d_ok = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
 
     if USE_TMA:
         q = load_rows_tma(DescQ, b, m_tile * BLOCK_M, h, BLOCK_M, BLOCK_D)
@@ -167,7 +174,7 @@ def flashmask_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     rows = offs_m[:, None]
 
     # One loop over the list (partial tiles first, then unmasked ones) with the mask under a
@@ -220,21 +227,23 @@ def flashmask_fwd_kernel(
             p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
-            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_D)
+            v = load_rows_tma(DescV, b, n_tile * BLOCK_N, h_kv, BLOCK_N, BLOCK_DV)
         else:
             v = load_tile(
-                v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                v_base + offs_n[:, None] * stride_vs + offs_dv[None, :],
                 col_ok[:, None],
-                d_ok[None, :],
+                dv_ok[None, :],
                 EVEN_N,
-                EVEN_D,
+                EVEN_DV,
             )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     visible = l_i > 0
     acc = acc / tl.where(visible, l_i, 1.0)[:, None]
-    o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), row_ok[:, None], d_ok[None, :], EVEN_M, EVEN_D)
+    o_ptrs = Out + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :]
+    store_tile(
+        o_ptrs, acc.to(Out.dtype.element_ty), row_ok[:, None], dv_ok[None, :], EVEN_M, EVEN_DV
+    )
     lse = tl.where(visible, (m_i + tl.math.log2(tl.where(visible, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(Lse + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=row_ok)
