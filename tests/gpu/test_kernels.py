@@ -89,6 +89,7 @@ class Case:
     mask_heads: int = 1
     batch: int = BATCH
     gluon_everywhere: bool = False
+    dv: int | None = None  # V's head dim where it differs from Q's (multi-head latent attention)
 
     @property
     def id(self) -> str:
@@ -97,7 +98,7 @@ class Case:
             label = f"random-causal{int(self.causal)}-C{self.columns}-Hm{self.mask_heads}"
         dtype = str(self.dtype).removeprefix("torch.")
         text = f"{label}-{self.sq}x{self.sk}-B{self.batch}-H{self.hq}:{self.hk}-D{self.d}-{dtype}"
-        text += f"-det{int(self.deterministic)}"
+        text += f"-det{int(self.deterministic)}" + (f"-Dv{self.dv}" if self.dv else "")
         return text + ("-gluon" if self.gluon_everywhere else "")
 
 
@@ -131,6 +132,11 @@ def _shape_cases() -> list[Case]:
             for d in (128, 256):
                 for hq, hk in ((4, 4), (8, 2)):
                     cases.append(Case(name, sq, sk, hq, hk, d, hk == 4))
+    # Multi-head latent attention's head dims (q/k 192, v 128) and the reverse, on the Triton
+    # kernels, with and without a mask.
+    for d, dv in ((192, 128), (64, 128)):
+        cases.append(Case("random", 1000, 1100, 8, 2, d, True, causal=True, columns=1, dv=dv))
+        cases.append(Case("causal", 1024, 1024, 8, 8, d, False, dv=dv))
     # One mask per query head (Hm = Hq > Hk): every kernel family, deterministic or not.
     for d in (64, 128, 256):
         for det in (True, False):
@@ -201,12 +207,13 @@ def make_inputs(case: Case) -> Inputs:
     cpu = torch.Generator().manual_seed(seed)
     gpu = torch.Generator(device="cuda").manual_seed(seed)
 
-    def randn(s: int, h: int) -> torch.Tensor:
-        shape = (case.batch, s, h, case.d)
+    def randn(s: int, h: int, d: int = case.d) -> torch.Tensor:
+        shape = (case.batch, s, h, d)
         return torch.randn(shape, generator=gpu, device="cuda", dtype=case.dtype)
 
-    q, dout = randn(case.sq, case.hq), randn(case.sq, case.hq)
-    k, v = randn(case.sk, case.hk), randn(case.sk, case.hk)
+    dv = case.dv or case.d
+    q, dout = randn(case.sq, case.hq), randn(case.sq, case.hq, dv)
+    k, v = randn(case.sk, case.hk), randn(case.sk, case.hk, dv)
     if case.mask in UNMASKED:
         causal = case.mask == "causal"
         rows = torch.arange(case.sq, device="cuda").view(-1, 1)
