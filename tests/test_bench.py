@@ -128,6 +128,17 @@ def test_impls_the_bench_cannot_run_are_refused(monkeypatch, capsys, impls, mess
     assert message in capsys.readouterr().err
 
 
+def test_the_feature_rows_are_known_implementations(capsys):
+    """flashmask_sinks and flashmask_softcap pass the --impls check (and then need a GPU)."""
+    from flashmask import bench
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the call would run the benchmark")
+    assert bench.main(["--impls", "flashmask,flashmask_sinks,flashmask_softcap"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown implementation" not in err and "needs a CUDA GPU" in err
+
+
 def test_markdown_marks_an_implementation_that_ran_out_of_memory():
     """An OOM row (e.g. Flex's create_block_mask at 128K) keeps its place in the table, says
     so, and leaves the others' speed-up column empty rather than dividing by nothing."""

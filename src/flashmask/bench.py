@@ -37,8 +37,11 @@ from flashmask.mask import FlashMask
 __all__ = ["main", "visible_flop", "visible_pairs"]
 
 
-# The implementations `flashmask bench --impls` knows.
-IMPLS = ("flashmask", "flex", "sdpa", "fm4")
+# The implementations `flashmask bench --impls` knows: flashmask_sinks and flashmask_softcap are
+# flashmask with learnable sinks (one random logit per head, their gradient included) and with a
+# logit cap of SOFTCAP, timed beside the plain flashmask row to price each feature.
+IMPLS = ("flashmask", "flex", "sdpa", "fm4", "flashmask_sinks", "flashmask_softcap")
+SOFTCAP = 30.0
 
 
 def visible_pairs(
@@ -351,7 +354,8 @@ def run_case(
 
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
-    def run_flashmask() -> None:
+    def run_flashmask(impl: str = "flashmask", **features) -> None:
+        """One flashmask row; ``features``: ``sinks`` or ``softcap`` for the feature rows."""
         from flashmask.kernels import clear_prepared, device_shared_memory, tile_config
         from flashmask.kernels.forward_launcher import plan_forward, prepare_plan
 
@@ -362,7 +366,12 @@ def run_case(
         # What one forward + backward of a new mask prepares, as the launchers do it (the lists
         # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
         # and the backward's in one call, then the launch orders in one launch.
-        plan = plan_forward(q, k, v, sri, causal, head_dim**-0.5, False, cfg)
+        plan = plan_forward(
+            q, k, v, sri, causal, head_dim**-0.5, False, cfg,
+            softcap=features.get("softcap", 0.0),
+        )  # fmt: skip
+        sinks = features.get("sinks")
+        grads_of = (qg, kg, vg) if sinks is None else (qg, kg, vg, sinks)
 
         def prep():
             clear_prepared()
@@ -372,13 +381,14 @@ def run_case(
         # the backward reuse it: kernels.prepare_cached); the cache is cleared before each.
         def fm_fwd():
             clear_prepared()
-            return flashmask_attention(qg, kg, vg, mask, causal=causal)
+            return flashmask_attention(qg, kg, vg, mask, causal=causal, **features)
 
         def fm_total():
             clear_prepared()
-            input_gradients(flashmask_attention(qg, kg, vg, mask, causal=causal), (qg, kg, vg), do)
+            out = flashmask_attention(qg, kg, vg, mask, causal=causal, **features)
+            input_gradients(out, grads_of, do)
 
-        row = finish(base("flashmask"), fm_fwd, fm_total)
+        row = finish(base(impl), fm_fwd, fm_total)
         row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
         row.mask_prep_gpu_ms = _gpu_time(prep)
         rows.append(row)
@@ -461,7 +471,18 @@ def run_case(
         except Exception as exc:  # a form or head dim the peer refuses costs only its row
             rows.append(replace(base("fm4"), note=f"error: {type(exc).__name__}: {exc}"[:160]))
 
-    runners = {"flashmask": run_flashmask, "flex": run_flex, "sdpa": run_sdpa, "fm4": run_fm4}
+    def run_sinks() -> None:
+        sinks = torch.randn(heads, device=device).requires_grad_()
+        run_flashmask("flashmask_sinks", sinks=sinks)
+
+    runners = {
+        "flashmask": run_flashmask,
+        "flex": run_flex,
+        "sdpa": run_sdpa,
+        "fm4": run_fm4,
+        "flashmask_sinks": run_sinks,
+        "flashmask_softcap": lambda: run_flashmask("flashmask_softcap", softcap=SOFTCAP),
+    }
     for impl, run in runners.items():
         if impl not in impls:
             continue
@@ -632,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated implementations to time: flashmask, flex, sdpa (sdpa includes "
         "SDPA with a dense mask where it fits --dense-limit-gb), fm4 (FlashMask-4 through "
-        "fm4_torch, when importable) (flashmask,flex,sdpa, and fm4 when importable)",
+        "fm4_torch, when importable), flashmask_sinks and flashmask_softcap (flashmask with "
+        "learnable sinks / a logit cap of 30, to price them) (flashmask,flex,sdpa, and fm4 when "
+        "importable)",
     )
     parser.add_argument(
         "--rep-ms",
