@@ -26,8 +26,9 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def one_by_one(q, k, v, lengths_q, lengths_k, causal):
-    """Each segment alone through flashmask_attention (bottom-right causal), concatenated."""
+def one_by_one(q, k, v, lengths_q, lengths_k, causal, window_size=None):
+    """Each segment alone through flashmask_attention (bottom-right causal, ``window_size`` as
+    there), concatenated."""
     outs, lses = [], []
     cq, ck = cumulative(lengths_q).tolist(), cumulative(lengths_k).tolist()
     for r in range(len(lengths_q)):
@@ -35,7 +36,7 @@ def one_by_one(q, k, v, lengths_q, lengths_k, causal):
             continue
         out, lse = flashmask.flashmask_attention(
             q[None, cq[r] : cq[r + 1]], k[None, ck[r] : ck[r + 1]], v[None, ck[r] : ck[r + 1]],
-            causal=causal, return_softmax_lse=True,
+            causal=causal, window_size=window_size, return_softmax_lse=True,
         )  # fmt: skip
         outs.append(out[0])
         lses.append(lse[0])
@@ -71,6 +72,24 @@ def test_each_segment_attends_as_if_alone(lengths_q, lengths_k, causal):
     ref = torch.autograd.grad((ref_out * dout).sum(), (q, k, v))
     for got, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window_size", [2, (3, 1), (-1, 2), (1, -1)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("lengths_q", "lengths_k"), [([5, 8], None), ([4, 3], [9, 6])])
+def test_a_window_applies_within_each_segment(lengths_q, lengths_k, causal, window_size):
+    """``window_size`` around each query's position in its own segment, as each segment alone
+    with the same ``window_size`` (bottom-right aligned where there are more keys)."""
+    same = lengths_k is None
+    lengths_k = lengths_q if same else lengths_k
+    q = packed(lengths_q, HQ, D, 20)
+    k, v = packed(lengths_k, HK, D, 21), packed(lengths_k, HK, DV, 22)
+    out = flashmask_varlen_attention(
+        q, k, v, cumulative(lengths_q), None if same else cumulative(lengths_k), causal=causal,
+        window_size=window_size,
+    )  # fmt: skip
+    want, _ = one_by_one(q, k, v, lengths_q, lengths_k, causal, window_size)
+    torch.testing.assert_close(out, want)
 
 
 def test_padding_past_the_last_boundary_sees_and_is_seen_by_nothing():
@@ -147,6 +166,8 @@ def test_the_valid_call_used_by_the_error_tests_runs():
         ({"max_seqlen_q": 2.5}, TypeError, "max_seqlen_q must be a non-negative int"),
         ({"mask": torch.zeros(1, 7, 2, dtype=torch.int32)}, TypeError, "mask must be a FlashMask"),
         ({"causal": 1}, TypeError, "causal must be a bool"),
+        ({"window_size": (1, 2, 3)}, TypeError, "window_size must be an int or a"),
+        ({"window_size": -2}, ValueError, "window_size entries must be >= -1"),
     ],
 )
 def test_invalid_arguments_raise_an_error_naming_the_argument(overrides, error, match):

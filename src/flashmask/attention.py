@@ -162,20 +162,9 @@ def _fold_sinks(
     return scaled.to(out.dtype), total
 
 
-def window_mask_indices(
-    window_size: int | tuple[int, int],
-    seqlen_q: int,
-    seqlen_k: int,
-    *,
-    causal: bool,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Paddle's ``window_size`` conversion, generalised to bottom-right alignment: int32
-    ``[1, 1, Sk, C]`` (C = 1 when causal, else 2).
-
-    Query ``i`` sees keys ``[i' - left, i' + right]`` with ``i' = i + Sk - Sq``; ``-1`` leaves a
-    side unbounded.
-    """
+def window_sides(window_size: object) -> tuple[int, int]:
+    """``(left, right)`` of a ``window_size`` (``w`` or ``(left, right)``, ``-1``: unbounded),
+    checked."""
     if isinstance(window_size, bool):
         raise TypeError("window_size must be an int or a (left, right) pair of ints")
     if isinstance(window_size, int):
@@ -191,6 +180,24 @@ def window_mask_indices(
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
+    return left, right
+
+
+def window_mask_indices(
+    window_size: int | tuple[int, int],
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Paddle's ``window_size`` conversion, generalised to bottom-right alignment: int32
+    ``[1, 1, Sk, C]`` (C = 1 when causal, else 2).
+
+    Query ``i`` sees keys ``[i' - left, i' + right]`` with ``i' = i + Sk - Sq``; ``-1`` leaves a
+    side unbounded.
+    """
+    left, right = window_sides(window_size)
     offset = seqlen_k - seqlen_q
     cols = torch.arange(seqlen_k, device=device, dtype=torch.int64)
     # Key j is visible to rows i with j - right <= i + offset <= j + left.

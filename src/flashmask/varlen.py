@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmask.attention import flashmask_attention
+from flashmask.attention import flashmask_attention, window_sides
 from flashmask.mask import FlashMask, intersect
 
 __all__ = ["flashmask_varlen_attention", "segment_mask"]
@@ -101,12 +101,16 @@ def segment_mask(
     total_k: int,
     *,
     causal: bool,
+    window_size: int | tuple[int, int] | None = None,
 ) -> FlashMask:
     """The FlashMask ``[1, 1, total_k, C]`` over packed tokens under which each segment's
     queries see only its own keys (causally, with each segment's last query at its last key,
     when ``causal``). ``cu_seqlens_k=None``: the keys are the query tokens themselves (then
     ``total_k == total_q``), and a causal mask takes the one-interval causal form. Tokens past
-    the last boundary are padding: no query sees those keys, and those queries see no key."""
+    the last boundary are padding: no query sees those keys, and those queries see no key.
+    ``window_size`` (``w`` or ``(left, right)``, ``-1``: unbounded) also limits each query to
+    the keys ``[i' - left, i' + right]`` around its own position ``i'`` in its segment, as
+    :func:`flashmask.flashmask_attention`'s ``window_size`` does for one sequence."""
     cu_q = cumulative_lengths(cu_seqlens_q, "cu_seqlens_q")
     same = cu_seqlens_k is None
     if same and total_q != total_k:
@@ -116,6 +120,13 @@ def segment_mask(
         )
     cu_k = cu_q if same else cumulative_lengths(cu_seqlens_k, "cu_seqlens_k").to(cu_q.device)
     lts, ute, anchor = segment_bounds(cu_q, cu_k, total_q, total_k)
+    if window_size is not None:
+        left, right = window_sides(window_size)
+        # Key j (at query row anchor_j) is visible to rows anchor_j - right .. anchor_j + left.
+        if left >= 0:
+            lts = torch.minimum(lts, anchor + left + 1)
+        if right >= 0 and not causal:
+            ute = torch.maximum(ute, anchor - right)
     if causal and same:
         # Every key's anchor is the key itself: the packed axis' own diagonal.
         return column_mask(lts, ute, True, total_q)
@@ -136,6 +147,7 @@ def flashmask_varlen_attention(
     max_seqlen_k: int | None = None,
     *,
     causal: bool = False,
+    window_size: int | tuple[int, int] | None = None,
     mask: FlashMask | None = None,
     softmax_scale: float | None = None,
     return_softmax_lse: bool = False,
@@ -158,6 +170,9 @@ def flashmask_varlen_attention(
         causal: causal within each segment, bottom-right aligned (a segment's last query sees
             its last key; with more keys than queries, as in chunked prefill, the earlier keys
             are its cache).
+        window_size: ``w`` or ``(left, right)`` (``-1``: unbounded): each query sees only the
+            keys ``[i' - left, i' + right]`` around its position ``i'`` in its segment
+            (``right`` is ignored when causal), as in flash-attn's varlen call.
         mask: an optional :class:`FlashMask` over the packed axis (``[1, Hm, Tk, C]``, built
             for ``Tq`` queries), intersected with the segments': a query sees a key only where
             both allow (e.g. a sliding window or a shared prompt inside the packing).
@@ -201,7 +216,7 @@ def flashmask_varlen_attention(
     total_q, total_k = query.shape[0], key.shape[0]
     cu_q = cu_seqlens_q.to(query.device)
     cu_k = None if cu_seqlens_k is None else cu_seqlens_k.to(query.device)
-    packed = segment_mask(cu_q, cu_k, total_q, total_k, causal=causal)
+    packed = segment_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window_size)
     if mask is not None:
         packed = intersect(packed, mask, seqlen_q=total_q)
     result = flashmask_attention(
