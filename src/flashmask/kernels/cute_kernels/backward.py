@@ -52,6 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from flashmask.kernels.cute_kernels.forward import (
     LOG2E,
     WARPGROUP_THREADS,
+    grid_position,
     probabilities_layout,
     row_col_view,
 )
@@ -308,9 +309,7 @@ class HopperBackward:
         n_tile, h_kv, b = cute.arch.block_idx()
         if cutlass.const_expr(self.v.ordered):
             item = mOrder[n_tile + num_n_tiles * (h_kv + num_kv_heads * b)]
-            n_tile = item % num_n_tiles
-            h_kv = (item // num_n_tiles) % num_kv_heads
-            b = item // (num_n_tiles * num_kv_heads)
+            n_tile, h_kv, b = grid_position(item, num_n_tiles, num_kv_heads)
 
         if warp == 0 and cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_init(kv_full, 1)

@@ -114,6 +114,12 @@ def consumer_state(stages: int, n) -> pipeline.PipelineState:
     return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2)
 
 
+def grid_position(item, tiles, heads) -> tuple:
+    """``(tile, head, batch)`` of linear work item ``item`` of a ``(tiles, heads, batch)`` grid,
+    tiles fastest (how a launch order names programs)."""
+    return item % tiles, (item // tiles) % heads, item // (tiles * heads)
+
+
 @dataclass(frozen=True)
 class WorkItems:
     """A persistent launch's work items, one per (query tile, query head, batch): ``num_items``
@@ -307,9 +313,7 @@ class HopperForward:
         p, h, b = cute.arch.block_idx()
         if cutlass.const_expr(self.v.ordered):
             item = mOrder[p + num_m_tiles * (h + num_heads * b)]
-            p = item % num_m_tiles
-            h = (item // num_m_tiles) % num_heads
-            b = item // (num_m_tiles * num_heads)
+            p, h, b = grid_position(item, num_m_tiles, num_heads)
         m_tile = num_m_tiles - 1 - p
         mask_head = h // heads_per_mask_head
         count = mCounts[b, mask_head, m_tile]
@@ -508,9 +512,7 @@ class HopperForward:
         item = w
         if cutlass.const_expr(self.v.ordered):
             item = mOrder[w]
-        p = item % work.num_m_tiles
-        h = (item // work.num_m_tiles) % work.num_heads
-        b = item // (work.num_m_tiles * work.num_heads)
+        p, h, b = grid_position(item, work.num_m_tiles, work.num_heads)
         return work.num_m_tiles - 1 - p, h, b
 
     @cute.jit
