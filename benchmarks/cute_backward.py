@@ -22,6 +22,9 @@ import argparse
 import json
 from pathlib import Path
 
+# Run as a script, this file's folder is on sys.path, and its tests put it there.
+from cute_forward import comparison_columns
+
 SEQLENS = (8192, 32768)
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
 BACKWARD_FLOP = 2.5  # a backward's matmul work over its forward's
@@ -129,15 +132,8 @@ def render(meta: dict, cells: list[dict]) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def rate(cell, impl):
-        return cell.get(impl, {}).get("tflops")
-
     for c in cells:
-        cu, gl, f4 = rate(c, "cute"), rate(c, "gluon"), rate(c, "fm4")
-        row = [f"{x:.0f}" if x else "—" for x in (cu, gl, f4)]
-        row += [f"{cu / x:.2f}" if cu and x else "—" for x in (gl, f4)]
-        diff = c.get("max_diff")
-        row.append(f"{diff:.3g}" if isinstance(diff, float) else "error")
+        row = comparison_columns(c, ("gluon", "fm4"))
         lines.append(f"| {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

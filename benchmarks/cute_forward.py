@@ -187,17 +187,22 @@ def render(meta: dict, cells: list[dict]) -> str:
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def rate(cell, impl):
-        return cell.get(impl, {}).get("tflops")
-
     for c in cells:
-        cu, ro, f4 = rate(c, "cute"), rate(c, "routed"), rate(c, "fm4")
-        row = [f"{x:.0f}" if x else "—" for x in (cu, ro, f4)]
-        row += [f"{cu / x:.2f}" if cu and x else "—" for x in (ro, f4)]
-        diff = c.get("max_diff")
-        row.append(f"{diff:.3g}" if isinstance(diff, float) else "error")
+        row = comparison_columns(c, ("routed", "fm4"))
         lines.append(f"| {c['d']} | {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def comparison_columns(cell: dict, peers: tuple[str, str]) -> list[str]:
+    """A table row's columns for one cell: TFLOP/s of ``cute`` and the two ``peers`` (a dash
+    where one did not run), ``cute``'s ratio to each, and the largest output difference
+    (``error`` where it could not be taken). Shared with ``cute_backward.py``."""
+    cute, *others = (cell.get(impl, {}).get("tflops") for impl in ("cute", *peers))
+    row = [f"{x:.0f}" if x else "—" for x in (cute, *others)]
+    row += [f"{cute / x:.2f}" if cute and x else "—" for x in others]
+    diff = cell.get("max_diff")
+    row.append(f"{diff:.3g}" if isinstance(diff, float) else "error")
+    return row
 
 
 def main() -> None:
