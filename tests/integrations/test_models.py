@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from tests.integrations.tiny import (
     KINDS,
     assert_results_close,
-    run,
+    compare,
     tiny_model,
     variant,
 )
@@ -36,22 +36,11 @@ def model_of(kind: str):
     return model
 
 
-def compare(model, inputs: dict, *, real: torch.Tensor | None = None, ctx: str = "") -> None:
-    """flashmask in float32 against eager in float64 (truth) and float32 (yardstick)."""
-    results = [
-        run(variant(model, attn, dtype), inputs)
-        for attn, dtype in (("flashmask", F32), ("eager", F64), ("eager", F32))
-    ]
-    if real is not None:
-        for result in results:
-            result["logits"] = result["logits"][real]
-    assert_results_close(*results, context=ctx)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_plain_batch_trains_as_with_eager_attention(kind):
     g = torch.Generator().manual_seed(2)
-    compare(model_of(kind), {"input_ids": torch.randint(1, 256, (2, 16), generator=g)}, ctx=kind)
+    inputs = {"input_ids": torch.randint(1, 256, (2, 16), generator=g)}
+    compare(model_of(kind), inputs, "eager", inputs, ctx=kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)

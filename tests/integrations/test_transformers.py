@@ -23,6 +23,7 @@ from flashmask.integrations import transformers as fm_transformers  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     additive,
     assert_results_close,
+    compare,
     run,
     tiny_model,
     token_losses,
@@ -42,23 +43,6 @@ def _packed_inputs(doc_lens: list[list[int]], seed: int = 0) -> dict[str, torch.
     )
     labels = input_ids.masked_fill(position_ids == 0, -100)
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
-
-
-def _compare(model, inputs_fm: dict, ref_attn: str, inputs_ref: dict, *, real=None, ctx=""):
-    """flashmask float32 vs ``ref_attn`` float64 (truth) and float32 (yardstick); ``real``
-    ``[B, S]`` bool selects the logits compared (padded rows differ by design)."""
-    results = [
-        run(variant(model, attn, dtype), inputs)
-        for attn, dtype, inputs in (
-            ("flashmask", F32, inputs_fm),
-            (ref_attn, F64, inputs_ref),
-            (ref_attn, F32, inputs_ref),
-        )
-    ]
-    if real is not None:
-        for result in results:
-            result["logits"] = result["logits"][real]
-    assert_results_close(*results, context=ctx)
 
 
 # ---------------------------------------------------------------------- registration
@@ -202,7 +186,7 @@ def test_gpt_oss_with_learnable_sinks_trains_like_eager():
             layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(2)
     inputs = {"input_ids": torch.randint(1, 256, (2, 16), generator=g)}
-    _compare(model, inputs, "eager", inputs, ctx="gpt_oss")
+    compare(model, inputs, "eager", inputs, ctx="gpt_oss")
     result = run(variant(model, "flashmask", F32), inputs)
     assert any(name.endswith("sinks") for name in result if name.startswith("grad:"))
 
@@ -217,7 +201,7 @@ def test_gemma2_with_logit_softcapping_trains_like_eager():
             layer.self_attn.k_proj.weight.mul_(25.0)
     g = torch.Generator().manual_seed(5)
     inputs = {"input_ids": torch.randint(1, 256, (2, 16), generator=g)}
-    _compare(model, inputs, "eager", inputs, ctx="gemma2")
+    compare(model, inputs, "eager", inputs, ctx="gemma2")
 
 
 def test_gpt_oss_greedy_generation_with_left_padding_matches_eager():
@@ -246,7 +230,7 @@ def test_packed_position_ids_match_sdpa_packing(kind):
     """TRL padding-free batches (position ids only): same as transformers' own packing path."""
     model = tiny_model(kind)
     inputs = _packed_inputs([[7, 12, 5, 8], [20, 12]], seed=1)
-    _compare(model, inputs, "sdpa", inputs, ctx=kind)
+    compare(model, inputs, "sdpa", inputs, ctx=kind)
 
 
 def test_packed_position_ids_match_eager_with_dense_mask():
@@ -321,7 +305,7 @@ def test_cu_seq_lens_from_hf_flattening_collator():
         "labels": batch["labels"],
         "attention_mask": dense,
     }
-    _compare(model, flat, "sdpa", reference)
+    compare(model, flat, "sdpa", reference)
 
 
 # ---------------------------------------------------------------------- explicit masks
@@ -337,7 +321,7 @@ def test_explicit_share_question_mask(how):
     labels = input_ids.masked_fill(~real, -100)
     kwarg = mask if how == "flashmask" else mask.startend_row_indices
     dense = data.dense_attention_mask(mask)
-    _compare(
+    compare(
         model,
         {"input_ids": input_ids, "labels": labels, how: kwarg},
         "sdpa",
@@ -357,7 +341,7 @@ def test_explicit_mask_with_padding_tail_and_broadcast_batch():
     labels = input_ids.masked_fill(~real, -100)
     labels[:, [0, 5]] = -100
     dense = data.dense_attention_mask(mask)
-    _compare(
+    compare(
         model,
         {"input_ids": input_ids, "labels": labels, "flashmask": mask},
         "sdpa",
@@ -407,7 +391,7 @@ def test_non_causal_explicit_mask_on_a_causal_model_needs_an_opt_in():
         fm(input_ids, startend_row_indices=c4.startend_row_indices)  # raw C = 4: non-causal
     with pytest.raises(TypeError, match="flashmask_bidirectional must be a bool"):
         fm(input_ids, flashmask=mask, flashmask_bidirectional="yes")
-    _compare(
+    compare(
         model,
         {"input_ids": input_ids, "flashmask": mask, "flashmask_bidirectional": True},
         "sdpa",
@@ -461,7 +445,7 @@ def test_padding_mask_matches_sdpa(side):
 
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     # Padded rows differ by design: compare (and differentiate) the logits of real rows only.
-    _compare(model, inputs, "sdpa", inputs, real=real, ctx=side)
+    compare(model, inputs, "sdpa", inputs, real=real, ctx=side)
 
 
 def test_resolve_mask_padding_forms():
@@ -485,7 +469,7 @@ def test_resolve_mask_padding_forms():
 def test_sliding_window_with_packing_matches_sdpa(kind, extra):
     model = tiny_model(kind, **extra)
     inputs = _packed_inputs([[3, 12, 9, 8], [20, 12]], seed=9)
-    _compare(model, inputs, "sdpa", inputs, ctx=kind)
+    compare(model, inputs, "sdpa", inputs, ctx=kind)
 
 
 def test_sliding_window_with_padding_matches_sdpa():
@@ -498,7 +482,7 @@ def test_sliding_window_with_padding_matches_sdpa():
     real = attention_mask.bool()
     labels = input_ids.masked_fill(~real, -100)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-    _compare(model, inputs, "sdpa", inputs, real=real)
+    compare(model, inputs, "sdpa", inputs, real=real)
 
 
 def test_sliding_window_and_explicit_mask_intersect():

@@ -130,6 +130,25 @@ def assert_results_close(actual: dict, ref_hi: dict, ref_lo: dict, context: str 
             assert_close_to_reference(actual[key], ref_hi[key], ref_lo[key], key, context=context)
 
 
+def compare(
+    model, inputs_fm: dict, ref_attn: str, inputs_ref: dict, *, real=None, ctx: str = ""
+) -> None:
+    """flashmask float32 vs ``ref_attn`` float64 (truth) and float32 (yardstick); ``real``
+    ``[B, S]`` bool selects the logits compared (padded rows differ by design)."""
+    results = [
+        run(variant(model, attn, dtype), inputs)
+        for attn, dtype, inputs in (
+            ("flashmask", torch.float32, inputs_fm),
+            (ref_attn, torch.float64, inputs_ref),
+            (ref_attn, torch.float32, inputs_ref),
+        )
+    ]
+    if real is not None:
+        for result in results:
+            result["logits"] = result["logits"][real]
+    assert_results_close(*results, context=ctx)
+
+
 def additive(dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool 4-D mask (True = attend) as eager attention's additive float mask."""
     zero = torch.zeros((), dtype=dtype)
