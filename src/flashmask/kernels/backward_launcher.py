@@ -179,16 +179,18 @@ def _triton_backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # V's (and dO's, dV's) head dim, which may differ from Q's and K's.
+    head_dim_v = v.shape[-1]
+    block_dv = tensors.padded_head_dim(head_dim_v)
     flags = dict(
         CAUSAL=causal,
         HAS_MASK=masked,
         HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles,
         SOFTCAP=float(softcap),
-        # V's (and dO's, dV's) head dim, which may differ from Q's and K's.
-        HEAD_DIM_V=v.shape[-1],
-        BLOCK_DV=tensors.padded_head_dim(v.shape[-1]),
-        EVEN_DV=v.shape[-1] == tensors.padded_head_dim(v.shape[-1]),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_dv,
+        EVEN_DV=head_dim_v == block_dv,
     )
     block_d = tensors.padded_head_dim(d)
     qk_scale = softmax_scale * LOG2E_VALUE

@@ -307,7 +307,7 @@ def _per_grid_head(
     return (
         tiles.TileLists(lists.entries, summed.contiguous(), lists.num_partial),
         grid_heads,
-        (reverse_tiles),
+        reverse_tiles,
     )
 
 
