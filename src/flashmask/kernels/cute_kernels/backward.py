@@ -55,6 +55,7 @@ from flashmask.kernels.cute_kernels.forward import (
     grid_position,
     probabilities_layout,
     row_col_view,
+    tma_tiles,
 )
 
 # Query rows per listed tile, keys per program (two consumer warpgroups of 64 keys each).
@@ -105,16 +106,6 @@ def halves(tensor: cute.Tensor) -> cute.Tensor:
     split = cute.flat_divide(tensor, (cute.size(tensor, mode=[0]) // 2,))
     order = [0, 2, 1, *range(3, cute.rank(split))]
     return cute.make_tensor(split.iterator, cute.select(split.layout, mode=order))
-
-
-def tma_tiles(atom, tensor: cute.Tensor, smem_tensor: cute.Tensor, tile):
-    """``(shared, global)`` TMA partitions of ``smem_tensor``'s slots and of ``tensor``'s
-    tiles of ``tile`` along its first mode (one copy per call)."""
-    tiles = cute.local_tile(tensor, tile, (None, 0))
-    return cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(smem_tensor, 0, 2),
-        cute.group_modes(tiles, 0, 2),
-    )  # fmt: skip
 
 
 class HopperBackward:

@@ -120,6 +120,17 @@ def grid_position(item, tiles, heads) -> tuple:
     return item % tiles, (item // tiles) % heads, item // (tiles * heads)
 
 
+def tma_tiles(atom, tensor: cute.Tensor, smem_tensor: cute.Tensor, tile, coord=(None, 0)):
+    """``(shared, global)`` TMA partitions of ``smem_tensor``'s slots and of ``tensor``'s tiles
+    of ``tile`` (``coord``: which of its modes runs over the tiles; by default the first), one
+    copy per call."""
+    tiles = cute.local_tile(tensor, tile, coord)
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem_tensor, 0, 2),
+        cute.group_modes(tiles, 0, 2),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class WorkItems:
     """A persistent launch's work items, one per (query tile, query head, batch): ``num_items``
@@ -450,10 +461,7 @@ class HopperForward:
         mEntries, count, m_tile, h, b, kv_head, mask_head,
     ):  # fmt: skip
         """The producer warp: both Q halves, then K and V of every listed key tile."""
-        gQ = cute.local_tile(mQ[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
+        tQsQ, tQgQ = tma_tiles(tma_q, mQ[None, None, h, b], sQ, (HALF_ROWS, self.v.head_dim))
         kv = self.kv_partitions(tma_k, mK, tma_v, mV, sK, sV, kv_head, b)
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
@@ -471,18 +479,10 @@ class HopperForward:
     def kv_partitions(self, tma_k, mK, tma_v, mV, sK, sV, kv_head, b):
         """The TMA views ``(tKsK, tKgK, tVsV, tVgV)`` of K/V head ``kv_head`` of batch ``b``:
         the ring slots and the key tiles."""
-        gK = cute.local_tile(
-            mK[None, None, kv_head, b], (self.v.block_n, self.v.head_dim), (None, 0)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        gV = cute.local_tile(
-            mV[None, None, kv_head, b], (self.v.head_dim, self.v.block_n), (0, None)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        d, n = self.v.head_dim, self.v.block_n
+        tKsK, tKgK = tma_tiles(tma_k, mK[None, None, kv_head, b], sK, (n, d))
+        # V's tiles run over its second mode (D-major: its keys are the columns).
+        tVsV, tVgV = tma_tiles(tma_v, mV[None, None, kv_head, b], sV, (d, n), (0, None))
         return tKsK, tKgK, tVsV, tVgV
 
     @cute.jit
@@ -565,10 +565,7 @@ class HopperForward:
         item before has left the Q tile (persistent variant)."""
         if u > 0:
             cute.arch.mbarrier_wait(q_empty, (u - 1) % 2)
-        gQ = cute.local_tile(mQ[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
+        tQsQ, tQgQ = tma_tiles(tma_q, mQ[None, None, h, b], sQ, (HALF_ROWS, self.v.head_dim))
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
         for half in cutlass.range_constexpr(2):
@@ -939,9 +936,8 @@ class HopperForward:
             tOsO[i] = out[i]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS)
-        gO = cute.local_tile(mO[None, None, h, b], (HALF_ROWS, self.v.head_dim), (None, 0))
-        tOsO_tma, tOgO_tma = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gO, 0, 2)
+        tOsO_tma, tOgO_tma = tma_tiles(
+            tma_o, mO[None, None, h, b], sQ, (HALF_ROWS, self.v.head_dim)
         )
         if thread == 0:
             cute.copy(tma_o, tOsO_tma[None, wg], tOgO_tma[None, 2 * m_tile + wg])
