@@ -53,6 +53,7 @@ from flashmask.kernels.cute_kernels.forward import (
     LOG2E,
     WARPGROUP_THREADS,
     grid_position,
+    listed_tile,
     probabilities_layout,
     row_col_view,
     tma_tiles,
@@ -367,9 +368,7 @@ class HopperBackward:
             tOsO, tOgO = tma_tiles(tma_do, mdO[None, None, h, b], sdO, (BLOCK_M, d))
             for j in cutlass.range(count, unroll=1):
                 entry = mEntries[b, mask_head, n_tile, j]
-                m_tile = entry
-                if entry < 0:
-                    m_tile = -entry - 1
+                m_tile = listed_tile(entry)
                 slot = it % QDO_STAGES
                 phase = (it // QDO_STAGES) % 2
                 cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
@@ -461,9 +460,7 @@ class HopperBackward:
                 self.load_bounds(mBounds, b, mask_head, keys, bounds)
             for j in cutlass.range(count, unroll=1):
                 entry = mEntries[b, mask_head, n_tile, j]
-                m_tile = entry
-                if entry < 0:
-                    m_tile = -entry - 1
+                m_tile = listed_tile(entry)
                 slot = it % QDO_STAGES
                 buf = it % 2
                 cute.arch.mbarrier_wait(full + slot, (it // QDO_STAGES) % 2)
@@ -573,9 +570,7 @@ class HopperBackward:
             )  # fmt: skip
             for j in cutlass.range(count, unroll=1):
                 entry = mEntries[b, mask_head, n_tile, j]
-                m_tile = entry
-                if entry < 0:
-                    m_tile = -entry - 1
+                m_tile = listed_tile(entry)
                 buf = it % DQ_BUFFERS
                 phase = (it // DQ_BUFFERS) % 2
                 for wg in cutlass.range_constexpr(2):

@@ -120,6 +120,16 @@ def grid_position(item, tiles, heads) -> tuple:
     return item % tiles, (item // tiles) % heads, item // (tiles * heads)
 
 
+@cute.jit
+def listed_tile(entry):
+    """The tile of a list entry: a partial tile ``e >= 0`` is itself, an unmasked one is
+    encoded ``-e - 1`` (``tiles.compact``)."""
+    tile = entry
+    if entry < 0:
+        tile = -entry - 1
+    return tile
+
+
 def tma_tiles(atom, tensor: cute.Tensor, smem_tensor: cute.Tensor, tile, coord=(None, 0)):
     """``(shared, global)`` TMA partitions of ``smem_tensor``'s slots and of ``tensor``'s tiles
     of ``tile`` (``coord``: which of its modes runs over the tiles; by default the first), one
@@ -490,9 +500,7 @@ class HopperForward:
         """K and V of list entry ``entry``'s key tile into ring slot ``state.index``, each
         once the consumers have released that slot."""
         tKsK, tKgK, tVsV, tVgV = kv
-        n_tile = entry
-        if entry < 0:
-            n_tile = -entry - 1
+        n_tile = listed_tile(entry)
         k_pipe.producer_acquire(state)
         cute.copy(
             tma_k, tKgK[None, n_tile], tKsK[None, state.index],
@@ -789,9 +797,7 @@ class HopperForward:
         them: in one block with the wait that follows, ptxas would hoist that wait above it
         to interleave the P conversion with the exponentials, and the overlap of the
         softmax with ``P V`` would be lost."""
-        n_tile = entry
-        if entry < 0:
-            n_tile = -entry - 1
+        n_tile = listed_tile(entry)
         if cutlass.const_expr(self.v.mask_full_tiles):
             self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
             self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
