@@ -77,12 +77,31 @@ def test_backward_outputs_are_laid_out_like_the_inputs(layout):
     if layout == "heads-outermost":
         k = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] stored as [B, H, S, D]
     out, lse = ops.attention_forward(q, k, v, None, True, 0.4, False)
-    dq, dk, dv = ops.attention_backward(
+    dq, dk, dv, dsinks = ops.attention_backward(
         torch.ones_like(out), None, q, k, v, out, lse, None, True, 0.4, False
     )
     assert dq.stride() == q.stride()
     assert dk.stride() == k.stride()
     assert dv.stride() == v.stride()
+    assert dsinks.numel() == 0  # no sinks: an empty placeholder
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["mask", "causal-mask"])
+def test_opcheck_with_sinks(causal):
+    """The ops with learnable sinks (``[Hq]``): schema, fake kernel, autograd (the sinks get a
+    gradient) and the backward op's ``dsinks``."""
+    q, k, v = qkv(6, seqlen=6, dtype=torch.float64, requires_grad=True)
+    sri = indices(7, 6, bounds=2)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    args = (q, k, v, sri, causal, 0.4, False, 0.0, sinks)
+    torch.library.opcheck(ops.attention_forward, args)
+    out, lse = ops.attention_forward(*args)
+    (dout,) = tensors(8, out.shape, dtype=torch.float64)
+    with torch.no_grad():
+        torch.library.opcheck(
+            ops.attention_backward,
+            (dout, None, q, k, v, out, lse, sri, causal, 0.4, False, 0.0, sinks.detach()),
+        )
 
 
 # ---------------------------------------------------------------------------- torch.compile
@@ -178,21 +197,27 @@ def test_torch_export_keeps_the_custom_op_and_runs_like_eager():
 
 
 # ------------------------------------------------------------- eager autograd.Function
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("use", ["out", "lse", "both"])
-def test_the_eager_function_matches_the_custom_ops_bit_for_bit(mask, use):
+def test_the_eager_function_matches_the_custom_ops_bit_for_bit(mask, use, sinks):
     """``ops.attention`` on plain CUDA tensors in eager mode runs ``_EagerAttention``: the same
-    outputs and gradients as the custom ops with their registered backward, whichever outputs
-    the loss uses (an unused one's gradient arrives as None in both)."""
+    outputs and gradients (the sinks' too) as the custom ops with their registered backward,
+    whichever outputs the loss uses (an unused one's gradient arrives as None in both)."""
     sri = indices(3) if mask else None
     results = []
     for call in (ops.attention_forward, ops._EagerAttention.apply):
         q, k, v = qkv(4, requires_grad=True)
-        out, lse = call(q, k, v, sri, False, 0.3, False)
+        inputs = [q, k, v]
+        extra = ()
+        if sinks:
+            inputs.append(torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True))
+            extra = (0.0, inputs[-1])
+        out, lse = call(q, k, v, sri, False, 0.3, False, *extra)
         (gout,) = tensors(5, out.shape)
         loss = {"out": (out * gout).sum(), "lse": lse.exp().sum()}
         loss["both"] = loss["out"] + loss["lse"]
-        results.append((out, lse, *torch.autograd.grad(loss[use], (q, k, v))))
+        results.append((out, lse, *torch.autograd.grad(loss[use], inputs)))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 

@@ -71,14 +71,17 @@ def assert_close_to_reference(
         )
 
 
-def _scores(q, k, dense_mask, scale, dtype):
-    """Masked scores ``[B, Hq, Sq, Sk]`` and the visibility they were masked with."""
+def _scores(q, k, dense_mask, scale, dtype, softcap=0.0):
+    """Masked scores ``[B, Hq, Sq, Sk]`` (capped at ``softcap * tanh(s / softcap)`` where
+    ``softcap > 0``) and the visibility they were masked with."""
     hq, hk = q.shape[2], k.shape[2]
     qh = q.to(dtype).transpose(1, 2)
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
     # In a low-precision dtype the scale goes on k first (FlashAttention's "reorder_ops"), which
     # estimates the error of merely reordering the computation.
     scores = qh @ (kh * scale).transpose(-1, -2) if dtype.itemsize < 4 else qh @ kh.mT * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if dense_mask is None:
         visible = torch.ones_like(scores, dtype=torch.bool)
     else:
@@ -97,16 +100,23 @@ def naive_attention(
     scale: float,
     *,
     dtype: torch.dtype = torch.float64,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense-softmax attention, written independently of ``flashmask.reference``.
 
     ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``, ``v [B, Sk, Hk, Dv]``; ``dense_mask`` is bool
     ``[B, Hm, Sq, Sk]`` or ``[Sq, Sk]`` (True = may attend; query head ``h`` uses mask head
-    ``h // (Hq // Hm)``) or None. Computes in ``dtype`` (float64 by default) and returns
-    ``out [B, Sq, Hq, Dv]`` in ``dtype``; fully masked rows give 0. Differentiable.
+    ``h // (Hq // Hm)``) or None. ``softcap > 0`` caps the scaled scores (Gemma); ``sinks``
+    ``[Hq]`` adds one score column per head that carries no value (gpt-oss). Computes in
+    ``dtype`` (float64 by default) and returns ``out [B, Sq, Hq, Dv]`` in ``dtype``; fully
+    masked rows give 0. Differentiable (``sinks`` too).
     """
-    scores, visible, _ = _scores(q, k, dense_mask, scale, dtype)
-    p = torch.softmax(scores, dim=-1) * visible
+    scores, visible, _ = _scores(q, k, dense_mask, scale, dtype, softcap)
+    sk = scores.shape[-1]
+    if sinks is not None:
+        scores = torch.cat([scores, _sink_column(sinks, scores)], dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :sk] * visible
     vh = v.to(dtype).transpose(1, 2).repeat_interleave(q.shape[2] // v.shape[2], dim=1)
     return (p @ vh).transpose(1, 2)
 
@@ -118,11 +128,22 @@ def naive_logsumexp(
     scale: float,
     *,
     dtype: torch.dtype = torch.float64,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``logsumexp`` of the scaled, masked scores: ``[B, Hq, Sq]``, ``-inf`` on fully masked rows.
+    """``logsumexp`` of the scaled, masked scores: ``[B, Hq, Sq]``, ``-inf`` on fully masked rows
+    (with ``sinks``, the sink's column joins every row: a fully masked row's is the sink).
 
     Differentiable (the gradient of a fully masked row is 0, not NaN).
     """
-    scores, _, any_visible = _scores(q, k, dense_mask, scale, dtype)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.where(any_visible.squeeze(-1), lse, float("-inf"))
+    scores, _, any_visible = _scores(q, k, dense_mask, scale, dtype, softcap)
+    lse = torch.where(any_visible.squeeze(-1), torch.logsumexp(scores, dim=-1), float("-inf"))
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, _sink_column(sinks, scores).squeeze(-1))
+
+
+def _sink_column(sinks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``sinks [Hq]`` as a score column ``[B, Hq, Sq, 1]`` beside ``scores``."""
+    b, hq, sq, _ = scores.shape
+    return sinks.to(scores.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)

@@ -112,10 +112,8 @@ def flashmask_attention(
         _check_sinks(sinks, query)
     cap = _check_softcap(softcap)
     out, lse = ops.attention(
-        query, key, value, indices, causal, float(softmax_scale), deterministic, cap
+        query, key, value, indices, causal, float(softmax_scale), deterministic, cap, sinks
     )
-    if sinks is not None:
-        out, lse = _fold_sinks(out, lse, sinks)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -143,23 +141,6 @@ def _check_sinks(sinks: object, query: torch.Tensor) -> None:
         )
     if sinks.device != query.device:
         raise ValueError(f"sinks is on {sinks.device}, query on {query.device}")
-
-
-def _fold_sinks(
-    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of attention whose rows' softmax denominators gain ``exp(sinks[h])``, from
-    those of attention without them (``out [B, Sq, Hq, Dv]``, ``lse [B, Hq, Sq]``): ``lse' =
-    logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. Plain differentiable torch ops, so
-    the attention's own backward receives the chain rule's ``dout`` and ``dlse`` and the sinks
-    their gradient ``sum over rows of p_sink * (dlse' - rowsum(dout' * out'))``."""
-    sink = sinks.to(lse.dtype).view(1, -1, 1)
-    total = torch.logaddexp(lse, sink)
-    # A row that sees no key (lse = -inf) keeps out = 0 whatever the factor; with a -inf sink
-    # too, total is -inf and the difference NaN, so the factor is taken as 1 there.
-    keep = torch.exp(torch.where(total == float("-inf"), 0.0, lse - total))
-    scaled = out * keep.transpose(1, 2).unsqueeze(-1)
-    return scaled.to(out.dtype), total
 
 
 def window_sides(window_size: object) -> tuple[int, int]:

@@ -56,19 +56,29 @@ def _forward(
     softmax_scale: float,
     deterministic: bool,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``; arguments are already validated
-    (``softcap``: 0 or the logit cap). The kernels where they take the inputs, else the
-    reference."""
+    (``softcap``: 0 or the logit cap; ``sinks``: ``None`` or ``[Hq]``, joined to every row's
+    softmax). The kernels where they take the inputs, else the reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
+        from flashmask.kernels.sinks import fold_sinks
 
-        return kernels.forward(
+        out, lse = kernels.forward(
             q, k, v, startend_row_indices, causal, softmax_scale, deterministic=deterministic,
             softcap=softcap,
         )  # fmt: skip
+        if sinks is not None:
+            fold_sinks(out, lse, sinks)
+        return out, lse
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
-    return reference.reference_forward(q, k, v, intervals, causal, softmax_scale, softcap=softcap)
+    out, lse = reference.reference_forward(
+        q, k, v, intervals, causal, softmax_scale, softcap=softcap
+    )
+    if sinks is not None:
+        out, lse = reference.fold_sinks(out, lse, sinks)
+    return out, lse
 
 
 def _forward_op(
@@ -80,13 +90,14 @@ def _forward_op(
     softmax_scale: float,
     deterministic: bool,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_forward` as the custom op runs it: compiled code calls it, possibly inside a CUDA
     graph pool (cudagraph trees' warm-up), so the mask's preparation is not kept between calls
     (:func:`flashmask.kernels.preparation.uncached`)."""
     with _uncached():
         return _forward(
-            q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap, sinks
         )
 
 
@@ -104,7 +115,7 @@ attention_forward = torch.library.custom_op("flashmask::attention_forward", muta
 
 
 @attention_forward.register_fake
-def _(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0):
+def _(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0, sinks=None):
     b, sq, hq, _ = q.shape
     out = q.new_empty(b, sq, hq, v.shape[-1])
     lse = q.new_empty(b, hq, sq, dtype=_lse_dtype(q))
@@ -124,20 +135,32 @@ def _backward_grads(
     softmax_scale: float,
     deterministic: bool,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``: the kernels where they take
-    the inputs, else the reference."""
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dq, dk, dv, dsinks)``, the first three shaped and typed like ``(q, k, v)``,
+    ``dsinks`` like ``sinks`` (empty without sinks; ``out`` and ``lse`` are then the folded
+    ones): the kernels where they take the inputs, else the reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
 
-        return kernels.backward(
+        grads = kernels.backward(
             dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-            deterministic, softcap=softcap,
+            deterministic, softcap=softcap, sinks=sinks,
         )  # fmt: skip
+        return grads if sinks is not None else (*grads, _no_sinks_grad(q))
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
-    return reference.reference_backward(
+    grads = reference.reference_backward(
         dout, dlse, q, k, v, out, lse, intervals, causal, softmax_scale, softcap=softcap
     )
+    if sinks is None:
+        return (*grads, _no_sinks_grad(q))
+    delta = reference.row_term(dout, out, dlse)
+    return (*grads, reference.sink_gradient(lse, delta, sinks))
+
+
+def _no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
+    """The backward op's ``dsinks`` for a call without sinks (an op returns tensors only)."""
+    return q.new_empty(0, dtype=torch.float32)
 
 
 def _backward_op(
@@ -153,12 +176,13 @@ def _backward_op(
     softmax_scale: float,
     deterministic: bool,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_backward_grads` as the custom op runs it (uncached, as :func:`_forward_op`)."""
     with _uncached():
         return _backward_grads(
             dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-            deterministic, softcap,
+            deterministic, softcap, sinks,
         )  # fmt: skip
 
 
@@ -170,16 +194,19 @@ attention_backward = torch.library.custom_op("flashmask::attention_backward", mu
 @attention_backward.register_fake
 def _(
     dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, deterministic,
-    softcap=0.0,
+    softcap=0.0, sinks=None,
 ):  # fmt: skip
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsinks = _no_sinks_grad(q) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, startend_row_indices, causal, softmax_scale, deterministic, *rest = inputs
-    softcap = rest[0] if rest else 0.0  # a call that left the default out
+    # A call that left the defaults out.
+    softcap = rest[0] if rest else 0.0
+    sinks = rest[1] if len(rest) > 1 else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices, sinks)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.deterministic = deterministic
@@ -187,14 +214,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+    q, k, v, out, lse, startend_row_indices, sinks = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = attention_backward(
+    dq, dk, dv, dsinks = attention_backward(
         dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
-        ctx.softmax_scale, ctx.deterministic, ctx.softcap,
+        ctx.softmax_scale, ctx.deterministic, ctx.softcap, sinks,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None if sinks is None else dsinks
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -202,15 +229,18 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' computation and autograd rule as a plain ``autograd.Function``:
-    ``apply(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)`` returns
-    ``(out, lse)``, both differentiable, exactly as :func:`attention_forward` with its
+    ``apply(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap, sinks)``
+    returns ``(out, lse)``, both differentiable, exactly as :func:`attention_forward` with its
     registered backward does."""
 
     @staticmethod
     def forward(
-        ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0
-    ):
-        inputs = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)
+        ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap=0.0,
+        sinks=None,
+    ):  # fmt: skip
+        inputs = (
+            q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap, sinks
+        )  # fmt: skip
         out, lse = _forward(*inputs)
         # An unused output's gradient arrives as None, as the custom op's backward gets it
         # (no zeros for dlse to subtract, no zero dout to multiply).
@@ -220,21 +250,24 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+        q, k, v, out, lse, startend_row_indices, sinks = ctx.saved_tensors
         with torch.no_grad():
             if dout is None:
                 dout = torch.zeros_like(out)
-            grads = _backward_grads(
+            *grads, dsinks = _backward_grads(
                 dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
-                ctx.softmax_scale, ctx.deterministic, ctx.softcap,
+                ctx.softmax_scale, ctx.deterministic, ctx.softcap, sinks,
             )  # fmt: skip
-        needing = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
+        if sinks is not None:
+            grads.append(dsinks)
+        needing = [t for t in (q, k, v, dout, dlse, sinks) if t is not None and t.requires_grad]
         if torch.is_grad_enabled() and needing:
             # create_graph=True: the gradients get a node that refuses a second backward, as
             # the custom backward op (no autograd rule) does, instead of none at all, which
             # would drop their second-order terms without a word.
             grads = _FirstOrderOnly.apply(needing[0], *grads)
-        return *grads, None, None, None, None, None
+        dq, dk, dv, *rest = grads
+        return dq, dk, dv, None, None, None, None, None, (rest[0] if rest else None)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -276,11 +309,13 @@ def attention(
     softmax_scale: float,
     deterministic: bool,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`attention_forward`, differentiable: through
+    """``(out, lse)`` of :func:`attention_forward`, differentiable (``sinks`` too): through
     :class:`_EagerAttention` for plain CUDA tensors in eager mode, else through the custom ops
-    (see the module docstring). ``softcap``: 0, or the logit cap."""
-    args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap)
-    if q.is_cuda and _plain_eager(q, k, v, startend_row_indices):
+    (see the module docstring). ``softcap``: 0, or the logit cap; ``sinks``: ``None`` or
+    ``[Hq]``."""
+    args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, softcap, sinks)
+    if q.is_cuda and _plain_eager(q, k, v, startend_row_indices, sinks):
         return _EagerAttention.apply(*args)
     return attention_forward(*args)

@@ -23,7 +23,13 @@ import torch
 
 from flashmask.mask import ColumnIntervals, dense_rows
 
-__all__ = ["reference_backward", "reference_forward"]
+__all__ = [
+    "fold_sinks",
+    "reference_backward",
+    "reference_forward",
+    "row_term",
+    "sink_gradient",
+]
 
 # Score elements kept alive per chunk (4 MB of float32 per intermediate): small chunks stay in
 # cache, which measured about 2x faster than 32 MB chunks at 32K tokens on the CPU.
@@ -232,9 +238,7 @@ def reference_backward(
     dq = torch.empty_like(q)
     dk = torch.zeros(b, hk, sk, k.shape[-1], dtype=dtype, device=q.device)
     dv = torch.zeros(b, hk, sk, v.shape[-1], dtype=dtype, device=q.device)
-    delta = (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)  # [B, Hq, Sq]
-    if dlse is not None:
-        delta = delta - dlse.to(dtype)
+    delta = row_term(dout, out, dlse)  # [B, Hq, Sq]
     lse = lse.to(dtype)
     nonfinite = _nonfinite(kg, vg)
     step = _rows_per_chunk(b, hq, sk, chunk_size)
@@ -280,3 +284,39 @@ def reference_backward(
     dk_out = torch.empty_like(k).copy_(dk.transpose(1, 2))
     dv_out = torch.empty_like(v).copy_(dv.transpose(1, 2))
     return dq, dk_out, dv_out
+
+
+def fold_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out', lse')`` of attention whose rows' softmax denominators gain ``exp(sinks[h])``
+    (learnable sinks: one logit per query head, no value), from ``out [B, Sq, Hq, Dv]`` and
+    ``lse [B, Hq, Sq]`` of the same attention without them: ``lse' = logaddexp(lse, sink)``,
+    ``out' = out * exp(lse - lse')``. A row that sees no key keeps ``out = 0`` and gets
+    ``lse' = sink`` (``-inf`` with a ``-inf`` sink)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    # With lse and sink both -inf, total is -inf and the difference NaN: the factor is 1 there
+    # (the row's out is 0 anyway).
+    keep = torch.exp(torch.where(total == float("-inf"), 0.0, lse - total))
+    scaled = out.to(keep.dtype) * keep.transpose(1, 2).unsqueeze(-1)
+    return scaled.to(out.dtype), total
+
+
+def sink_gradient(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, shaped and typed like ``sinks [Hq]``, from the folded ``lse'`` and the
+    backward's row term ``delta = rowsum(dO * O') - dlse'`` (both ``[B, Hq, Sq]``): the sink's
+    probability in row ``i`` is ``p = exp(sink - lse'_i)`` and its score's gradient is
+    ``p * (0 - delta_i)`` (it carries no value, so ``dP = 0``); summed over batch and rows."""
+    lse = lse.to(delta.dtype)
+    sink = sinks.to(delta.dtype).view(1, -1, 1)
+    p = torch.exp(torch.where(lse == float("-inf"), float("-inf"), sink - lse))
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def row_term(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """The softmax backward's row term ``delta = rowsum(dO * O) - dlse`` ``[B, Hq, Sq]`` (in the
+    reference's compute dtype) from ``dout``/``out [B, Sq, Hq, Dv]`` and ``dlse [B, Hq, Sq]``."""
+    dtype = _compute_dtype(out.dtype)
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)
+    return delta if dlse is None else delta - dlse.to(dtype)

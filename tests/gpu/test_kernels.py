@@ -41,9 +41,10 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from flashmask import kernels, masks
+from flashmask import kernels, masks, reference
 from flashmask.kernels import routing
 from flashmask.kernels.config import device_decode_config
+from flashmask.kernels.sinks import fold_sinks
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 from tests.gpu.conftest import CASE_PROPERTY, FULL
@@ -68,6 +69,9 @@ SHAPES = (
 )  # fmt: skip
 SEQLEN = 1024
 BATCH = 2
+# The logit cap (2.0: tight enough to change unit-variance scores) and the sinks, alone and
+# together.
+FEATURES = ({"softcap": 2.0}, {"sinks": True}, {"softcap": 2.0, "sinks": True})
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Case:
     batch: int = BATCH
     gluon_everywhere: bool = False
     dv: int | None = None  # V's head dim where it differs from Q's (multi-head latent attention)
+    softcap: float = 0.0  # Gemma's logit cap
+    sinks: bool = False  # learnable sinks (gpt-oss), one per query head
 
     @property
     def id(self) -> str:
@@ -99,6 +105,7 @@ class Case:
         dtype = str(self.dtype).removeprefix("torch.")
         text = f"{label}-{self.sq}x{self.sk}-B{self.batch}-H{self.hq}:{self.hk}-D{self.d}-{dtype}"
         text += f"-det{int(self.deterministic)}" + (f"-Dv{self.dv}" if self.dv else "")
+        text += (f"-cap{self.softcap:g}" if self.softcap else "") + ("-sinks" if self.sinks else "")
         return text + ("-gluon" if self.gluon_everywhere else "")
 
 
@@ -144,6 +151,13 @@ def _shape_cases() -> list[Case]:
                               mask_heads=8))  # fmt: skip
             cases.append(Case("random", 2048, 2048, 8, 2, d, det, causal=False, columns=4,
                               mask_heads=8))  # fmt: skip
+    # Logit cap and learnable sinks, alone and together, on masks of every kind.
+    for d in (64, 128, 256):
+        for feature in FEATURES:
+            for mask, hk in (("full", 8), ("causal_document", 2), ("share_question", 8)):
+                cases.append(Case(mask, SEQLEN, SEQLEN, 8, hk, d, hk == 8, **feature))
+            cases.append(Case("random", 1000, 1100, 8, 2, d, False, causal=False, columns=2,
+                              **feature))  # fmt: skip
     # More (batch x head) programs than one grid axis may hold: heads and batch have axes of
     # their own, so this must run and be right.
     cases.append(Case("random", 16, 16, 16, 16, 64, True, causal=True, columns=1, batch=4100))
@@ -168,6 +182,10 @@ def _gluon_cases() -> list[Case]:
                 form = {"causal": causal, "columns": columns, "mask_heads": hm}
                 case = Case("random", sq, sk, hq, hk, 128, False, **form)
                 cases.append(replace(case, gluon_everywhere=True))
+    for feature in FEATURES:
+        for name in ("causal_document", "share_question", "sliding_window"):
+            case = Case(name, SEQLEN, SEQLEN, 8, 2, 128, False, **feature)
+            cases.append(replace(case, gluon_everywhere=True))
     return cases
 
 
@@ -237,18 +255,25 @@ def make_inputs(case: Case) -> Inputs:
     return Inputs(q, k, v, dout, mask.startend_row_indices, mask.causal, mask.to_dense(case.sq))
 
 
-def kernel_paths(x: Inputs, scale: float, deterministic: bool) -> str:
-    """Which forward and backward kernels a call runs (``split-kv``, ``gluon`` or ``triton``),
-    by the launchers' own routing rules, so that a run shows which paths it checked."""
+def kernel_paths(x: Inputs, scale: float, deterministic: bool, softcap: float = 0.0) -> str:
+    """Which forward and backward kernels a call runs (``split-kv``, ``cute``, ``gluon`` or
+    ``triton``), by the launchers' own routing rules, so that a run shows which paths it
+    checked."""
     d, masked = x.q.shape[-1], x.sri is not None
     config = kernels.tile_config(d, has_mask=masked)
-    if routing.use_decode(x.q, x.k, True, device_decode_config(d, x.q.device)):
+    plain = not softcap and x.v.shape[-1] == d
+    if plain and routing.use_decode(x.q, x.k, True, device_decode_config(d, x.q.device)):
         fwd = "split-kv"
     else:
-        gluon = routing.use_gluon_forward(x.q, x.k, x.v, scale, masked, config)
-        fwd = "gluon" if gluon else "triton"
-    bwd = routing.use_gluon_backward(x.q, x.k, x.v, x.dout, deterministic, True, masked, config)
-    return f"fwd={fwd} bwd={'gluon' if bwd else 'triton'}"
+        cute, gluon = routing.forward_kernel(
+            x.q, x.k, x.v, scale, masked, x.causal, config, softcap
+        )
+        fwd = "cute" if cute else "gluon" if gluon else "triton"
+    bwd = routing.use_gluon_backward(
+        x.q, x.k, x.v, x.dout, deterministic, True, masked, config, softcap
+    )
+    bwd_name = ("cute" if routing.use_cute_backward(x.q) else "gluon") if bwd else "triton"
+    return f"fwd={fwd} bwd={bwd_name}"
 
 
 def residue_bound(name: str, x: Inputs, scale: float) -> float:
@@ -271,23 +296,33 @@ def check_accuracy(case: Case, record_property) -> None:
     sk, hk = x.k.shape[1], x.k.shape[2]
     scale = d**-0.5
     record = {"kind": "accuracy", "case": case.id}
-    record["kernels"] = kernel_paths(x, scale, case.deterministic)
+    record["kernels"] = kernel_paths(x, scale, case.deterministic, case.softcap)
     record_property(CASE_PROPERTY, record)
-    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale)
-    dq, dk, dv = kernels.backward(
-        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, case.deterministic
-    )
+    cap = case.softcap
+    # One sink logit per query head, some below and some above the scores' range.
+    sinks = torch.linspace(-2.0, 3.0, hq, device="cuda") if case.sinks else None
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale, softcap=cap)
+    if sinks is not None:
+        fold_sinks(out, lse, sinks)
+    dq, dk, dv, *dsinks = kernels.backward(
+        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, case.deterministic,
+        softcap=cap, sinks=sinks,
+    )  # fmt: skip
 
     intervals = FlashMask(x.sri, x.causal).intervals(sq) if x.sri is not None else None
     qf, kf, vf = x.q.float(), x.k.float(), x.v.float()
-    ref_out, ref_lse = reference_forward(qf, kf, vf, intervals, x.causal, scale)
+    ref_out, ref_lse = reference_forward(qf, kf, vf, intervals, x.causal, scale, softcap=cap)
+    if sinks is not None:
+        ref_out, ref_lse = reference.fold_sinks(ref_out, ref_lse, sinks)
     ref_grads = reference_backward(
-        x.dout.float(), None, qf, kf, vf, ref_out, ref_lse, intervals, x.causal, scale
-    )
+        x.dout.float(), None, qf, kf, vf, ref_out, ref_lse, intervals, x.causal, scale,
+        softcap=cap,
+    )  # fmt: skip
     low = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-    low_out = naive_attention(*low, x.visible, scale, dtype=case.dtype)
+    features = {"softcap": cap, "sinks": sinks}
+    low_out = naive_attention(*low, x.visible, scale, dtype=case.dtype, **features)
     low_out.backward(x.dout)
-    low_lse = naive_logsumexp(x.q, x.k, x.visible, scale, dtype=case.dtype)
+    low_lse = naive_logsumexp(x.q, x.k, x.visible, scale, dtype=case.dtype, **features)
 
     per_head = x.visible.expand(b, -1, sq, sk)
     per_head = per_head.repeat_interleave(hq // per_head.shape[1], 1)  # [B, Hq, Sq, Sk]
@@ -298,9 +333,22 @@ def check_accuracy(case: Case, record_property) -> None:
 
     failures, errors = [], {}
     rows, cols = dead_rows.transpose(1, 2), dead_cols.transpose(1, 2)  # [B, S, H]
+    dead_lse = torch.full_like(lse, float("-inf"))
+    if sinks is not None:  # a row that sees no key keeps the sink alone
+        dead_lse = sinks.view(1, hq, 1).expand_as(lse)
+        # dsinks sums rowsum(dO * O') over rows, whose only error is the stored out's rounding:
+        # it must equal the float64 gradient from the kernels' own out and lse.
+        exact = reference.sink_gradient(
+            lse.double(), reference.row_term(x.dout.double(), out.double(), None), sinks.double()
+        )
+        errors["dsinks"] = {"max_err": (dsinks[0].double() - exact).abs().max().item()}
+        try:
+            torch.testing.assert_close(dsinks[0].double(), exact, rtol=1e-4, atol=1e-4)
+        except AssertionError as exc:
+            failures.append(f"dsinks: {exc}")
     for name, ok in (
         ("out of fully masked rows is 0", (out[rows] == 0).all()),
-        ("lse of fully masked rows is -inf", (lse[dead_rows] == float("-inf")).all()),
+        ("lse of fully masked rows is -inf (the sink)", (lse == dead_lse)[dead_rows].all()),
         ("dq of fully masked rows is 0", (dq[rows] == 0).all()),
         ("dk of keys no query sees is 0", (dk[cols] == 0).all()),
         ("dv of keys no query sees is 0", (dv[cols] == 0).all()),
@@ -358,7 +406,7 @@ def test_gluon_kernels_on_short_masks_match_the_reference(
         dict.fromkeys(routing.GLUON_BWD_MIN_MASKED_SEQLEN, 0),
     )
     x = make_inputs(case)
-    paths = kernel_paths(x, case.d**-0.5, case.deterministic)
+    paths = kernel_paths(x, case.d**-0.5, case.deterministic, case.softcap)
     fwd_gluon = kernels.tile_config(case.d, has_mask=True).fwd_gluon
     assert paths == f"fwd={'gluon' if fwd_gluon else 'triton'} bwd=gluon", paths
     check_accuracy(case, record_property)

@@ -268,9 +268,11 @@ class _ContextParallelAttention(torch.autograd.Function):
                 dlse = dlse.index_fill(2, schedule.padding_rows, 0)
 
         def block(kb, vb, mask):
-            return ops.attention_backward(
+            # No sinks here, so the op's fourth output (dsinks) is empty.
+            dq_b, dk_b, dv_b, _ = ops.attention_backward(
                 dout, dlse, q, kb, vb, out, lse, mask, False, ctx.scale, ctx.deterministic
             )
+            return dq_b, dk_b, dv_b
 
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)

@@ -65,9 +65,12 @@ def backward(
     skip_tiles: bool = True,
     config: TileConfig | None = None,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``. A logit cap (``softcap > 0``, as
-    the forward took it) runs the Triton passes.
+    the forward took it) runs the Triton passes. With ``sinks`` (``[Hq]``; ``out`` and ``lse``
+    are then the forward's after :func:`~.sinks.fold_sinks`), ``(dq, dk, dv, dsinks)``: the
+    kernels need nothing else, and ``dsinks`` comes from their row term.
 
     With ``deterministic=False`` on Hopper, where ``config.bwd_gluon`` and
     :func:`~.routing.use_gluon_backward` allow, one warp-specialised Gluon pass computes dK, dV
@@ -79,7 +82,7 @@ def backward(
         return with_fitting_config(
             lambda cfg: backward(
                 dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale,
-                deterministic, skip_tiles=skip_tiles, config=cfg, softcap=softcap,
+                deterministic, skip_tiles=skip_tiles, config=cfg, softcap=softcap, sinks=sinks,
             ),
             q.device, max(q.shape[-1], v.shape[-1]), startend_row_indices is not None,
         )  # fmt: skip
@@ -96,13 +99,19 @@ def backward(
     )  # fmt: skip
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     if use_gluon:
-        return _gluon_backward(
+        grads, delta = _gluon_backward(
             dout, dlse, q, k, v, out, lse, bounds, lists[0], hm, causal, softmax_scale
         )
-    return _triton_backward(
-        dout, dlse, q, k, v, out, lse, bounds, lists, hm, causal, softmax_scale, skip_tiles,
-        config, softcap,
-    )  # fmt: skip
+    else:
+        grads, delta = _triton_backward(
+            dout, dlse, q, k, v, out, lse, bounds, lists, hm, causal, softmax_scale, skip_tiles,
+            config, softcap,
+        )  # fmt: skip
+    if sinks is None:
+        return grads
+    from flashmask.reference import sink_gradient
+
+    return *grads, sink_gradient(lse, delta, sinks)
 
 
 def _gluon_backward(
@@ -118,10 +127,10 @@ def _gluon_backward(
     mask_heads: int,
     causal: bool,
     softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """One warp-specialised pass (``routing.gluon_backward_module``, or the CuTe backward where
     ``routing.use_cute_backward`` holds) computing dK, dV and, into an fp32 accumulator through
-    TMA reduce-adds, dQ."""
+    TMA reduce-adds, dQ: ``((dq, dk, dv), delta)`` with the row term it used."""
     q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
     if routing.use_cute_backward(q):
         from flashmask.kernels.cute_kernels import backward_launch as module
@@ -134,10 +143,11 @@ def _gluon_backward(
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = backward_delta(out, dout, dlse, dq_accumulator)
     order = None if bounds is None else preparation.program_order(lists, k.shape[2], False)
-    return module.backward(
+    grads = module.backward(
         dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, mask_heads, causal,
         softmax_scale, order=order, dq_accumulator=dq_accumulator,
     )  # fmt: skip
+    return grads, delta
 
 
 def _triton_backward(
@@ -156,10 +166,11 @@ def _triton_backward(
     skip_tiles: bool,
     config: TileConfig,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The Triton passes (bit-reproducible): dK/dV over the column-major ``lists[0]`` and dQ
     over the row-major ``lists[1]``, in one grid where their warp counts agree (so neither
-    pass's last wave leaves the GPU half idle), else in two launches."""
+    pass's last wave leaves the GPU half idle), else in two launches. ``((dq, dk, dv), delta)``
+    with the row term they used."""
     from flashmask.kernels.triton_kernels.backward import (
         flashmask_bwd_dkdv_kernel,
         flashmask_bwd_dq_kernel,
@@ -222,7 +233,7 @@ def _triton_backward(
             BLOCK_D=block_d,
             num_warps=config.bwd_warps,
         )  # fmt: skip
-        return dq, dk, dv
+        return (dq, dk, dv), delta
     launch_kernel(
         flashmask_bwd_dkdv_kernel, (kv_tn, hk, b),
         q, k, v, dout, lse, delta, dk, dv, bounds,
@@ -255,4 +266,4 @@ def _triton_backward(
         NUM_STAGES=config.dq_stages,
         num_warps=config.dq_warps,
     )  # fmt: skip
-    return dq, dk, dv
+    return (dq, dk, dv), delta

@@ -978,20 +978,32 @@ SOFTCAP_CASES = [
 ]
 
 
-def _capped_low_precision(x: Inputs, causal: bool, softcap: float) -> tuple[torch.Tensor, ...]:
-    """``(out, dq, dk, dv)`` of plain capped attention in the input dtype (autograd)."""
+def _plain_low_precision(
+    x: Inputs, causal: bool, softcap: float = 0.0, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``(out, dq, dk, dv)`` of plain attention in the input dtype (autograd), with a logit cap
+    (``softcap > 0``) and learnable sinks (``[Hq]``: a score column per head that carries no
+    value; then ``dsinks`` too)."""
     b, sq, hq, _ = x.q.shape
     hk = x.k.shape[2]
     visible = visibility(x.sri, causal, b, sq, x.k.shape[1]).to(DEVICE)
     visible = visible.repeat_interleave(hq // visible.shape[1], dim=1)
     q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+    inputs = [q, k, v]
     kh = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
     scores = q.transpose(1, 2) @ (kh * x.scale).transpose(-1, -2)
-    scores = softcap * torch.tanh(scores / softcap)
-    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    out = (p @ vh).transpose(1, 2)
-    grads = torch.autograd.grad(out, (q, k, v), x.dout)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sinks = sinks.detach().to(x.q.dtype).requires_grad_()
+        inputs.append(sinks)
+        column = sinks.view(1, hq, 1, 1).expand(b, hq, sq, 1)
+        scores = torch.cat([scores, column], dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = (p[..., : x.k.shape[1]] @ vh).transpose(1, 2)
+    grads = torch.autograd.grad(out, inputs, x.dout)
     return out.detach(), *grads
 
 
@@ -1012,7 +1024,7 @@ def test_logit_cap_matches_reference(case, softcap):
     ref_grads = reference_backward(
         dout, None, q, k, v, ref_out, ref_lse, intervals, causal, x.scale, softcap=softcap
     )
-    low = _capped_low_precision(x, causal, softcap)
+    low = _plain_low_precision(x, causal, softcap)
     for name, actual, hi, lo in zip(
         ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), low, strict=True
     ):
@@ -1022,6 +1034,75 @@ def test_logit_cap_matches_reference(case, softcap):
     # The cap changes the result: the uncapped forward is farther from the capped reference.
     plain, _ = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale)
     assert (plain.double() - ref_out).abs().max() > (out.double() - ref_out).abs().max()
+
+
+SINKS_CASES = [
+    Case("causal-C1", 37, 50, 2, 2, 2, 40),
+    Case("noncausal-C4", 50, 50, 4, 2, 1, 64, mask="structured"),
+    Case("nomask-causal", 50, 37, 4, 2, 1, 64),
+]
+
+
+@pytest.mark.parametrize("case", SINKS_CASES, ids=[c.id for c in SINKS_CASES])
+def test_sinks_fold_and_gradient_match_reference(case):
+    """Learnable sinks on the kernels: the forward kernel, then the sink fold
+    (``kernels.sinks.fold_sinks``, in place), then the backward kernels with ``sinks``, which
+    return ``dsinks`` from their row term. out, lse, dq, dk and dv are within the suite's rule of
+    the float64 reference (a plain fp16 implementation with a sink column as the low-precision
+    yardstick). ``dsinks`` is a sum over rows of ``rowsum(dO * O')``, whose only error is that of
+    the stored fp16 ``out``: it must equal the float64 gradient computed from the kernels' own
+    ``out`` and ``lse`` to float32 accuracy."""
+    from flashmask.kernels.sinks import fold_sinks
+    from flashmask.reference import fold_sinks as reference_fold
+    from flashmask.reference import row_term, sink_gradient
+
+    x = make_inputs(case, torch.float16)
+    causal = case.causal
+    sinks = torch.linspace(-1.0, 2.0, case.heads_q).to(DEVICE)
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale)
+    fold_sinks(out, lse, sinks)
+    dq, dk, dv, dsinks = kernels.backward(
+        x.dout, None, x.q, x.k, x.v, out, lse, x.sri, causal, x.scale, True, sinks=sinks
+    )
+    intervals = None if x.sri is None else FlashMask(x.sri, causal).intervals(case.seqlen_q)
+    q, k, v, dout = (t.double() for t in (x.q, x.k, x.v, x.dout))
+    ref_out, ref_lse = reference_fold(
+        *reference_forward(q, k, v, intervals, causal, x.scale), sinks.double()
+    )
+    ref_grads = reference_backward(
+        dout, None, q, k, v, ref_out, ref_lse, intervals, causal, x.scale
+    )
+    low = _plain_low_precision(x, causal, sinks=sinks)
+    for name, actual, hi, lo in zip(
+        ("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref_out, *ref_grads), low[:4], strict=True
+    ):
+        assert_close_to_reference(actual, hi, lo, name, context=case.id)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)
+    exact = sink_gradient(lse.double(), row_term(dout, out.double(), None), sinks.double())
+    assert dsinks.dtype == sinks.dtype
+    torch.testing.assert_close(dsinks.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_fold_kernel_equals_the_reference_fold():
+    """The fold kernel against ``reference.fold_sinks`` in float32: rows that see no key
+    (``lse = -inf``) get out 0 and ``lse' = sink``, a ``-inf`` sink leaves its head as it was,
+    and a padded value head dim (24) is handled."""
+    from flashmask.kernels.sinks import fold_sinks
+    from flashmask.reference import fold_sinks as reference_fold
+
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(2, 70, 3, 24, generator=gen).to(DEVICE, torch.float16)
+    lse = torch.randn(2, 3, 70, generator=gen).to(DEVICE)
+    lse[:, :, 5:9] = float("-inf")
+    out[:, 5:9] = 0
+    sinks = torch.tensor([0.3, float("-inf"), 4.0], device=DEVICE)
+    want_out, want_lse = reference_fold(out, lse, sinks)
+    fold_sinks(out, lse, sinks)
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(out, want_out, atol=1e-3, rtol=1e-3)
+    assert (out[:, 5:9] == 0).all()
+    assert torch.equal(lse[:, 1, 5:9], torch.full_like(lse[:, 1, 5:9], float("-inf")))
+    assert torch.equal(lse[:, 0, 5:9], torch.full_like(lse[:, 0, 5:9], 0.3))
 
 
 # ---------------------------------------------------------------- one mask per query head
