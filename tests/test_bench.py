@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashmask import masks
-from flashmask.bench import Row, _markdown, input_gradients, visible_flop, visible_pairs
+from flashmask.bench import (
+    Row,
+    _markdown,
+    attention_flop,
+    input_gradients,
+    visible_flop,
+    visible_pairs,
+)
 from flashmask.kernels import hardware
 from tests.strategies import FORM_IDS, FORMS, flashmasks, random_cases
 
@@ -257,3 +264,32 @@ def test_a_case_refuses_kv_heads_that_do_not_divide_its_heads():
 
     with pytest.raises(ValueError, match=r"kv_heads must divide heads \(4\), got 3"):
         bench.run_case("full", 128, 1, 4, 16, ["flashmask"], 1, 0.0, kv_heads=3)
+
+
+def test_attention_flop_counts_each_matmul_at_its_own_head_dim():
+    pairs = 64 * 64 * 8 * 2  # full attention: every pair, 8 query heads, batch 2
+    assert attention_flop(None, False, 64, 16, 8, 2) == (4 * 16 * pairs, 10 * 16 * pairs)
+    # MLA: Q/K 192, V 128; S, dQ and dK at 192, O, dP and dV at 128.
+    fwd, bwd = attention_flop(None, False, 64, 192, 8, 2, head_dim_v=128)
+    assert (fwd, bwd) == (2 * (192 + 128) * pairs, 2 * (3 * 192 + 2 * 128) * pairs)
+
+
+def test_markdown_shows_both_head_dims_and_compares_within_one_shape():
+    common = dict(mask="causal", seqlen=8192, batch=4, heads=16, head_dim=192, sparsity=0.5)
+    rows = [
+        Row(impl="flashmask", fwd_ms=1.0, total_ms=4.0, head_dim_v=128, **common),
+        Row(impl="flex", fwd_ms=1.5, total_ms=6.0, head_dim_v=128, **common),
+        Row(impl="flex", fwd_ms=1.5, total_ms=12.0, **common),
+    ]
+    lines = _markdown(rows).splitlines()
+    assert "| 192/128 |" in lines[2] and "| 1.50x |" in lines[2]
+    assert "| 192 |" in lines[4]
+
+
+def test_a_negative_value_head_dim_is_refused_naming_the_option(capsys):
+    from flashmask import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--head-dim-v", "-1"])
+    assert exc.value.code == 2
+    assert "--head-dim-v must be 0 or a head dim, got -1" in capsys.readouterr().err

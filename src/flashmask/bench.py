@@ -94,6 +94,24 @@ def visible_flop(
     return per_pair * head_dim * int(pairs.sum()) * per_mask_head * (batch // pairs.shape[0])
 
 
+def attention_flop(
+    mask: FlashMask | None,
+    causal: bool,
+    seqlen: int,
+    head_dim: int,
+    heads: int,
+    batch: int,
+    head_dim_v: int | None = None,
+) -> tuple[float, float]:
+    """``(forward, backward)`` FLOPs over the visible pairs (:func:`visible_flop`'s count) with
+    Q/K's ``head_dim`` and V's ``head_dim_v`` (``None``: ``head_dim``): the forward's two matmuls
+    ``2 (D + Dv)`` per pair and query head, the backward's five (S and dQ, dK at ``D``; dP and
+    dV at ``Dv``) ``2 (3 D + 2 Dv)``; 4 D and 10 D where the two are equal."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    pairs = visible_flop(mask, causal, seqlen, 1, heads, batch, per_pair=1.0)
+    return 2 * (head_dim + dv) * pairs, 2 * (3 * head_dim + 2 * dv) * pairs
+
+
 @dataclass
 class Row:
     mask: str
@@ -117,6 +135,8 @@ class Row:
     extra: dict = field(default_factory=dict)
     # Key/value heads (grouped-query attention when fewer than ``heads``); None: ``heads``.
     kv_heads: int | None = None
+    # V's head dim where it differs from Q/K's (MLA: 192 / 128); None: ``head_dim``.
+    head_dim_v: int | None = None
 
 
 def _bench(fn: Callable[[], object], rep_ms: int, min_repeats: int = 5) -> float:
@@ -298,16 +318,21 @@ def run_case(
     dense_limit_gb: float,
     min_repeats: int = 5,
     kv_heads: int | None = None,
+    head_dim_v: int | None = None,
 ) -> list[Row]:
-    """Rows of every implementation in ``impls`` for one mask, length and head dim: Q and dO
-    ``[batch, seqlen, heads, head_dim]``, K and V with ``kv_heads`` heads (``None``: ``heads``;
-    fewer: grouped-query attention, each implementation's own form of it)."""
+    """Rows of every implementation in ``impls`` for one mask, length and head dim: Q and K
+    ``[batch, seqlen, heads | kv_heads, head_dim]``, V and dO with ``head_dim_v`` (``None``:
+    ``head_dim``; MLA's 192 / 128), K and V with ``kv_heads`` heads (``None``: ``heads``; fewer:
+    grouped-query attention, each implementation's own form of it). FLOPs count the five
+    matmuls at their own widths: ``2 (D + Dv)`` per visible pair and query head forward,
+    ``2 (3 D + 2 Dv)`` backward (:func:`attention_flop`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     kv_heads = heads if kv_heads is None else kv_heads
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
     group = heads // kv_heads
+    dv = head_dim if head_dim_v is None else head_dim_v
 
     device = torch.device("cuda")
     dtype = torch.bfloat16
@@ -327,11 +352,11 @@ def run_case(
         mask if mask is not None else (masks.causal(seqlen) if causal else masks.full(seqlen))
     )
     sparsity = ref_mask.to(device).sparsity(128, 128)
-    fwd_flop = visible_flop(mask, causal, seqlen, head_dim, heads, batch)
+    fwd_flop, bwd_flop = attention_flop(mask, causal, seqlen, head_dim, heads, batch, dv)
     q = torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, seqlen, kv_heads, head_dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    do = torch.randn_like(q)
+    v = torch.randn(batch, seqlen, kv_heads, dv, device=device, dtype=dtype)
+    do = torch.randn(batch, seqlen, heads, dv, device=device, dtype=dtype)
     rows: list[Row] = []
 
     def finish(row: Row, fwd: Callable, total: Callable) -> Row:
@@ -341,8 +366,8 @@ def run_case(
         row.peak_gb = torch.cuda.max_memory_allocated() / 2**30
         row.bwd_ms = max(row.total_ms - row.fwd_ms, 1e-9)
         row.fwd_tflops = fwd_flop / row.fwd_ms / 1e9
-        row.total_tflops = 3.5 * fwd_flop / row.total_ms / 1e9
-        row.bwd_tflops = 2.5 * fwd_flop / row.bwd_ms / 1e9
+        row.total_tflops = (fwd_flop + bwd_flop) / row.total_ms / 1e9
+        row.bwd_tflops = bwd_flop / row.bwd_ms / 1e9
         try:
             row.extra["kernels"] = _kernel_names(total)
         except Exception as exc:  # a profiler problem must not cost the timings
@@ -350,7 +375,10 @@ def run_case(
         return row
 
     def base(impl: str) -> Row:
-        return Row(name, seqlen, batch, heads, head_dim, impl, sparsity, kv_heads=kv_heads)
+        return Row(
+            name, seqlen, batch, heads, head_dim, impl, sparsity, kv_heads=kv_heads,
+            head_dim_v=head_dim_v if dv != head_dim else None,
+        )  # fmt: skip
 
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
@@ -523,7 +551,7 @@ def _markdown(rows: list[Row]) -> str:
     ]
 
     def case(r: Row) -> tuple:
-        return (r.mask, r.seqlen, r.head_dim, r.heads, r.kv_heads or r.heads)
+        return (r.mask, r.seqlen, r.head_dim, r.head_dim_v, r.heads, r.kv_heads or r.heads)
 
     flex_total = {case(r): r.total_ms for r in rows if r.impl == "flex" and r.total_ms}
     fm4_total = {case(r): r.total_ms for r in rows if r.impl == "fm4" and r.total_ms}
@@ -535,6 +563,7 @@ def _markdown(rows: list[Row]) -> str:
         ref = flex_total.get(case(r))
         kv = r.kv_heads or r.heads
         heads = f"{r.heads}" if kv == r.heads else f"{r.heads}:{kv}"
+        dims = f"{r.head_dim}" if r.head_dim_v is None else f"{r.head_dim}/{r.head_dim_v}"
         speedup = f"{ref / r.total_ms:.2f}x" if ref and r.total_ms else "—"
         fm4 = fm4_total.get(case(r))
         vs_fm4 = f"{fm4 / r.total_ms:.2f}x" if fm4 and r.total_ms else "—"
@@ -543,7 +572,7 @@ def _markdown(rows: list[Row]) -> str:
         gpu_ms = r.mask_prep_gpu_ms
         gpu_share = 100 * gpu_ms / r.total_ms if gpu_ms and r.total_ms else None
         lines.append(
-            f"| {r.seqlen // 1024}K | {r.head_dim} | {heads} | {r.mask} | {r.sparsity:.2f} "
+            f"| {r.seqlen // 1024}K | {dims} | {heads} | {r.mask} | {r.sparsity:.2f} "
             f"| {r.impl}{f' ({r.note})' if r.note else ''} "
             f"| {f(r.fwd_ms)} | {f(r.total_ms)} | {f(r.fwd_tflops, '{:.0f}')} "
             f"| {f(r.total_tflops, '{:.0f}')} | {f(r.mask_prep_ms, '{:.3f}')} "
@@ -631,6 +660,13 @@ def main(argv: list[str] | None = None) -> int:
         "--head-dims", default="128", help="comma-separated head dimensions, e.g. 64,128 (128)"
     )
     parser.add_argument(
+        "--head-dim-v",
+        type=int,
+        default=0,
+        help="V's head dim where it differs from Q/K's, e.g. --head-dims 192 --head-dim-v 128 "
+        "for DeepSeek's MLA (0: each head dim's own)",
+    )
+    parser.add_argument(
         "--masks",
         default=",".join(masks.MASK_TYPES),
         help="comma-separated mask types of flashmask.masks.example (all 12 of the paper)",
@@ -684,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.decode:
         parser.error("--decode: run it as `flashmask bench --decode` (flashmask.bench_decode)")
+    if args.head_dim_v < 0:
+        parser.error(f"--head-dim-v must be 0 or a head dim, got {args.head_dim_v}")
     if args.min_repeats < 1:
         parser.error(f"--min-repeats must be at least 1, got {args.min_repeats}")
     seqlens = [int(x) for x in args.seqlens.split(",")]
@@ -728,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows += run_case(
                 n, s, batch, heads, d, impls, args.rep_ms, args.dense_limit_gb,
-                args.min_repeats, kv_heads,
+                args.min_repeats, kv_heads, args.head_dim_v or None,
             )  # fmt: skip
         except torch.OutOfMemoryError as exc:  # report and carry on with the next case
             note = f"OOM: {exc}"[:200]
