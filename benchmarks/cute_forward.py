@@ -30,12 +30,16 @@ import argparse
 import json
 from pathlib import Path
 
-CASES = ((128, (8192, 32768)), (256, (8192,)), (64, (8192,)))
+CASES = ((128, (8192, 32768)), (256, (8192,)), (64, (8192,)), (192, (8192, 32768)))
 TOKENS, HIDDEN = 32768, 2048
+# V's head dim where it is not Q/K's: 192 is multi-head latent attention's (DeepSeek-V2/V3),
+# whose V has 128.
+VALUE_HEAD_DIM = {192: 128}
 
 
 def cases(head_dims: list[int]):
-    """``(d, s, b, heads, name)`` of each timed cell: ``CASES`` at ``head_dims``, the 12 masks."""
+    """``(d, s, b, heads, name)`` of each timed cell: ``CASES`` at ``head_dims``, the 12 masks
+    (``--head-dims 192``: MLA's 192 / 128, :data:`VALUE_HEAD_DIM`)."""
     from flashmask import masks
 
     for d, seqlens in CASES:
@@ -53,15 +57,17 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
     import torch
 
     from flashmask import masks
-    from flashmask.bench import visible_flop
+    from flashmask.bench import attention_flop
     from flashmask.kernels import preparation
     from flashmask.kernels.cute_kernels import launch
     from flashmask.mask import FlashMask
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
+    dv = VALUE_HEAD_DIM.get(d, d)
     q = torch.randn(b, s, heads, d, device=device, dtype=torch.bfloat16)
-    k, v = torch.randn_like(q), torch.randn_like(q)
+    k = torch.randn_like(q)
+    v = torch.randn(b, s, heads, dv, device=device, dtype=torch.bfloat16)
     sri, causal = None, name == "causal"
     if name not in ("full", "causal"):
         mask = masks.example(
@@ -69,7 +75,8 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
             generator=gen,
         ).to(device)  # fmt: skip
         sri, causal = mask.startend_row_indices, mask.causal
-    flop = visible_flop(FlashMask(sri, causal) if sri is not None else None, causal, s, d, heads, b)
+    mask = FlashMask(sri, causal) if sri is not None else None
+    flop = attention_flop(mask, causal, s, d, heads, b, dv)[0]
     scale = d**-0.5
     shape = (128, launch.key_tile(d), True)
     bounds, (lists,) = preparation.prepare_cached(sri, causal, s, s, b, device, [shape])
@@ -104,7 +111,7 @@ def measure(head_dims: list[int]) -> tuple[dict, list[dict]]:
         calls = {"cute": cute, "routed": routed}
         if fm4 is not None:
             calls["fm4"] = lambda: fm4(q, k, v, sri, causal=causal)
-        cell: dict = {"d": d, "s": s, "b": b, "mask": name}
+        cell: dict = {"d": d, "dv": VALUE_HEAD_DIM.get(d, d), "s": s, "b": b, "mask": name}
         for impl, fn in calls.items():
             try:
                 ms = _bench(fn, 200)
@@ -189,7 +196,8 @@ def render(meta: dict, cells: list[dict]) -> str:
 
     for c in cells:
         row = comparison_columns(c, ("routed", "fm4"))
-        lines.append(f"| {c['d']} | {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
+        dims = f"{c['d']}" if c.get("dv", c["d"]) == c["d"] else f"{c['d']}/{c['dv']}"
+        lines.append(f"| {dims} | {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -209,7 +217,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="cute_forward", help="prefix of the .json and .md")
     parser.add_argument(
-        "--head-dims", help="comma-separated (default 128,256,64; 128 with --persistent-ab)"
+        "--head-dims",
+        help="comma-separated (default 128,256,64; 128 with --persistent-ab; 192 is MLA's Q/K "
+        "head dim with V's 128)",
     )
     parser.add_argument("--render", type=Path, help="only render an earlier run's JSON")
     parser.add_argument(

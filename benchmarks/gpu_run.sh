@@ -14,11 +14,12 @@
 #   graphs      benchmarks/decode_graphs.py, a ~1B model's generation with and without CUDA
 #               graphs: decode_graphs_<date>.{json,md}
 #   e2e         benchmarks/e2e.py, training steps of a ~1B model: e2e_<date>/e2e.{json,md}
+#               (MODEL=gpt_oss or deepseek_v3: that model style, into e2e_<model>_<date>/)
 #   cp          benchmarks/cp_gpu.py on every GPU of the machine (torchrun): cp_gpu_<date>/
 #   sass        benchmarks/sass_report.py (compiles for sm_90, needs no GPU): sass_report_<date>.*
 #
 # Environment: RESULTS (output folder), DATE (the stamp, default YYYY-MM-DD), JOBS (pytest-xdist
-# workers for check, default 8). src/ goes first on PYTHONPATH, so the checkout is what runs.
+# workers for check, default 8), MODEL (e2e's model style, default llama). src/ goes first on PYTHONPATH, so the checkout is what runs.
 set -uo pipefail
 
 results=${RESULTS:-benchmarks/results}
@@ -54,7 +55,7 @@ for step in "$@"; do
     graphs) python benchmarks/decode_graphs.py --out "$results/decode_graphs_$date" ;;
     e2e)
         python benchmarks/e2e.py --longest-max 262144 --step-limit-s 30 --budget-s 7200 \
-            --out "$results/e2e_$date"
+            --model "${MODEL:-llama}" --out "$results/e2e${MODEL:+_$MODEL}_$date"
         ;;
     cp)
         torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/cp_gpu.py \

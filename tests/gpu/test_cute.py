@@ -90,6 +90,15 @@ def _cases() -> list[Case]:
         for causal, columns in FORMS
         for d in (128, 256)
     ]
+    # Multi-head latent attention (Q/K head dim 192, V's 128; O through Q's slots in its own
+    # layout): every mask, both schedules, ragged lengths, per-head masks.
+    cases += [Case(name, 1024, 1024, 8, 2, 192, True, dv=128) for name in MASK_NAMES]
+    cases += [
+        Case("random", sq, sk, 8, 2, 192, True, causal=causal, columns=columns, dv=128)
+        for causal, columns in FORMS
+        for sq, sk in ((1000, 1100), (4500, 4000))
+    ]
+    cases += [Case("document", 4096, 4096, 8, 8, 192, True, mask_heads=8, dv=128)]
     return cases
 
 

@@ -23,6 +23,10 @@ FORMS = [(False, False, False), (True, False, False), (True, True, False), (Fals
 
 
 FORM_IDS = ["full", "causal", "causal_mask", "mask"]
+# Q/K head dims; 192 is multi-head latent attention's, whose V has head dim 128 (O leaves
+# through Q's slots in its own layout).
+HEAD_DIMS = [64, 128, 192, 256]
+VALUE_HEAD_DIM = {192: 128}
 
 
 def _variant(head_dim: int, form: tuple[bool, bool, bool], dense: bool, persistent: bool):
@@ -37,10 +41,11 @@ def _variant(head_dim: int, form: tuple[bool, bool, bool], dense: bool, persiste
         mask_full_tiles=dense,
         ordered=has_mask,  # launch orders exist only with a mask
         persistent=persistent,
+        head_dim_v=VALUE_HEAD_DIM.get(head_dim),
     )
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dense", [False, True], ids=["skip", "dense"])
 def test_every_variant_compiles(head_dim: int, form: tuple[bool, bool, bool], dense: bool):
@@ -54,7 +59,7 @@ def test_every_variant_compiles(head_dim: int, form: tuple[bool, bool, bool], de
 PERSISTENT = [(form, False) for form in FORMS] + [(FORMS[-1], True)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize(
     ("form", "dense"), PERSISTENT, ids=[f"{i}-skip" for i in FORM_IDS] + ["mask-dense"]
 )
@@ -68,3 +73,8 @@ def test_every_persistent_variant_compiles(
 def test_float16_compiles():
     variant = ForwardVariant(128, 128, launch.KV_STAGES[128], True, True, False, False, True)
     assert launch.compiled_forward(variant, torch.float16) is not None
+
+
+def test_value_dim_is_the_head_dim_unless_v_has_its_own():
+    assert _variant(128, FORMS[0], False, False).value_dim == 128
+    assert _variant(192, FORMS[0], False, False).value_dim == 128

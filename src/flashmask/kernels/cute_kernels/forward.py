@@ -73,11 +73,12 @@ EPILOGUE_BARRIER = (3, 4)
 class ForwardVariant:
     """The static parameters one compiled forward specialises on.
 
-    ``head_dim``: D (64, 128 or 256); ``block_n``: keys per tile (the lists' tile width);
+    ``head_dim``: D (64, 128, 192 or 256); ``block_n``: keys per tile (the lists' tile width);
     ``kv_stages``: K/V ring slots; ``causal``, ``has_mask``, ``has_upper``: the mask's form;
     ``mask_full_tiles``: the dense mode (every tile masked); ``ordered``: the grid follows a
     launch order; ``persistent``: one program per SM takes query tiles from a counter (needs
-    the launch's program count and a zeroed counter)."""
+    the launch's program count and a zeroed counter); ``head_dim_v``: V's (and O's) head dim
+    where it differs from D, at most D (MLA's 192 / 128), ``None`` where equal."""
 
     head_dim: int
     block_n: int
@@ -88,6 +89,12 @@ class ForwardVariant:
     mask_full_tiles: bool
     ordered: bool
     persistent: bool = False
+    head_dim_v: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        """V's and O's head dim (``head_dim`` unless ``head_dim_v`` says otherwise)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 def row_col_view(layout: cute.Layout) -> cute.Layout:
@@ -160,7 +167,10 @@ class HopperForward:
     def __init__(self, variant: ForwardVariant):
         self.v = variant
         self.qk_tiler = (HALF_ROWS, variant.block_n, variant.head_dim)
-        self.pv_tiler = (HALF_ROWS, variant.head_dim, variant.block_n)
+        self.pv_tiler = (HALF_ROWS, variant.value_dim, variant.block_n)
+        # O's 64-row halves leave through Q's shared memory, in their own layout where V's
+        # head dim is not Q's (the M x K view of an (M, N, K) tiler).
+        self.o_tiler = (HALF_ROWS, variant.block_n, variant.value_dim)
 
     @cute.jit
     def __call__(
@@ -182,7 +192,8 @@ class HopperForward:
         qk_scale: cutlass.Float32,
         stream,
     ):
-        """``mQ``/``mO [B, Sq, Hq, D]``, ``mK``/``mV [B, Sk, Hk, D]`` (unit stride along D),
+        """``mQ [B, Sq, Hq, D]``, ``mK [B, Sk, Hk, D]``, ``mV [B, Sk, Hk, Dv]``, ``mO [B, Sq, Hq,
+        Dv]`` (unit stride along the head dim; ``Dv``: the variant's ``value_dim``),
         ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 column-major ``[B, Hm, Sk padded, 4]``
         (read only with a mask), ``mEntries`` int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32
         ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
@@ -216,7 +227,9 @@ class HopperForward:
         v_smem = sm90_utils.make_smem_layout_b(
             tensor_utils.LayoutEnum.COL_MAJOR, self.pv_tiler, dtype, self.v.kv_stages
         )
+        o_smem = sm90_utils.make_smem_layout_a(q_layout, self.o_tiler, dtype, 2)
         q_one = cute.slice_(q_smem, (None, None, 0))
+        o_one = cute.slice_(o_smem, (None, None, 0))
         k_one = cute.slice_(k_smem, (None, None, 0))
         v_one = cute.slice_(v_smem, (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -227,11 +240,13 @@ class HopperForward:
             load, k, k_one, (self.v.block_n, self.v.head_dim)
         )
         tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-            load, v, v_one, (self.v.head_dim, self.v.block_n)
+            load, v, v_one, (self.v.value_dim, self.v.block_n)
         )
         tma_o, tma_o_tensor = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), o, q_one, (HALF_ROWS, self.v.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), o, o_one, (HALF_ROWS, self.v.value_dim)
         )
+        # Q's slots also hold the O halves (no larger than Q's where Dv <= D).
+        q_elements = max(cute.cosize(q_smem), cute.cosize(o_smem))
         self.q_bytes = cute.size_in_bytes(dtype, q_one)
         self.k_bytes = cute.size_in_bytes(dtype, k_one)
         self.v_bytes = cute.size_in_bytes(dtype, v_one)
@@ -249,7 +264,7 @@ class HopperForward:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 items: cute.struct.MemRange[cutlass.Int32, 2]
-                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elements], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
 
@@ -261,7 +276,7 @@ class HopperForward:
                 q_full: cute.struct.MemRange[cutlass.Int64, 1]
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_smem)], 1024]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elements], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(k_smem)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(v_smem)], 1024]
 
@@ -270,8 +285,8 @@ class HopperForward:
             self.persistent_kernel(
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
-                mNextItem, q_smem, k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
-                qk_scale,
+                mNextItem, q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv,
+                heads_per_mask_head, qk_scale,
             ).launch(
                 grid=[num_programs, 1, 1],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -285,7 +300,8 @@ class HopperForward:
             self.kernel(
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
-                q_smem, k_smem, v_smem, seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
+                q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
+                qk_scale,
             ).launch(
                 grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -318,6 +334,7 @@ class HopperForward:
         q_smem: cute.ComposedLayout,
         k_smem: cute.ComposedLayout,
         v_smem: cute.ComposedLayout,
+        o_smem: cute.ComposedLayout,
         seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
@@ -326,7 +343,7 @@ class HopperForward:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        storage, sQ, sK, sV = self.shared_tiles(q_smem, k_smem, v_smem)
+        storage, sQ, sK, sV, sO = self.shared_tiles(q_smem, k_smem, v_smem, o_smem)
         q_full = storage.q_full.data_ptr()
 
         # The program's work: (query tile, query head, batch), heaviest first.
@@ -350,8 +367,8 @@ class HopperForward:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
-                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
-                k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
+                q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
                 tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale, 0, 0,
             )  # fmt: skip
 
@@ -378,6 +395,7 @@ class HopperForward:
         q_smem: cute.ComposedLayout,
         k_smem: cute.ComposedLayout,
         v_smem: cute.ComposedLayout,
+        o_smem: cute.ComposedLayout,
         seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
@@ -388,7 +406,7 @@ class HopperForward:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        storage, sQ, sK, sV = self.shared_tiles(q_smem, k_smem, v_smem)
+        storage, sQ, sK, sV, sO = self.shared_tiles(q_smem, k_smem, v_smem, o_smem)
         q_full = storage.q_full.data_ptr()
         q_empty = storage.q_empty.data_ptr()
         items = storage.items.get_tensor(cute.make_layout(2))
@@ -417,19 +435,21 @@ class HopperForward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume_items(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
-                sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
-                role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
+                sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe,
+                work, role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
             )  # fmt: skip
 
     @cute.jit
-    def shared_tiles(self, q_smem, k_smem, v_smem):
-        """The program's shared memory and its Q, K and V tiles in it."""
+    def shared_tiles(self, q_smem, k_smem, v_smem, o_smem):
+        """The program's shared memory and its Q, K and V tiles in it, and the O halves' view
+        of Q's slots."""
         smem = memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
         sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
         sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
-        return storage, sQ, sK, sV
+        sO = storage.sQ.get_tensor(o_smem.outer, swizzle=o_smem.inner)
+        return storage, sQ, sK, sV, sO
 
     @cute.jit
     def init_barriers(self, storage, q_full, warp):
@@ -489,10 +509,10 @@ class HopperForward:
     def kv_partitions(self, tma_k, mK, tma_v, mV, sK, sV, kv_head, b):
         """The TMA views ``(tKsK, tKgK, tVsV, tVgV)`` of K/V head ``kv_head`` of batch ``b``:
         the ring slots and the key tiles."""
-        d, n = self.v.head_dim, self.v.block_n
+        d, dv, n = self.v.head_dim, self.v.value_dim, self.v.block_n
         tKsK, tKgK = tma_tiles(tma_k, mK[None, None, kv_head, b], sK, (n, d))
         # V's tiles run over its second mode (D-major: its keys are the columns).
-        tVsV, tVgV = tma_tiles(tma_v, mV[None, None, kv_head, b], sV, (d, n), (0, None))
+        tVsV, tVgV = tma_tiles(tma_v, mV[None, None, kv_head, b], sV, (dv, n), (0, None))
         return tKsK, tKgK, tVsV, tVgV
 
     @cute.jit
@@ -582,8 +602,8 @@ class HopperForward:
     @cute.jit
     def consume_items(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
-        sQ, sK, sV, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work, wg,
-        thread, warp, seqlen_k, qk_scale,
+        sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
+        wg, thread, warp, seqlen_k, qk_scale,
     ):  # fmt: skip
         """Persistent consumer warpgroup ``wg``: rows ``wg * 64 ...`` of each of the program's
         query tiles, the program's own item first, then each one the producer hands over."""
@@ -622,7 +642,7 @@ class HopperForward:
             mask_head = h // work.heads_per_mask_head
             count = mCounts[b, mask_head, m_tile]
             self.consume(
-                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV,
+                qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
                 seqlen_k, qk_scale, u, consumed,
             )  # fmt: skip
@@ -646,9 +666,9 @@ class HopperForward:
 
     @cute.jit
     def consume(
-        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, q_full,
-        k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k, qk_scale,
-        u, consumed,
+        self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
+        q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k,
+        qk_scale, u, consumed,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile. In
         the persistent variant the program's ``u``-th item, after ``consumed`` K/V tiles of its
@@ -770,7 +790,7 @@ class HopperForward:
                 # Balance warpgroup 1's opening hand-over: its last arrival has no taker.
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
-            pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+            pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
             thread, warp, row0, seqlen_q,
         )  # fmt: skip
 
@@ -909,11 +929,12 @@ class HopperForward:
 
     @cute.jit
     def finish_rows(
-        self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sQ, m_tile, h, b, wg,
+        self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
         thread, warp, row0, seqlen_q,
     ):  # fmt: skip
-        """``O / l`` of the warpgroup's 64 rows through its Q half and one TMA store, and their
-        lse (natural log; ``-inf`` with ``O = 0`` where no key is visible)."""
+        """``O / l`` of the warpgroup's 64 rows through its Q half (``sO``: the O halves' view
+        of Q's slots) and one TMA store, and their lse (natural log; ``-inf`` with ``O = 0``
+        where no key is visible)."""
         o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
         tOcO = pv_thr.partition_C(cute.make_identity_tensor(self.pv_tiler[:2]))
         tOcO_mn = cute.make_tensor(tOcO.iterator, row_col_view(tOcO.layout))
@@ -934,16 +955,15 @@ class HopperForward:
             if thread % 4 == 0 and row < seqlen_q:
                 mLse[b, h, row] = lse
         # O through this warpgroup's Q half (its last Q K^T has completed).
-        sO = sQ[None, None, wg]
-        tOsO = pv_thr.partition_C(sO)
-        out = cute.make_rmem_tensor_like(acc_o, sQ.element_type)
-        out.store(acc_o.load().to(sQ.element_type))
+        tOsO = pv_thr.partition_C(sO[None, None, wg])
+        out = cute.make_rmem_tensor_like(acc_o, sO.element_type)
+        out.store(acc_o.load().to(sO.element_type))
         for i in cutlass.range_constexpr(cute.size(out)):
             tOsO[i] = out[i]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER[0] + wg, number_of_threads=WARPGROUP_THREADS)
         tOsO_tma, tOgO_tma = tma_tiles(
-            tma_o, mO[None, None, h, b], sQ, (HALF_ROWS, self.v.head_dim)
+            tma_o, mO[None, None, h, b], sO, (HALF_ROWS, self.v.value_dim)
         )
         if thread == 0:
             cute.copy(tma_o, tOsO_tma[None, wg], tOgO_tma[None, 2 * m_tile + wg])

@@ -18,13 +18,14 @@ from flashmask.kernels.tiles import TileLists
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 # The forward's K/V ring slots per head dim at 128-key tiles (64-key at D = 256): K and V
-# slots of 32 KB each at D = 128 plus the 32 KB Q tile fit the 227 KB in three.
-KV_STAGES = {64: 4, 128: 3, 256: 2}
+# slots of 32 KB each at D = 128 plus the 32 KB Q tile fit the 227 KB in three; at D = 192
+# (MLA, V's head dim 128) the 48 KB Q tile and two 48 + 32 KB slots take 208 KB.
+KV_STAGES = {64: 4, 128: 3, 192: 2, 256: 2}
 
 
 def key_tile(head_dim: int) -> int:
-    """Keys per tile of the CuTe forward at ``head_dim``."""
-    return 64 if head_dim > 128 else 128
+    """Keys per tile of the CuTe forward at ``head_dim`` (Q/K's)."""
+    return 64 if head_dim > 192 else 128
 
 
 def _dtype(torch_dtype: torch.dtype):
@@ -148,9 +149,10 @@ def forward(
     order: torch.Tensor | None = None,
     persistent: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
+    """``(out [B, Sq, Hq, Dv], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
     (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
-    interval mask). ``q``/``k``/``v`` contiguous, 16-byte aligned, bf16 or fp16.
+    interval mask). ``q``/``k`` ``[..., D]``, ``v [..., Dv]`` (``Dv <= D``) contiguous, 16-byte
+    aligned, bf16 or fp16.
 
     ``persistent``: launch the persistent variant (one program per SM, at most one per query
     tile, taking the (query tile, head, batch) items in ``order`` from a counter) instead of
@@ -162,6 +164,7 @@ def forward(
     from flashmask.kernels.cute_kernels.forward import BLOCK_M, LOG2E, ForwardVariant
 
     b, sq, hq, d = q.shape
+    dv = v.shape[-1]
     has_mask = bounds is not None
     if persistent is None:
         persistent = has_mask and not causal
@@ -175,9 +178,10 @@ def forward(
         mask_full_tiles=not skip_tiles,
         ordered=order is not None,
         persistent=persistent,
+        head_dim_v=dv if dv != d else None,
     )
     kernel = compiled_forward(variant, q.dtype)
-    out = torch.empty_like(q)
+    out = q.new_empty(b, sq, hq, dv)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if order is None:
         order = lists.counts.view(-1)  # never read
