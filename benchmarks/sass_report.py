@@ -5,10 +5,12 @@ Kernel families (``--family``):
 * ``triton``: every kernel launch one forward + backward makes through the Triton kernels (mask
   preparation, forward, backward), per head dim, mask form and tile-configuration variant;
 * ``gluon_fwd``: the Gluon forward as it ships (head dims 64, 128 and 256 at the launcher's key
-  tiles; full, causal and masked; skipping and dense mode; bf16 and, once, fp16);
+  tiles; full, causal and masked; skipping and dense mode; bf16 and, once, fp16; and with a logit
+  cap, ``softcap``, at head dim 128 causal and masked and at 256 masked);
 * ``gluon_bwd``: the Gluon backward as it ships (head dims 64, 128 and 256; full, causal and
   masked; bf16 and, once, fp16; and long full attention's query chunks, whose first launch
-  stores fp32 dK/dV sums and whose later ones add to them).
+  stores fp32 dK/dV sums and whose later ones add to them; and with a logit cap at head dim 128
+  causal, masked and in query chunks and at 256 masked).
 
 Each launch is captured from the library's own launchers (``kernels.forward`` /
 ``kernels.backward``, with the Gluon kernels routed in for the Gluon families; nothing runs),
@@ -16,7 +18,8 @@ specialised by Triton's own binder on the captured arguments, compiled with Trit
 ``ptxas`` and read with its bundled ``cuobjdump``: registers per thread, local-memory (spill)
 bytes, shared memory, the ``setmaxnreg`` a warp-specialised kernel's partitions execute, static
 counts of key instructions (``HGMMA``: Hopper warpgroup MMA, which the dot products must compile
-to; ``HMMA``, the older per-warp MMA, which should not appear; ``MUFU.EX2``; TMA loads, stores
+to; ``HMMA``, the older per-warp MMA, which should not appear; ``MUFU.EX2``, ``MUFU.RCP`` and
+``MUFU.TANH``, the special-function unit's exponentials, reciprocals and tanh; TMA loads, stores
 and reduce-adds; global loads/stores; barriers; ``WARPGROUP.DEPBAR``, the waits on ``wgmma``),
 and ``sass_sha256``, a digest of the SASS with which a change that must leave the kernels alone
 proves it did.
@@ -59,8 +62,9 @@ from flashmask.kernels.triton_kernels import forward as attention_fwd
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPCODES = (
-    "HGMMA", "HMMA", "WARPGROUP.DEPBAR", "MUFU.EX2", "UTMALDG", "UTMASTG", "UTMAREDG", "LDGSTS",
-    "LDG", "STG", "REDG", "ATOMG", "LDS", "STS", "LDL", "STL", "BAR",
+    "HGMMA", "HMMA", "WARPGROUP.DEPBAR", "MUFU.EX2", "MUFU.RCP", "MUFU.TANH", "UTMALDG",
+    "UTMASTG", "UTMAREDG", "LDGSTS", "LDG", "STG", "REDG", "ATOMG", "LDS", "STS", "LDL", "STL",
+    "BAR",
 )  # fmt: skip
 FAMILIES = ("triton", "gluon_fwd", "gluon_bwd")
 # Per-SM resources by compute capability: (shared memory per SM in bytes, 32-bit registers).
@@ -253,12 +257,21 @@ def triton_launches(head_dim: int, form: str, variant: str, shared_memory: int |
 
 
 GLUON_FORMS = ("full", "causal", "causal-C1", "noncausal-C2")
+# The capped variants' logit cap (Gemma 2's on attention scores); any positive value compiles
+# the same code but for the constant.
+GLUON_SOFTCAP = 50.0
 
 
-def _gluon_variants() -> list[tuple[int, str, torch.dtype]]:
-    """``(head dim, mask form, dtype)`` of the Gluon families' variants."""
-    shipped = [(d, form, torch.bfloat16) for d in (64, 128, 256) for form in GLUON_FORMS]
-    return [*shipped, (128, "causal-C1", torch.float16)]
+def _gluon_variants() -> list[tuple[int, str, torch.dtype, float]]:
+    """``(head dim, mask form, dtype, softcap)`` of the Gluon families' variants: the uncapped
+    ones, then the capped ones (head dim 128 causal and masked, 256 masked: the largest
+    accumulators)."""
+    shipped = [(d, form, torch.bfloat16, 0.0) for d in (64, 128, 256) for form in GLUON_FORMS]
+    capped = [
+        (d, form, torch.bfloat16, GLUON_SOFTCAP)
+        for d, form in ((128, "causal"), (128, "noncausal-C2"), (256, "noncausal-C2"))
+    ]
+    return [*shipped, (128, "causal-C1", torch.float16, 0.0), *capped]
 
 
 def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
@@ -267,13 +280,14 @@ def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
     cases = [(*variant, mode) for variant in _gluon_variants() for mode in ("skip", "dense")]
     if family == "gluon_bwd":
         cases = [(*variant, "skip") for variant in _gluon_variants()]
-        cases += [(d, "full", torch.bfloat16, "chunks") for d in (64, 128)]
-    for head_dim, form, dtype, mode in cases:
+        cases += [(d, "full", torch.bfloat16, 0.0, "chunks") for d in (64, 128)]
+        cases.append((128, "full", torch.bfloat16, GLUON_SOFTCAP, "chunks"))
+    for head_dim, form, dtype, softcap, mode in cases:
         q, k, sri, causal = _inputs(head_dim, form, 1024, 8, 2, dtype)
         cfg = kernels.tile_config(head_dim, has_mask=sri is not None)
         what = {
             "head_dim": head_dim, "causal": causal, "has_mask": sri is not None,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": str(dtype).removeprefix("torch."), "softcap": softcap,
         }  # fmt: skip
         chunk_bytes = query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES
         if mode == "chunks":  # two chunks of 512 rows
@@ -284,11 +298,11 @@ def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
             with _as_on_hopper(True), captured_launches() as launches:
                 if family == "gluon_fwd":
                     kernels.forward(q, k, k, sri, causal, 0.125, skip_tiles=mode == "skip",
-                                    config=cfg)  # fmt: skip
+                                    config=cfg, softcap=softcap)  # fmt: skip
                 else:
                     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
                     kernels.backward(q, None, q, k, k, q, lse, sri, causal, 0.125, False,
-                                     config=cfg)  # fmt: skip
+                                     config=cfg, softcap=softcap)  # fmt: skip
         finally:
             query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES = chunk_bytes
         seen = set()
@@ -369,6 +383,7 @@ def markdown(rows: list[dict]) -> str:
         "HGMMA",
         "HMMA",
         "MUFU.EX2",
+        "MUFU.RCP",
         "UTMALDG",
         "UTMASTG",
         "LDG",
@@ -392,6 +407,7 @@ def markdown(rows: list[dict]) -> str:
             r["HGMMA"],
             r["HMMA"],
             r["MUFU.EX2"],
+            r["MUFU.RCP"],
             r["UTMALDG"],
             r["UTMASTG"],
             r["LDG"],

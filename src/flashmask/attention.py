@@ -60,7 +60,7 @@ def flashmask_attention(
         softcap: Gemma's logit soft-capping: each scaled score ``s`` becomes
             ``softcap * tanh(s / softcap)`` before the mask and softmax (gradients through the
             cap's derivative). ``None`` or 0 (flash-attn's "off") leave the scores; on the GPU a
-            capped call runs the Triton kernels.
+            capped call runs the Triton kernels or, on Hopper, the Gluon ones (not CuTe).
 
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no

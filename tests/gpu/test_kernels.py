@@ -166,7 +166,8 @@ def _shape_cases() -> list[Case]:
 
 def _gluon_cases() -> list[Case]:
     """Masked cases the Gluon kernels take once the length limits are lifted: the backward
-    (``deterministic=False``) at head dims 64 and 128, the forward at 128."""
+    (``deterministic=False``) at head dims 64 and 128, the forward at 128; also with a logit
+    cap (the Gluon kernels' ``SOFTCAP``) and sinks."""
     cases = []
     for name in MASK_NAMES:
         if name in UNMASKED:
@@ -272,7 +273,7 @@ def kernel_paths(x: Inputs, scale: float, deterministic: bool, softcap: float = 
     bwd = routing.use_gluon_backward(
         x.q, x.k, x.v, x.dout, deterministic, True, masked, config, softcap
     )
-    bwd_name = ("cute" if routing.use_cute_backward(x.q) else "gluon") if bwd else "triton"
+    bwd_name = ("cute" if routing.use_cute_backward(x.q, softcap) else "gluon") if bwd else "triton"
     return f"fwd={fwd} bwd={bwd_name}"
 
 
@@ -395,7 +396,8 @@ def test_gluon_kernels_on_short_masks_match_the_reference(
     case: Case, record_property, monkeypatch
 ) -> None:
     """With the routing's masked length limits at 0, the Gluon backward (and at head dim 128
-    the Gluon forward) runs on these short masked cases, within the same rule."""
+    the Gluon forward) runs on these short masked cases, capped ones too, within the same
+    rule."""
     capability = torch.cuda.get_device_capability()
     if capability[0] != 9 or not routing.gluon_available():
         pytest.skip(f"the Gluon kernels run on Hopper (sm_90) only; this GPU is {capability}")

@@ -79,7 +79,7 @@ without one they run the exact (slow) float32 reference.
 
 Learnable attention sinks (gpt-oss's ``s_aux``, one logit per query head) join every row's
 softmax (:func:`flashmask.flashmask_attention`'s ``sinks``), with their gradient; Gemma's logit
-soft-capping (``softcap``) caps the scores (on the GPU through the Triton kernels).
+soft-capping (``softcap``) caps the scores (on the GPU through the Triton or Gluon kernels).
 
 Not supported (clear error): attention dropout while training.
 ``output_attentions`` returns ``None`` weights. Models that overlay their own mask

@@ -68,9 +68,10 @@ def backward(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward kernels: ``(dq, dk, dv)`` like ``(q, k, v)``. A logit cap (``softcap > 0``, as
-    the forward took it) runs the Triton passes. With ``sinks`` (``[Hq]``; ``out`` and ``lse``
-    are then the forward's after :func:`~.sinks.fold_sinks`), ``(dq, dk, dv, dsinks)``: the
-    kernels need nothing else, and ``dsinks`` comes from their row term.
+    the forward took it) runs the Gluon or Triton backward by the uncapped rules, never the CuTe
+    one. With ``sinks`` (``[Hq]``; ``out`` and ``lse`` are then the forward's after
+    :func:`~.sinks.fold_sinks`), ``(dq, dk, dv, dsinks)``: the kernels need nothing else, and
+    ``dsinks`` comes from their row term.
 
     With ``deterministic=False`` on Hopper, where ``config.bwd_gluon`` and
     :func:`~.routing.use_gluon_backward` allow, one warp-specialised Gluon pass computes dK, dV
@@ -100,7 +101,7 @@ def backward(
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
     if use_gluon:
         grads, delta = _gluon_backward(
-            dout, dlse, q, k, v, out, lse, bounds, lists[0], hm, causal, softmax_scale
+            dout, dlse, q, k, v, out, lse, bounds, lists[0], hm, causal, softmax_scale, softcap
         )
     else:
         grads, delta = _triton_backward(
@@ -127,15 +128,19 @@ def _gluon_backward(
     mask_heads: int,
     causal: bool,
     softmax_scale: float,
+    softcap: float = 0.0,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """One warp-specialised pass (``routing.gluon_backward_module``, or the CuTe backward where
     ``routing.use_cute_backward`` holds) computing dK, dV and, into an fp32 accumulator through
-    TMA reduce-adds, dQ: ``((dq, dk, dv), delta)`` with the row term it used."""
+    TMA reduce-adds, dQ: ``((dq, dk, dv), delta)`` with the row term it used. ``softcap``: the
+    forward's logit cap (the Gluon kernels' alone; 0.0: none)."""
     q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
-    if routing.use_cute_backward(q):
+    capped: dict[str, float] = {}  # the cap, for the Gluon kernels (the CuTe one takes none)
+    if routing.use_cute_backward(q, softcap):
         from flashmask.kernels.cute_kernels import backward_launch as module
     else:
         module = routing.gluon_backward_module(q.shape[-1])
+        capped = {"softcap": softcap}
     dq_accumulator = None
     if module.one_launch(q, k, bounds is not None, causal):
         # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``); a backward in
@@ -145,7 +150,7 @@ def _gluon_backward(
     order = None if bounds is None else preparation.program_order(lists, k.shape[2], False)
     grads = module.backward(
         dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, mask_heads, causal,
-        softmax_scale, order=order, dq_accumulator=dq_accumulator,
+        softmax_scale, order=order, dq_accumulator=dq_accumulator, **capped,
     )  # fmt: skip
     return grads, delta
 

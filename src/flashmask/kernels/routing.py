@@ -117,11 +117,13 @@ def use_gluon_forward(
     softmax_scale: float,
     masked: bool,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> bool:
     """``config.fwd_gluon`` and inputs the Gluon forward takes, on a GPU (Gluon has no
-    interpreter) and with a positive scale (its row max is taken over unscaled scores); with an
+    interpreter) and with a positive scale (its row max is taken over unscaled scores) or a
+    logit cap (``softcap > 0``: the row max of the capped scores, whatever the scale); with an
     interval mask (``masked``) also at least :data:`GLUON_FWD_MIN_MASKED_SEQLEN` keys."""
-    if not config.fwd_gluon or softmax_scale <= 0:
+    if not config.fwd_gluon or (softmax_scale <= 0 and not softcap):
         return False
     if masked and k.shape[1] < GLUON_FWD_MIN_MASKED_SEQLEN:
         return False
@@ -199,12 +201,12 @@ def use_gluon_backward(
     config: TileConfig,
     softcap: float = 0.0,
 ) -> bool:
-    """No logit cap (``softcap``: the Triton backward's alone), ``config.bwd_gluon``,
-    ``deterministic=False`` and no
+    """``config.bwd_gluon``, ``deterministic=False`` and no
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
     skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
-    (``masked``) also at least the keys :data:`GLUON_BWD_MIN_MASKED_SEQLEN` asks at its head dim."""
-    if softcap or not config.bwd_gluon or deterministic or not skip_tiles:
+    (``masked``) also at least the keys :data:`GLUON_BWD_MIN_MASKED_SEQLEN` asks at its head dim.
+    A logit cap (``softcap > 0``) changes nothing: the Gluon backward takes it."""
+    if not config.bwd_gluon or deterministic or not skip_tiles:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
@@ -225,10 +227,11 @@ def use_gluon_backward(
 CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 
-def use_cute_backward(q: torch.Tensor) -> bool:
+def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
     """Whether a call that :func:`use_gluon_backward` gives the Gluon backward runs the CuTe
-    backward instead: ``D`` in :data:`CUTE_BWD_HEAD_DIMS` and the ``cute`` extra installed."""
-    return q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
+    backward instead: no logit cap (``softcap``: the CuTe kernels have none), ``D`` in
+    :data:`CUTE_BWD_HEAD_DIMS` and the ``cute`` extra installed."""
+    return not softcap and q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
 
 
 def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: DecodeConfig) -> bool:
@@ -254,11 +257,11 @@ def forward_kernel(
     softcap: float = 0.0,
 ) -> tuple[bool, bool]:
     """``(use_cute, use_gluon)``: which forward runs the call, the CuTe one first, then the
-    Gluon one (neither: the Triton forward, the only one with a logit cap, ``softcap > 0``)."""
-    if softcap:
-        return False, False
-    use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal)
-    use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config)
+    Gluon one (neither: the Triton forward). A logit cap (``softcap > 0``) never runs the CuTe
+    forward, which has none: such a call takes the Gluon forward where that is eligible (also
+    where the uncapped call would run the CuTe one), else the Triton forward."""
+    use_cute = not softcap and use_cute_forward(q, k, v, softmax_scale, masked, causal)
+    use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config, softcap)
     return use_cute, use_gluon
 
 
@@ -311,12 +314,13 @@ def forward_list_shapes(
     causal: bool,
     softmax_scale: float,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> list[tuple[int, int, bool]]:
     """The tile lists (``prepare``'s ``(tile_m, tile_n, row_major)`` shapes) that
-    the forward prepares for these inputs with ``config``: those of the kernel it routes them
-    to."""
+    the forward prepares for these inputs with ``config`` (and logit cap ``softcap``): those of
+    the kernel it routes them to."""
     masked = startend_row_indices is not None
-    use_cute, use_gluon = forward_kernel(q, k, v, softmax_scale, masked, causal, config)
+    use_cute, use_gluon = forward_kernel(q, k, v, softmax_scale, masked, causal, config, softcap)
     return forward_shapes(use_gluon, q.shape[-1], config, use_cute)
 
 
@@ -328,9 +332,10 @@ def backward_list_shapes(
     startend_row_indices: torch.Tensor | None,
     deterministic: bool,
     config: TileConfig,
+    softcap: float = 0.0,
 ) -> list[tuple[int, int, bool]]:
-    """The tile lists the backward prepares for these inputs with ``config`` (skipping mode),
-    like :func:`forward_list_shapes`."""
+    """The tile lists the backward prepares for these inputs with ``config`` (skipping mode)
+    and logit cap ``softcap``, like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
-    use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config)
+    use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config, softcap)
     return backward_shapes(use_gluon, q.shape[-1], config)

@@ -117,6 +117,31 @@ def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):
     assert noncausal.use_gluon and not noncausal.use_cute
 
 
+def test_a_logit_cap_never_runs_the_cute_forward(monkeypatch):
+    """The CuTe forward has no logit cap: a capped call it would take uncapped runs the Gluon
+    forward at head dim 128 (its lists in the plan) and the Triton forward at 256, whose Gluon
+    forward is off by default."""
+    from flashmask.kernels import forward_launcher
+
+    _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+    q, k, v = _qkv(head_dim=128)
+    sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
+    config = dataclasses.replace(kernels.tile_config(128, has_mask=True), fwd_gluon=True)
+    for mask, causal in ((sri[..., :1], True), (sri, False), (None, False), (None, True)):
+        plan = forward_launcher.plan_forward(q, k, v, mask, causal, 0.1, False, config)
+        assert plan.use_cute and not plan.use_gluon
+        plan = forward_launcher.plan_forward(
+            q, k, v, mask, causal, 0.1, False, config, softcap=30.0
+        )
+        assert plan.use_gluon and not plan.use_cute
+        assert plan.shapes[0] == (routing.GLUON_FWD_TILE, routing.GLUON_FWD_TILE, True)
+    q, k, v = _qkv(head_dim=256)
+    config = dataclasses.replace(kernels.tile_config(256, has_mask=True), fwd_gluon=False)
+    plan = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, False, config, softcap=30.0)
+    assert not plan.use_gluon and not plan.use_cute
+
+
 def test_the_cute_backward_takes_no_call_until_a_head_dim_is_routed(monkeypatch):
     _as_if_on(monkeypatch, HOPPER)
     q = _qkv(head_dim=128)[0]
@@ -124,6 +149,7 @@ def test_the_cute_backward_takes_no_call_until_a_head_dim_is_routed(monkeypatch)
     monkeypatch.setattr(routing, "CUTE_BWD_HEAD_DIMS", (128,))
     assert routing.use_cute_backward(q)
     assert not routing.use_cute_backward(_qkv(head_dim=64)[0])
+    assert not routing.use_cute_backward(q, 30.0)  # no logit cap in the CuTe backward
     _as_if_on(monkeypatch, HOPPER, cute=False)
     assert not routing.use_cute_backward(q)
 
@@ -141,7 +167,7 @@ def test_a_routed_call_goes_to_the_cute_backward_with_the_gluon_lists_and_order(
     monkeypatch.setitem(sys.modules, "flashmask.kernels.cute_kernels.backward_launch", fake)
     monkeypatch.setattr(cute_kernels, "backward_launch", fake, raising=False)
     monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
-    monkeypatch.setattr(routing, "use_cute_backward", lambda q: True)
+    monkeypatch.setattr(routing, "use_cute_backward", lambda q, softcap=0.0: True)
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128)
     k = torch.randn(1, 384, 2, 128)
@@ -153,3 +179,33 @@ def test_a_routed_call_goes_to_the_cute_backward_with_the_gluon_lists_and_order(
     # Zeroed by the row-term kernel, which computed delta = rowsum(dO * O) beside it.
     assert torch.equal(seen["dq_accumulator"], torch.zeros_like(q))
     torch.testing.assert_close(seen["delta"], (q * out).sum(-1).transpose(1, 2))
+
+
+def test_a_capped_call_goes_to_the_gluon_backward_where_the_cute_one_is_routed(monkeypatch):
+    """With the CuTe backward routed at head dim 128, a capped call still runs the Gluon
+    backward (the CuTe one has no cap), which receives the cap."""
+    seen = {}
+
+    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, *, order,
+                      dq_accumulator, softcap=0.0):  # fmt: skip
+        seen.update(softcap=softcap)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def cute_backward(*args, **kwargs):
+        raise AssertionError("a capped call reached the CuTe backward")
+
+    gluon = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
+    cute = types.SimpleNamespace(backward=cute_backward, one_launch=lambda *args: True)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.cute_kernels.backward_launch", cute)
+    monkeypatch.setattr(cute_kernels, "backward_launch", cute, raising=False)
+    monkeypatch.setattr(routing, "gluon_backward_module", lambda head_dim: gluon)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: True)
+    monkeypatch.setattr(routing, "CUTE_BWD_HEAD_DIMS", (128,))
+    monkeypatch.setattr(routing, "cute_available", lambda: True)
+    mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
+    q = torch.randn(1, 384, 4, 128)
+    k = torch.randn(1, 384, 2, 128)
+    out, lse = torch.randn_like(q), torch.randn(1, 4, 384)
+    sri = mask.startend_row_indices
+    kernels.backward(q, None, q, k, k, out, lse, sri, True, 0.1, False, softcap=30.0)
+    assert seen["softcap"] == 30.0

@@ -5,8 +5,9 @@ into a warp-specialised kernel.
 Its dQ goes through fp32 reduce-adds, so it serves ``deterministic=False`` only; the bit-exact
 guarantees (skip == dense, repeat == repeat) stay with the Triton kernels. Gluon has no CPU
 interpreter: the GPU tests (``tests/gpu``, their non-deterministic cases) prove its
-results; here the routing rules and an sm_90 compile of every shipped variant
-(``benchmarks/sass_report.py --family gluon_bwd``).
+results; here the routing rules (a logit cap included, which it takes and the CuTe backward
+does not) and an sm_90 compile of every shipped variant (``benchmarks/sass_report.py --family
+gluon_bwd``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.Tensor, "data_ptr", lambda self: 0)
     assert routing.use_gluon_backward(*on_gpu, False, True, False, cfg)
+    assert routing.use_gluon_backward(*on_gpu, False, True, False, cfg, 30.0)  # a logit cap
     assert not routing.use_gluon_backward(*on_gpu, True, True, False, cfg)  # atomics
+    assert not routing.use_gluon_backward(*on_gpu, True, True, False, cfg, 30.0)
     assert not routing.use_gluon_backward(*on_gpu, False, False, False, cfg)  # dense mode
     assert not routing.use_gluon_backward(
         *on_gpu, False, True, False, replace(cfg, bwd_gluon=False)
@@ -102,6 +105,12 @@ def test_with_a_mask_only_from_4k_keys_at_hd128_and_8k_at_hd64(monkeypatch, head
     assert routing.use_gluon_backward(*short, False, True, False, cfg)  # no mask: any length
     assert not routing.use_gluon_backward(*short, False, True, True, cfg)
     assert routing.use_gluon_backward(*long, False, True, True, cfg)
+    # A logit cap changes none of it.
+    assert routing.use_gluon_backward(*short, False, True, False, cfg, 30.0)
+    assert not routing.use_gluon_backward(*short, False, True, True, cfg, 30.0)
+    assert routing.use_gluon_backward(*long, False, True, True, cfg, 30.0)
+    shapes = routing.backward_list_shapes(*long, torch.zeros(1), False, cfg, 30.0)
+    assert shapes == [(routing.GLUON_BWD_QUERIES, routing.gluon_backward_keys(head_dim), False)]
     # With the thresholds lifted (the GPU tests' Gluon cases on short masks):
     monkeypatch.setattr(routing, "GLUON_BWD_MIN_MASKED_SEQLEN", {})
     assert routing.use_gluon_backward(*short, False, True, True, cfg)
@@ -147,15 +156,16 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     needs a GPU): contiguous q/k/v/dout equal to the caller's, the forward's lse as float32,
     ``delta = rowsum(dO * O) - dlse`` and the column-major lists at its tiles (64x128; 64x64
     through ``backward_hd256`` at D = 256), and a float32 dQ accumulator like q that the delta
-    kernel has zeroed where the backward is one launch (the stand-in says it is)."""
+    kernel has zeroed where the backward is one launch (the stand-in says it is), and the
+    forward's logit cap."""
     seen = {}
 
     def fake_backward(
         dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, order=None,
-        dq_accumulator=None,
+        dq_accumulator=None, softcap=0.0,
     ):  # fmt: skip
         seen.update(dout=dout, q=q, lse=lse, delta=delta, lists=lists, hm=hm, causal=causal)
-        seen.update(order=order, dq_accumulator=dq_accumulator)
+        seen.update(order=order, dq_accumulator=dq_accumulator, softcap=softcap)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
@@ -182,10 +192,14 @@ def test_launcher_hands_the_kernel_ready_inputs_delta_and_column_lists(
     accumulator = seen["dq_accumulator"]
     assert accumulator.dtype == torch.float32 and accumulator.shape == q.shape
     assert accumulator.is_contiguous() and not accumulator.any()
-    # With a mask, longest lists first over the grid (key tiles, 2 kv heads, 1 batch).
+    assert seen["softcap"] == 0.0
+    # With a mask, longest lists first over the grid (key tiles, 2 kv heads, 1 batch); capped.
     sri = masks.causal_document([64, 128, 192], seqlen=384).startend_row_indices
-    kernels.backward(dout, dlse, q, k, k, out, lse, sri, True, 0.125, False, config=cfg)
+    kernels.backward(
+        dout, dlse, q, k, k, out, lse, sri, True, 0.125, False, config=cfg, softcap=30.0
+    )
     assert torch.equal(seen["order"], tiles.program_order(seen["lists"].counts, 2, False))
+    assert seen["softcap"] == 30.0
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +220,10 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
     than products: ptxas waits on every one where it cannot keep an accumulator's registers from
     issue to wait); spills small, shared memory within Hopper's 227 KB."""
     reports = _one_launch(sm90_reports)
-    variants = {(r["head_dim"], r["causal"], r["has_mask"], r["dtype"]) for r in reports}
-    assert len(variants) == len(reports) == 13
+    variants = {
+        (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["softcap"]) for r in reports
+    }
+    assert len(variants) == len(reports) == 16  # 13 uncapped, 3 capped
     assert {v[0] for v in variants} == set(routing.GLUON_BWD_HEAD_DIMS)
     assert {v[3] for v in variants} == {"bfloat16", "float16"}
     for report in reports:
@@ -225,6 +241,35 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
         # without a mask), up to 152 under 3.9. A register blow-up would spill kilobytes.
         assert report["spill_bytes"] <= 256, report
         assert report["shared_kb"] <= 227, report  # Hopper's limit per block
+
+
+def test_capped_variants_compile_like_the_uncapped_ones(sm90_reports):
+    """With a logit cap (head dim 128 causal, masked and in query chunks, 256 masked): the same
+    products and stores, an exponential more per score (the cap's tanh, ``1 - 2 / (e^(2x) +
+    1)``, beside ``P``'s) with its reciprocal (``rcp.approx``; no ``tanh.approx``, whose 2^-11
+    error would show in the gradients' lse), the same registers, and spills that stay small
+    (8-16 bytes more than uncapped under Triton 3.9)."""
+
+    def variant(report: dict) -> tuple:
+        keys = ("head_dim", "causal", "has_mask", "dtype", "chunk", "add_dkdv")
+        return tuple(report[k] for k in keys)
+
+    uncapped = {variant(r): r for r in sm90_reports if not r["softcap"]}
+    capped = [r for r in sm90_reports if r["softcap"]]
+    assert {(r["head_dim"], r["causal"], r["has_mask"], r["chunk"]) for r in capped} == {
+        (128, True, False, False), (128, False, True, False), (256, False, True, False),
+        (128, False, False, True),
+    }  # fmt: skip
+    for report in capped:
+        plain = uncapped[variant(report)]
+        for key in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "registers", "shared_kb"):
+            assert report[key] == plain[key], (key, report, plain)
+        added = report["MUFU.EX2"] - plain["MUFU.EX2"]
+        # A thread's scores: 32 of a 128 x 64 tile (D = 128), 16 of 64 x 64 (D = 256).
+        assert added >= (16 if report["head_dim"] == 256 else 32), (report, plain)
+        assert report["MUFU.RCP"] - plain["MUFU.RCP"] == added, (report, plain)
+        assert report["MUFU.TANH"] == 0, report
+        assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
 
 
 def test_dk_dv_leave_through_tma_stores_where_they_ship(sm90_reports):
@@ -247,26 +292,29 @@ def test_query_chunks_keep_fp32_dk_dv_stores_from_registers(sm90_reports):
     and 128): the first chunk's launch stores fp32 dK/dV sums, every later one loads and adds to
     them before its store (more global loads, no more than 64 bytes more spills), both from
     registers (the K/V buffers hold 16-bit tiles), with the same products as one launch over
-    all rows."""
+    all rows. Also with a logit cap at D = 128."""
     chunked = [r for r in sm90_reports if r["chunk"]]
-    assert {(r["head_dim"], r["add_dkdv"]) for r in chunked} == {
-        (d, add) for d in (64, 128) for add in (False, True)
-    }
+    assert {(r["head_dim"], r["add_dkdv"], bool(r["softcap"])) for r in chunked} == {
+        (d, add, False) for d in (64, 128) for add in (False, True)
+    } | {(128, add, True) for add in (False, True)}
     for report in chunked:
         assert report["dkdv_fp32"] and not report["dkdv_tma"], report
         assert report["UTMASTG"] == 0 and report["STG"] > 0, report
         whole = next(
             r for r in sm90_reports
             if not r["chunk"] and r["head_dim"] == report["head_dim"] and not r["causal"]
-            and not r["has_mask"]
+            and not r["has_mask"] and not r["softcap"]
         )  # fmt: skip
         assert report["HGMMA"] == whole["HGMMA"], (report, whole)
         assert report["shared_kb"] == whole["shared_kb"], (report, whole)
-    for d in (64, 128):
+    for d, capped in ((64, False), (128, False), (128, True)):
         storing, adding = (
-            next(r for r in chunked if r["head_dim"] == d and r["add_dkdv"] == add)
+            next(
+                r for r in chunked
+                if r["head_dim"] == d and r["add_dkdv"] == add and bool(r["softcap"]) == capped
+            )
             for add in (False, True)
-        )
+        )  # fmt: skip
         assert adding["LDG"] > storing["LDG"], (adding, storing)
         assert adding["spill_bytes"] <= storing["spill_bytes"] + 64, (adding, storing)
 

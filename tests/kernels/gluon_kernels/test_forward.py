@@ -4,9 +4,10 @@ and that it compiles for Hopper into a warp-specialised kernel.
 Gluon has no CPU interpreter, so its results are proven on a GPU (``tests/gpu`` runs the
 library's forward, which takes this kernel for hd128 inputs: unmasked ones, and masked ones from
 8K keys or, with the thresholds lifted, short ones). Here: the routing rules (on the GPU only,
-positive scale, shapes its 2-D TMA descriptors describe exactly, Hopper only, the masked length
-limit), what the launcher hands the kernel, and an sm_90 compile of every shipped variant
-(``benchmarks/sass_report.py --family gluon_fwd``).
+positive scale or a logit cap, shapes its 2-D TMA descriptors describe exactly, Hopper only, the
+masked length limit, capped calls that the CuTe forward would take uncapped), what the launcher
+hands the kernel, and an sm_90 compile of every shipped variant (``benchmarks/sass_report.py
+--family gluon_fwd``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def test_launcher_uses_it_only_on_a_gpu_with_positive_scale_and_the_flag(monkeyp
     assert routing.use_gluon_forward(*on_gpu, 0.1, False, cfg)
     assert not routing.use_gluon_forward(*on_gpu, 0.0, False, cfg)  # row max over unscaled scores
     assert not routing.use_gluon_forward(*on_gpu, -0.1, False, cfg)
+    # With a logit cap the row max is over the capped (scaled) scores: any scale.
+    for scale in (0.1, 0.0, -0.1):
+        assert routing.use_gluon_forward(*on_gpu, scale, False, cfg, 30.0)
     assert not routing.use_gluon_forward(*on_gpu, 0.1, False, replace(cfg, fwd_gluon=False))
     monkeypatch.setattr(hardware, "interpreting", lambda: True)
     assert not routing.use_gluon_forward(*on_gpu, 0.1, False, cfg)
@@ -138,6 +142,38 @@ def test_with_a_mask_only_from_8k_keys(monkeypatch):
     assert routing.use_gluon_forward(*short, 0.1, True, cfg)
 
 
+def test_capped_calls_run_it_where_the_cute_forward_would_run_uncapped(monkeypatch):
+    """A logit cap (``softcap > 0``) never reaches the CuTe forward, which has none: on a
+    (faked) Hopper GPU with the ``cute`` extra, a call the CuTe forward takes uncapped runs the
+    Gluon forward capped; other calls route as uncapped ones (the length limit with a mask, the
+    config's flag, else the Triton forward)."""
+    cfg = replace(kernels.tile_config(128), fwd_gluon=True)
+    monkeypatch.setattr(hardware, "gpu_capability", lambda q: HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+    monkeypatch.setattr(routing, "cute_available", lambda: True)
+    long = _qkv(seqlen_q=256, seqlen_k=routing.CUTE_FWD_MIN_SEQLEN)
+    for masked, causal in ((False, False), (False, True), (True, True), (True, False)):
+        assert routing.forward_kernel(*long, 0.1, masked, causal, cfg) == (True, False)
+        assert routing.forward_kernel(*long, 0.1, masked, causal, cfg, 30.0) == (False, True)
+    short = _qkv(seqlen_q=256, seqlen_k=4096)
+    assert routing.forward_kernel(*short, 0.1, False, True, cfg, 30.0) == (False, True)
+    # With a mask below the Gluon forward's length limit, or with its flag off: Triton.
+    assert routing.forward_kernel(*short, 0.1, True, True, cfg, 30.0) == (False, False)
+    off = replace(cfg, fwd_gluon=False)
+    assert routing.forward_kernel(*long, 0.1, False, True, off, 30.0) == (False, False)
+    # The lists the forward prepares follow: the Gluon forward's 128 x 128 tiles.
+    tile = routing.GLUON_FWD_TILE
+    shapes = routing.forward_list_shapes(*long, None, True, 0.1, cfg, 30.0)
+    assert shapes == [(tile, tile, True)]
+    # At D = 256 (the Gluon forward's flag off by default) CuTe uncapped, Triton capped.
+    long256 = _qkv(seqlen_q=256, seqlen_k=routing.CUTE_FWD_MIN_SEQLEN, head_dim=256)
+    cfg256 = replace(kernels.tile_config(256), fwd_gluon=False)
+    assert routing.forward_kernel(*long256, 0.1, False, True, cfg256) == (True, False)
+    assert routing.forward_kernel(*long256, 0.1, False, True, cfg256, 30.0) == (False, False)
+    shapes = routing.forward_list_shapes(*long256, None, True, 0.1, cfg256, 30.0)
+    assert shapes == [(cfg256.fwd_m, cfg256.fwd_n, True)]
+
+
 def test_key_tiles_and_slots_per_head_dim():
     """128-key tiles in three K/V slots up to D = 128, 64-key tiles in two at D = 256."""
     assert [routing.gluon_forward_tiles(d) for d in (64, 128, 256)] == [
@@ -169,9 +205,10 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
     through TMA; O out through two TMA stores (one per warpgroup) except in full attention;
     spills small; shared memory within the H200's 227 KB per block."""
     variants = {
-        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["dtype"]) for r in sm90_reports
+        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["dtype"], r["softcap"])
+        for r in sm90_reports
     }
-    assert len(variants) == len(sm90_reports) == 26
+    assert len(variants) == len(sm90_reports) == 32  # 26 uncapped, 6 capped
     assert {v[0] for v in variants} == set(routing.GLUON_FWD_HEAD_DIMS)
     assert {v[4] for v in variants} == {"bfloat16", "float16"}
     for report in sm90_reports:
@@ -194,13 +231,39 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
             assert report["LDG"] > 16, report
 
 
+def _variant(report: dict) -> tuple:
+    """A forward report's variant, but for the logit cap."""
+    return tuple(report[k] for k in ("head_dim", "causal", "has_mask", "dense", "dtype"))
+
+
+def test_capped_variants_compile_like_the_uncapped_ones(sm90_reports):
+    """With a logit cap (head dim 128 causal and masked, 256 masked; both modes): the same
+    products, an exponential more per score (the cap's tanh, ``1 - 2 / (e^(2x) + 1)``, beside
+    ``exp2(s - m)``) with its reciprocal (``rcp.approx``; no ``tanh.approx``, whose 2^-11 error
+    would show in lse), the same registers and no more spills than the uncapped variant (none
+    at 128)."""
+    uncapped = {_variant(r): r for r in sm90_reports if not r["softcap"]}
+    capped = [r for r in sm90_reports if r["softcap"]]
+    assert {(r["head_dim"], r["causal"], r["has_mask"]) for r in capped} == {
+        (128, True, False), (128, False, True), (256, False, True)
+    }  # fmt: skip
+    assert {r["dense"] for r in capped} == {False, True}
+    for report in capped:
+        plain = uncapped[_variant(report)]
+        assert report["HGMMA"] == plain["HGMMA"], (report, plain)
+        added = report["MUFU.EX2"] - plain["MUFU.EX2"]
+        assert added >= 64 * report["block_n"] // 128, (report, plain)  # a thread's scores
+        assert report["MUFU.RCP"] - plain["MUFU.RCP"] == added, (report, plain)
+        assert report["MUFU.TANH"] == 0, report
+        assert report["registers"] == plain["registers"], (report, plain)
+        assert report["spill_bytes"] <= plain["spill_bytes"], (report, plain)
+
+
 def test_o_leaves_through_tma_stores_but_in_full_attention(sm90_reports):
     """With O through TMA stores only the lse rows leave as ``STG``: far fewer than the stores
     of O from registers that full attention keeps (compiled for the same head dim, mode and
     dtype)."""
-    by_variant = {
-        (r["head_dim"], r["causal"], r["has_mask"], r["dense"], r["dtype"]): r for r in sm90_reports
-    }
+    by_variant = {_variant(r): r for r in sm90_reports if not r["softcap"]}
     pairs = 0
     for (d, _, _, dense, dtype), report in by_variant.items():
         full = by_variant.get((d, False, False, dense, dtype))
@@ -246,14 +309,16 @@ def test_launcher_runs_one_program_per_sm_over_the_query_tiles():
 def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     """What ``kernels.forward`` passes the Gluon forward (a stand-in records it; the kernel
     itself needs a GPU): contiguous aligned q/k/v equal to the caller's, the bounds and
-    row-major lists at its 128x128 tiles, the mask head count, causal, scale and mode."""
+    row-major lists at its 128x128 tiles, the mask head count, causal, scale, mode and logit
+    cap."""
     seen = {}
 
     def fake_forward(
-        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None
-    ):
+        q, k, v, bounds, lists, hm, causal, scale, skip_tiles, block_n, slots, order=None,
+        softcap=0.0,
+    ):  # fmt: skip
         seen.update(q=q, k=k, bounds=bounds, lists=lists, hm=hm, causal=causal, scale=scale)
-        seen.update(tiles=(block_n, slots), order=order)
+        seen.update(tiles=(block_n, slots), order=order, softcap=softcap)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward)
@@ -269,6 +334,9 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
     assert (seen["causal"], seen["scale"]) == (True, 0.125)
     assert seen["tiles"] == routing.gluon_forward_tiles(128) == (128, 3)
     assert seen["order"] is None  # no mask: the grid's own order
+    assert seen["softcap"] == 0.0
+    kernels.forward(q, k, k, None, True, 0.125, config=cfg, softcap=30.0)
+    assert seen["softcap"] == 30.0
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 384, 4, 128, dtype=torch.float16)
     kernels.forward(q, k, k, mask.startend_row_indices, True, 0.125, config=cfg)
@@ -282,17 +350,17 @@ def test_launcher_hands_the_kernel_ready_inputs_and_its_tile_lists(monkeypatch):
 @pytest.mark.filterwarnings(INTERPRETER_WARNING)  # the tile-list kernels run interpreted
 def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
     """The length limit applies to masked calls only, so ``kernels.forward`` and
-    ``kernels.backward`` must pass the routing functions whether there is a mask; the list
-    shapes a benchmark prepares (``forward_list_shapes``/``backward_list_shapes``) follow the
-    same routing."""
+    ``kernels.backward`` must pass the routing functions whether there is a mask, and the logit
+    cap (which keeps a call from the CuTe forward); the list shapes a benchmark prepares
+    (``forward_list_shapes``/``backward_list_shapes``) follow the same routing."""
     seen = []
 
-    def record_forward(q, k, v, scale, masked, config):
-        seen.append(("fwd", masked))
+    def record_forward(q, k, v, scale, masked, config, softcap=0.0):
+        seen.append(("fwd", masked, softcap))
         return False
 
     def record_backward(q, k, v, dout, deterministic, skip_tiles, masked, config, softcap=0.0):
-        seen.append(("bwd", masked))
+        seen.append(("bwd", masked, softcap))
         return False
 
     monkeypatch.setattr(routing, "use_gluon_forward", record_forward)
@@ -300,10 +368,13 @@ def test_launchers_tell_the_routing_whether_a_mask_is_given(monkeypatch):
     q = torch.randn(1, 32, 2, 16)
     mask = masks.causal_document([16, 16])
     for sri in (None, mask.startend_row_indices):
-        seen.clear()
-        out, lse = kernels.forward(q, q, q, sri, True, 0.25)
-        kernels.backward(torch.ones_like(out), None, q, q, q, out, lse, sri, True, 0.25, False)
-        assert seen == [("fwd", sri is not None), ("bwd", sri is not None)]
+        for cap in (0.0, 5.0):
+            seen.clear()
+            out, lse = kernels.forward(q, q, q, sri, True, 0.25, softcap=cap)
+            kernels.backward(
+                torch.ones_like(out), None, q, q, q, out, lse, sri, True, 0.25, False, softcap=cap
+            )
+            assert seen == [("fwd", sri is not None, cap), ("bwd", sri is not None, cap)]
 
 
 def test_list_shapes_follow_the_routing(monkeypatch):
@@ -321,6 +392,13 @@ def test_list_shapes_follow_the_routing(monkeypatch):
     # The Triton backward: the dK/dV pass's lists and the dQ pass's, deterministic or not.
     both = [(32, 64, False), (64, 16, True)]
     assert routing.backward_list_shapes(q, q, q, q, None, True, cfg) == both
+    assert routing.backward_list_shapes(q, q, q, q, None, False, cfg) == both
+    # The logit cap reaches the routing: here the Gluon kernels take capped calls only.
+    monkeypatch.setattr(routing, "use_gluon_forward", lambda *args: args[-1] == 30.0)
+    monkeypatch.setattr(routing, "use_gluon_backward", lambda *args: args[-1] == 30.0)
+    capped = routing.forward_list_shapes(q, q, q, None, False, 0.1, cfg, 30.0)
+    assert capped == [(tile, tile, True)]
+    assert routing.backward_list_shapes(q, q, q, q, None, False, cfg, 30.0) == gluon_bwd_lists
     assert routing.backward_list_shapes(q, q, q, q, None, False, cfg) == both
 
 

@@ -18,6 +18,9 @@ FlashAttention-3's backward shape:
   runs: five matmuls per tile where the Triton backward's separate dQ pass needs seven. Each
   tile's dQ is handed to the writer, and its Q/dO slot released, after the next tile's score
   products are issued, so that the barrier runs under them;
+* with a logit cap (``SOFTCAP > 0``) ``P^T`` comes from the capped scores (``t = tanh(s * scale /
+  SOFTCAP)``, ``P = exp2(t * SOFTCAP * log2(e) - lse)``) and ``dS`` takes the cap's derivative
+  ``1 - t^2``, as in the Triton backward; dQ and dK keep their ``scale`` factor;
 * two writer warps add each scaled fp32 dQ tile, left in a ring of ``DQ_BUFFERS`` shared buffers,
   to the fp32 dQ accumulator with TMA reduce-adds (``cp.reduce.async.bulk.tensor``, one thread
   issuing each). The producer and writer warps make one warpgroup, so the consumers keep 240
@@ -51,6 +54,7 @@ from flashmask.kernels.config import GLUON_BWD_KEYS
 from flashmask.kernels.gluon_kernels import backward_launch
 from flashmask.kernels.gluon_kernels.forward import (
     LOG2E,
+    capped_tanh,
     hide_pairs,
     launched_program,
     load_column_bounds,
@@ -239,12 +243,32 @@ def transposed_probabilities(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     CAUSAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
-    """``P^T`` from the transposed scores ``st [keys, queries]`` and the rows' ``lse``, with the
-    element mask of the keys' bounds applied on a partial tile (list ``entry >= 0``)."""
+    """``(P^T, G^T)`` from the transposed scores ``st [keys, queries]`` (dot products) and the
+    rows' ``lse``, with the element mask of the keys' bounds applied on a partial tile (list
+    ``entry >= 0``): ``G^T`` is ``P^T`` times the logit cap's derivative ``1 - t^2`` with
+    ``SOFTCAP > 0`` (``t``: :func:`~.forward.capped_tanh` of the scores), ``P^T`` itself without
+    a cap, so that ``dS^T = G^T * (dP^T - delta)``."""
     num_keys: gl.constexpr = st.type.shape[0]
     num_queries: gl.constexpr = st.type.shape[1]
     layout: gl.constexpr = st.type.layout
+    if SOFTCAP > 0:
+        # The mask first, then t, P^T and G^T element by element: masking P^T after t kept
+        # both in registers across the mask (72 bytes of spills at D = 128 with a mask; 24 this
+        # way, all but one load outside the tile loop).
+        hidden = gl.zeros([num_keys, num_queries], gl.int1, layout)
+        if entry >= 0:
+            hidden = hide_pairs(
+                hidden, rows[None, :], keys[:, None], lts[:, None], lte[:, None], uts[:, None],
+                ute[:, None], causal_offset, HAS_MASK, HAS_UPPER, CAUSAL,
+            )  # fmt: skip
+        tt = capped_tanh(st, qk_scale, SOFTCAP)
+        pt = gl.where(hidden, 0.0, gl.exp2(tt * (SOFTCAP * LOG2E) - lse[None, :]))
+        # The derivative folds into P^T here, so that t need not stay in registers until dP^T
+        # arrives: the Triton backward's (P * (dP - delta)) * (1 - t^2) in another order, equal
+        # up to fp32 rounding.
+        return pt, pt * (1.0 - tt * tt)
     pt = gl.exp2(st * qk_scale - lse[None, :])
     if entry >= 0:
         hidden = hide_pairs(
@@ -253,7 +277,7 @@ def transposed_probabilities(
             HAS_UPPER, CAUSAL,
         )  # fmt: skip
         pt = gl.where(hidden, 0.0, pt)
-    return pt
+    return pt, pt
 
 
 @gluon.jit
@@ -367,13 +391,14 @@ def _bwd_compute_partition(
     HEAD_DIM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups of the program that owns key tile ``n_tile`` of kv head ``h_kv``,
     batch ``b``: dK and dV of its keys (with ``ADD_DKDV`` added to what ``dk_ptr``/``dv_ptr``
     hold; with ``DKDV_TMA`` stored through ``dk_desc``/``dv_desc``); each tile's dQ goes to the
-    writer warps through ``dq_bufs``; ``lse_bufs``/``delta_bufs`` hold the producer's rows. All
-    five products of a tile are awaited within the tile (dK left running into the next tile
-    measured slower)."""
+    writer warps through ``dq_bufs``; ``lse_bufs``/``delta_bufs`` hold the producer's rows;
+    ``SOFTCAP > 0``: the logit cap the forward took. All five products of a tile are awaited
+    within the tile (dK left running into the next tile measured slower)."""
     # The tile step: first among the loops' carried values (their order steers ptxas).
     it = 0
     warps: gl.constexpr = gl.num_warps()
@@ -418,16 +443,16 @@ def _bwd_compute_partition(
             rows = m_tile * BLOCK_M + offs_m
             lse = base2_lse(lse_bufs.index(slot).load(query_layout))
             st = warpgroup_mma_wait(1, deps=(st_token,))
-            pt = transposed_probabilities(
+            pt, gt = transposed_probabilities(
                 st, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, seqlen_k - seqlen_q,
-                HAS_MASK, HAS_UPPER, CAUSAL,
+                HAS_MASK, HAS_UPPER, CAUSAL, SOFTCAP,
             )  # fmt: skip
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv_token = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_token,))
             # Read where it is used, so that it does not hold registers through P^T.
             delta = delta_bufs.index(slot).load(query_layout)
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dst = (gt * (dpt - delta[None, :])).to(dtype)
             dst_op = gl.convert_layout(dst, a_layout)
             ds_smem = ds_bufs.index(it % 2)
             ds_smem.store(dst)
@@ -520,6 +545,7 @@ def gluon_bwd_kernel(
     ORDERED: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, run in the order of ``order_ptr`` with
     ``ORDERED`` (``kernels.tiles.program_order``): dK and dV (``dk_ptr``/``dv_ptr`` share K's
@@ -527,7 +553,8 @@ def gluon_bwd_kernel(
     ``dk_desc``/``dv_desc``, descriptors of the same buffers, ``None`` without) and dQ added to
     the fp32 accumulator through ``dq_desc``. ``stride_dq*``, the accumulator's strides, are
     unused: they keep the later parameters' offsets, and so the compiled kernel, as measured
-    (without them ptxas schedules the kernel differently)."""
+    (without them ptxas schedules the kernel differently). ``SOFTCAP > 0``: the logit cap the
+    forward took (0.0: none)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_bufs, do_bufs = allocate_operands(
         q_desc, k_desc, v_desc, do_desc, BLOCK_N, NUM_BUFFERS
@@ -550,7 +577,7 @@ def gluon_bwd_kernel(
                     dk_desc, dv_desc, b, h_kv, n_tile, seqlen_q, seqlen_k, heads_per_kv,
                     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb,
                     stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs, CAUSAL,
-                    HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, ADD_DKDV, DKDV_TMA,
+                    HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM, ADD_DKDV, DKDV_TMA, SOFTCAP,
                 ),
             ),
             (
@@ -592,17 +619,19 @@ def backward(
     *,
     order: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` for inputs ``routing.gluon_backward_eligible`` accepts
     at D = 64 or 128, contiguous at 16-byte aligned addresses (``tensors.tma_ready``); the
     arguments as ``backward_launch.launch`` takes them (``lists`` at ``BLOCK_M x BLOCK_N`` =
-    64x128 tiles). Long full attention runs in chunks of query rows (:func:`one_launch`)."""
+    64x128 tiles; ``softcap``: the forward's logit cap, 0.0 for none). Long full attention runs
+    in chunks of query rows (:func:`one_launch`)."""
     # dK/dV through TMA stores except for plain causal attention, where they measured slower.
     return backward_launch.launch(
         gluon_bwd_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         dkdv_tma=bounds is not None or not causal, order=order, split_queries=True,
-        dq_accumulator=dq_accumulator,
+        dq_accumulator=dq_accumulator, softcap=softcap,
     )  # fmt: skip
 
 

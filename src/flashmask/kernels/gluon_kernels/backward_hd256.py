@@ -15,6 +15,9 @@ keys and the warpgroups split the work the other way:
   with both operands in shared memory; the dQ tile goes to the writer warps, dK/dV are stored
   at the end (through the K/V buffers and TMA stores with a mask, from registers without one).
 
+A logit cap (``SOFTCAP > 0``) is ``backward``'s: ``P^T`` from the capped scores, ``dS^T`` times
+the cap's derivative.
+
 Shared memory: K and V 32 KB each, one Q/dO slot 64 KB (two would not fit), ``P^T``/``dS^T``
 double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB. The producer warp (here staging
 each tile's lse ready to use), the dQ writer, the barrier protocol and the tile-list walk
@@ -70,22 +73,23 @@ def _tile_products(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     CAUSAL: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One tile (list ``entry``, query rows ``rows`` with their ``lse``) from its issued scores
     ``st``/``dpt``: ``P^T`` and ``dS^T`` (fp32, this warpgroup's query columns) into shared
     memory, then ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ = dS K`` issued (asynchronous, not
     awaited): ``(dv, dk, dq)`` pending. The rows' delta is read from the producer's staged
-    ``delta_row`` where it is used."""
+    ``delta_row`` where it is used; ``SOFTCAP > 0``: the forward's logit cap."""
     dtype: gl.constexpr = k_smem.dtype
     query_layout: gl.constexpr = rows.type.layout
     scores = warpgroup_mma_wait(1, deps=(st,))
-    pt = transposed_probabilities(
+    pt, gt = transposed_probabilities(
         scores, lse, qk_scale, entry, rows, keys, lts, lte, uts, ute, causal_offset, HAS_MASK,
-        HAS_UPPER, CAUSAL,
+        HAS_UPPER, CAUSAL, SOFTCAP,
     )  # fmt: skip
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     delta = delta_row.load(query_layout)
-    dst = pt * (dpt - delta[None, :])
+    dst = gt * (dpt - delta[None, :])
     # Each warpgroup's query columns of P^T and dS^T; the buffer written here was last read two
     # tiles ago, before the previous tile's barrier.
     pt_smem = pt_bufs.index(it % 2)
@@ -115,12 +119,13 @@ def _bwd256_compute_partition(
     HEAD_DIM: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: scores and softmax gradients split by queries, the three
     accumulating products split by head dim (module docstring); ``lse_bufs``/``delta_bufs``
     hold the producer's rows (the lse ready to use); dK/dV stored through
     ``dk_desc``/``dv_desc`` with ``DKDV_TMA``, else from registers (added to what they hold with
-    ``ADD_DKDV``)."""
+    ``ADD_DKDV``); ``SOFTCAP > 0``: the forward's logit cap."""
     groups: gl.constexpr = gl.num_warps() // 4
     # [BLOCK_N keys, BLOCK_M queries]: one warpgroup's 64 rows; the warpgroups split the queries.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -162,7 +167,7 @@ def _bwd256_compute_partition(
             dv, dk, dq = _tile_products(
                 k_smem, q_smem, do_smem, pt_bufs, ds_bufs, st, dpt, entry, rows, keys, lse,
                 delta_row, lts, lte, uts, ute, causal_offset, dk, dv, zero_dq, it, qk_scale,
-                HAS_MASK, HAS_UPPER, CAUSAL,
+                HAS_MASK, HAS_UPPER, CAUSAL, SOFTCAP,
             )  # fmt: skip
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             mbarrier.arrive(empty.index(slot), count=1)
@@ -197,6 +202,7 @@ def gluon_bwd256_kernel(
     ORDERED: gl.constexpr,
     ADD_DKDV: gl.constexpr,
     DKDV_TMA: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(key tiles, kv heads, batch)``, arguments as ``backward.gluon_bwd_kernel``'s
     (``stride_dq*`` unused likewise): dK and dV (sharing K's strides; with ``DKDV_TMA`` through
@@ -227,7 +233,7 @@ def gluon_bwd256_kernel(
                     heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles, stride_kb,
                     stride_ks, stride_kh, qk_scale, softmax_scale, lse_bufs, delta_bufs,
                     dk_desc, dv_desc, CAUSAL, HAS_MASK, HAS_UPPER, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    ADD_DKDV, DKDV_TMA,
+                    ADD_DKDV, DKDV_TMA, SOFTCAP,
                 ),
             ),
             (
@@ -269,14 +275,16 @@ def backward(
     *,
     order: torch.Tensor | None = None,
     dq_accumulator: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``backward.backward``, at head dim 256 (``lists``: column-major at
-    ``BLOCK_M x BLOCK_N`` = 64x64 tiles)."""
+    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``softcap``: the forward's logit cap, 0.0 for none)."""
     # dK/dV through TMA stores with a mask only: without one they measured mixed.
     return backward_launch.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
         dkdv_tma=bounds is not None, order=order, dq_accumulator=dq_accumulator,
+        softcap=softcap,
     )  # fmt: skip
 
 

@@ -80,6 +80,7 @@ def launch(
     order: torch.Tensor | None = None,
     split_queries: bool = False,
     dq_accumulator: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like ``(q, k, v)`` from ``kernel`` with ``block_n`` keys per program,
     ``num_buffers`` Q/dO slots and ``dq_buffers`` fp32 dQ buffers; dK/dV stored through TMA if
@@ -91,7 +92,8 @@ def launch(
     ``BLOCK_M x block_n`` tiles) from ``preparation.prepare_cached``; ``order``
     (``preparation.program_order`` over the grid, ``None``: the grid's order) is the order the
     programs run in; ``dq_accumulator``, where :func:`one_launch` holds, a zeroed float32 tensor
-    like ``q`` that dQ is added into (``None``: zeroed here).
+    like ``q`` that dQ is added into (``None``: zeroed here); ``softcap``: the logit cap the
+    forward took (0.0: none).
 
     With ``split_queries``, full attention that ``query_chunks.query_chunk_rows`` splits runs
     once per chunk of query rows (a head's Q, dO and dQ then stay in L2): the first chunk stores
@@ -101,7 +103,7 @@ def launch(
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dout, q, k, v, lse, delta, bounds, lists,
             num_mask_heads, causal, softmax_scale, dkdv_tma=dkdv_tma, order=order,
-            dq_accumulator=dq_accumulator,
+            dq_accumulator=dq_accumulator, softcap=softcap,
         )  # fmt: skip
     if dq_accumulator is not None:
         raise ValueError("dq_accumulator: a backward in query chunks zeros one per chunk")
@@ -116,7 +118,7 @@ def launch(
         return _launch_once(
             kernel, block_n, num_buffers, dq_buffers, dout_c, q_c, k, v, lse_c, delta_c, None,
             lists_c, num_mask_heads, False, softmax_scale, dkdv_tma=False, fp32_sums=True,
-            dk_sums=dk_sums, dv_sums=dv_sums,
+            dk_sums=dk_sums, dv_sums=dv_sums, softcap=softcap,
         )  # fmt: skip
 
     return query_chunks.backward_by_query_chunks(run_chunk, q, dout, lse, delta, rows, k.dtype)
@@ -145,6 +147,7 @@ def _launch_once(
     fp32_sums: bool = False,
     dk_sums: torch.Tensor | None = None,
     dv_sums: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch of :func:`launch`'s ``kernel`` over all of ``q``'s rows (arguments as
     there). With ``fp32_sums`` (a query chunk) dK and dV are float32 sums, stored from registers
@@ -193,6 +196,6 @@ def _launch_once(
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
         DQ_BUFFERS=dq_buffers, WRITER_WARPS=WRITER_WARPS, WRITER_REGISTERS=WRITER_REGISTERS,
         ORDERED=order is not None, ADD_DKDV=dk_sums is not None, DKDV_TMA=dkdv_tma,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        SOFTCAP=float(softcap), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_accum.to(q.dtype), dk, dv

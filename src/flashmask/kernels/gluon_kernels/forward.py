@@ -13,9 +13,10 @@ first K/V loads run under this tile's last products and its O stores. Per progra
   turns at the tensor cores: warpgroup ``w`` waits for its turn (mbarrier ``turns[w]``), issues
   ``S_j = Q_w K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``, hands the turn over and
   then runs tile ``j``'s online softmax (the Triton forward's: hidden scores set to -inf, row max
-  over unscaled scores, ``p = exp2(s * scale - m)``) while the other warpgroup's products occupy
-  the tensor cores. The turns alternate strictly (warpgroup 0 holds the first), so neither turn
-  barrier runs two phases ahead of its waiter;
+  over unscaled scores, ``p = exp2(s * scale - m)``; with a logit cap, ``SOFTCAP > 0``, over the
+  capped scores ``SOFTCAP * tanh(s * scale / SOFTCAP)`` in base 2, hidden after the cap) while
+  the other warpgroup's products occupy the tensor cores. The turns alternate strictly
+  (warpgroup 0 holds the first), so neither turn barrier runs two phases ahead of its waiter;
 * the element mask applies on the list's partial tiles (every tile in the dense
   ``skip_tiles=False`` mode, where a fully masked tile adds exact zeros);
 * a K/V slot is released when both warpgroups have finished its ``P V`` (``kv_empty`` counts two
@@ -120,6 +121,28 @@ def hide_pairs(
     if CAUSAL:
         hidden = hidden | (key > query + causal_offset)
     return hidden
+
+
+@gluon.jit
+def capped_tanh(products, qk_scale, SOFTCAP: gl.constexpr):
+    """``tanh(scale * products / SOFTCAP)`` of dot products (``qk_scale = scale * log2(e)``):
+    Gemma's logit cap is ``SOFTCAP`` times it, its derivative ``1 - tanh^2``. The Triton
+    kernels' formula (``triton_kernels.forward.capped_tanh``: ``1 - 2 / (e^(2x) + 1)``, +-1
+    where the exponential overflows or vanishes), so that both families' capped scores agree to
+    fp32 rounding: its quotient is ``2 * rcp.approx.ftz.f32(e^(2x) + 1)``, which is what
+    Triton's ``div.approx.f32`` computes, bit for bit, below 2^126 (above it, 1 either way),
+    without the division's range check."""
+    # Not PTX's tanh.approx.f32 (one MUFU op where this takes two): its 2^-11 relative error
+    # moves a capped score by up to SOFTCAP * 2^-11, and lse by as much, beyond the float32
+    # accuracy the GPU tests hold lse to. The range check, where the division kept it, made the
+    # forward's dense masked variant spill 272 bytes at D = 128 (none without).
+    x = products * (qk_scale / (SOFTCAP * LOG2E))
+    denominator = gl.exp2(x * (2.0 * LOG2E)) + 1.0
+    reciprocal = gl.inline_asm_elementwise(
+        "rcp.approx.ftz.f32 $0, $1;", "=r,r", [denominator], dtype=gl.float32, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+    return 1.0 - 2.0 * reciprocal
 
 
 @gluon.jit
@@ -237,12 +260,14 @@ def pingpong_tile(
     HAS_MASK: gl.constexpr,
     HAS_UPPER: gl.constexpr,
     MASK_FULL_TILES: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup's step ``it`` over a query tile's list: wait for the key tile's
     slot (the program's ring step ``step``) and this warpgroup's turn, issue ``S = Q K^T`` and
     the previous tile's ``O += P V`` (from slot ``prev``; ``0 · V`` on the first step), hand the
-    turn over, release the previous slot, then the online softmax of this tile. Returns the
-    updated ``(m_i, l_i, acc, p)``; the last tile's ``P V`` is :func:`finish_rows`'s."""
+    turn over, release the previous slot, then the online softmax of this tile (with
+    ``SOFTCAP > 0`` over the capped scores). Returns the updated ``(m_i, l_i, acc, p)``; the
+    last tile's ``P V`` is :func:`finish_rows`'s."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     block_n: gl.constexpr = k_bufs.type.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -262,6 +287,10 @@ def pingpong_tile(
     qk, acc, _ = warpgroup_mma_wait(0, deps=(s_token, acc_token, p_prev))
     if it > 0:
         mbarrier.arrive(kv_empty.index(prev), count=1)
+    if SOFTCAP > 0:
+        # The cap needs the scaled scores, so it comes first, and the mask after it: a hidden
+        # score becomes -inf whatever its cap. Capped scores in base 2 (the Triton forward's).
+        qk = capped_tanh(qk, qk_scale, SOFTCAP) * (SOFTCAP * LOG2E)
     if MASK_FULL_TILES or entry >= 0:
         # A partial tile (the list's first group), or every tile in the dense mode: the
         # element mask, as the Triton forward's element_mask (Sk divides the tiles here).
@@ -273,10 +302,16 @@ def pingpong_tile(
             HAS_MASK, HAS_UPPER, CAUSAL,
         )  # fmt: skip
         qk = gl.where(hidden, float("-inf"), qk)
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    if SOFTCAP > 0:
+        # Capped scores carry their scale already: the row max and exponent take them as they
+        # are.
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(qk * qk_scale - m_shift[:, None])
+    # Uncapped scores scaled in the exponent (one fma per element).
+    p = gl.exp2((qk if SOFTCAP > 0 else qk * qk_scale) - m_shift[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return m_new, l_i, acc, gl.convert_layout(p.to(p_prev.dtype), p_layout)
@@ -335,11 +370,12 @@ def _compute_partition(
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     WG: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG``, for each query tile of the program: rows ``WG * 64 ...`` of
-    the tile; online softmax over the listed key tiles, taking turns at the tensor cores with
-    the other warpgroup; then O and lse of its rows (O through ``o_desc`` where given), after
-    which its Q rows are the producer's again."""
+    the tile; online softmax over the listed key tiles (capped at ``SOFTCAP`` where it is
+    positive), taking turns at the tensor cores with the other warpgroup; then O and lse of its
+    rows (O through ``o_desc`` where given), after which its Q rows are the producer's again."""
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     half: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_buf.dtype
@@ -380,6 +416,7 @@ def _compute_partition(
                 q_half, k_bufs, v_bufs, kv_ready, kv_empty, my_turn, other_turn, zero_s,
                 entries, it, step + it, prev, bounds, rows, offs_n, m_i, l_i, acc, p_prev,
                 seqlen_q, seqlen_k, qk_scale, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES,
+                SOFTCAP,
             )  # fmt: skip
         finish_rows(
             v_bufs, kv_empty, count, (step + count - 1) % num_buffers, m_i, l_i, acc, p_prev,
@@ -484,6 +521,7 @@ def gluon_fwd_kernel(
     HEAD_DIM: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
     COMPUTE_REGISTERS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """A 1-D grid over the ``num_items = query tiles x query heads x batch`` work items,
     heaviest query tiles first (with ``ORDERED``, in the order of ``order_ptr``:
@@ -491,7 +529,8 @@ def gluon_fwd_kernel(
     has fewer programs than items, each next one from the zeroed counter ``next_item_ptr``
     (unread when the grid has them all). Q in one tile's buffer, K/V in ``NUM_BUFFERS`` slots.
     O is stored through ``o_desc`` (a ``[64, D]``-block descriptor of ``out_ptr``'s 2-D view)
-    unless it is ``None``."""
+    unless it is ``None``. ``SOFTCAP > 0``: Gemma's logit cap on the scaled scores (0.0: none).
+    """
     dtype: gl.constexpr = q_desc.dtype
 
     q_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -533,7 +572,7 @@ def gluon_fwd_kernel(
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     qk_scale, o_desc, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ORDERED,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, 0,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, 0, SOFTCAP,
                 ),
             ),
             (
@@ -545,7 +584,7 @@ def gluon_fwd_kernel(
                     stride_ob, stride_os, stride_oh, seqlen_q, seqlen_k, num_heads_q,
                     heads_per_kv, heads_per_mask_head, num_mask_heads, num_m_tiles, num_n_tiles,
                     qk_scale, o_desc, CAUSAL, HAS_MASK, HAS_UPPER, MASK_FULL_TILES, ORDERED,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, 1,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, 1, SOFTCAP,
                 ),
             ),
             (
@@ -595,9 +634,12 @@ def forward(
     num_buffers: int,
     *,
     order: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` for inputs that
-    ``routing.gluon_forward_eligible`` accepts, with a positive ``softmax_scale``.
+    ``routing.gluon_forward_eligible`` accepts, with a positive ``softmax_scale`` or a logit
+    cap: ``softcap > 0`` caps the scaled scores at ``softcap * tanh(score / softcap)`` (Gemma's
+    logit soft-capping; its row max is taken over the capped scores, so any scale).
 
     ``bounds`` (``[B, Hm, 4, Sk]`` normalised column bounds, ``None`` without a mask) and
     ``lists`` (row-major :class:`~flashmask.kernels.tiles.TileLists` at ``BLOCK_M x block_n``
@@ -641,6 +683,7 @@ def forward(
         CAUSAL=causal, HAS_MASK=bounds is not None, HAS_UPPER=not causal,
         MASK_FULL_TILES=not skip_tiles, ORDERED=order is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, HEAD_DIM=d, NUM_BUFFERS=num_buffers,
-        COMPUTE_REGISTERS=COMPUTE_REGISTERS, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+        COMPUTE_REGISTERS=COMPUTE_REGISTERS, SOFTCAP=float(softcap), num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out, lse
