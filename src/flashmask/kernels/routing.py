@@ -142,10 +142,15 @@ def use_gluon_forward(
 # * head dim 128 with a non-causal mask (upper intervals): with persistent programs (its
 #   ``launch.forward`` default for that form) 1.00-1.05x the Gluon forward on all four such
 #   masks at 8K and 32K (H100); one query tile per program had measured 0.87-0.97x on three.
+# * head dims 192 (Q/K) and 128 (V), multi-head latent attention: 1.52-2.06x the Triton forward
+#   (the only other kernel with V's own head dim) on all 12 masks at 8K and 32K (H100,
+#   ``benchmarks/results/cute_mla_2026-12-06.md``).
 # The table keeps the form: a head dim routed later may not take non-causal masks.
-CUTE_FWD_HEAD_DIMS = (128, 256)
-CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (128, 256)
+CUTE_FWD_HEAD_DIMS = (128, 192, 256)
+CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (128, 192, 256)
 CUTE_FWD_MIN_SEQLEN = 8192
+# V's head dim per Q/K head dim (the same where absent): the kernel takes Dv <= D.
+CUTE_FWD_VALUE_HEAD_DIMS = {192: 128}
 
 
 @functools.cache
@@ -167,9 +172,11 @@ def use_cute_forward(
     causal: bool,
 ) -> bool:
     """Whether the CuTe forward runs this call: a Hopper GPU, the ``cute`` extra, one fp16/bf16
-    dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q, k and v (with a non-causal mask, in
-    :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`), at least :data:`CUTE_FWD_MIN_SEQLEN` keys and
-    a positive scale (its row max is taken over unscaled scores). ``masked``: the call has a
+    dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q and k (with a non-causal mask, in
+    :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`) and V's head dim that of
+    :data:`CUTE_FWD_VALUE_HEAD_DIMS` (``D`` where absent), at least :data:`CUTE_FWD_MIN_SEQLEN`
+    keys and a positive scale (its row max is taken over unscaled scores). ``masked``: the call
+    has a
     ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads read past
     a sequence as zeros and its stores clip."""
     d = q.shape[-1]
@@ -185,7 +192,7 @@ def use_cute_forward(
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and k.shape[-1] == d
-        and v.shape[-1] == d
+        and v.shape[-1] == CUTE_FWD_VALUE_HEAD_DIMS.get(d, d)
         and cute_available()
     )
 

@@ -60,6 +60,18 @@ def test_at_head_dim_128_it_takes_every_mask_form_from_8k_keys(monkeypatch):
     assert not routing.use_cute_forward(*_qkv(seqlen=4096, head_dim=128), 0.1, False, True)
 
 
+def test_mla_head_dims_192_and_128_take_every_mask_form_from_8k_keys(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    q, k, v = _qkv(head_dim=192)
+    v = v[..., :128]
+    for masked, causal in ((False, False), (False, True), (True, True), (True, False)):
+        assert routing.use_cute_forward(q, k, v, 0.1, masked, causal)
+    assert not routing.use_cute_forward(q, k, k, 0.1, False, False)  # 192 / 192: not built
+    assert not routing.use_cute_forward(q, k, v[..., :64], 0.1, False, False)  # 192 / 64
+    short = _qkv(seqlen=4096, head_dim=192)
+    assert not routing.use_cute_forward(short[0], short[1], short[2][..., :128], 0.1, False, True)
+
+
 def test_a_head_dim_left_out_of_the_non_causal_table_leaves_those_masks_to_gluon(monkeypatch):
     _as_if_on(monkeypatch, HOPPER)
     monkeypatch.setattr(routing, "CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS", (256,))
