@@ -144,7 +144,7 @@ def use_gluon_forward(
 #   masks at 8K and 32K (H100); one query tile per program had measured 0.87-0.97x on three.
 # * head dims 192 (Q/K) and 128 (V), multi-head latent attention: 1.52-2.06x the Triton forward
 #   (the only other kernel with V's own head dim) on all 12 masks at 8K and 32K (H100,
-#   ``benchmarks/results/cute_mla_2026-12-06.md``).
+#   ``benchmarks/results/cute_2026-12-06.md``).
 # The table keeps the form: a head dim routed later may not take non-causal masks.
 CUTE_FWD_HEAD_DIMS = (128, 192, 256)
 CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (128, 192, 256)
