@@ -176,9 +176,8 @@ def use_cute_forward(
     :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`) and V's head dim that of
     :data:`CUTE_FWD_VALUE_HEAD_DIMS` (``D`` where absent), at least :data:`CUTE_FWD_MIN_SEQLEN`
     keys and a positive scale (its row max is taken over unscaled scores). ``masked``: the call
-    has a
-    ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads read past
-    a sequence as zeros and its stores clip."""
+    has a ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads read
+    past a sequence as zeros and its stores clip."""
     d = q.shape[-1]
     if softmax_scale <= 0 or d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
         return False
