@@ -38,9 +38,12 @@ pytestmark = [
 ]
 
 
-def cute_forward(x, scale: float, skip_tiles: bool = True, persistent: bool | None = None):
+def cute_forward(
+    x, scale: float, skip_tiles: bool = True, persistent: bool | None = None, softcap: float = 0.0
+):
     """``(out, lse)`` of the CuTe forward on a case's inputs, with the lists and launch order
-    the launcher would prepare; ``persistent``: as ``launch.forward`` (``None``: its rule)."""
+    the launcher would prepare; ``persistent``: as ``launch.forward`` (``None``: its rule);
+    ``softcap``: the logit cap (0: none)."""
     from flashmask.kernels.cute_kernels import launch
 
     q, k, v = (t.contiguous() for t in (x.q, x.k, x.v))
@@ -55,7 +58,7 @@ def cute_forward(x, scale: float, skip_tiles: bool = True, persistent: bool | No
     mask_heads = 1 if x.sri is None else x.sri.shape[1]
     return launch.forward(
         q, k, v, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
-        persistent=persistent,
+        persistent=persistent, softcap=softcap,
     )  # fmt: skip
 
 
@@ -99,6 +102,22 @@ def _cases() -> list[Case]:
         for sq, sk in ((1000, 1100), (4500, 4000))
     ]
     cases += [Case("document", 4096, 4096, 8, 8, 192, True, mask_heads=8, dv=128)]
+    # The logit cap (2.0: it changes unit-variance scores), on every mask at head dim 128, on
+    # some at the other head dims, ragged lengths in every form, and the persistent schedule.
+    cases += [Case(name, 1024, 1024, 8, 2, 128, True, softcap=2.0) for name in MASK_NAMES]
+    cases += [
+        Case(name, 1024, 1024, 8, 2, d, True, softcap=2.0, dv=128 if d == 192 else None)
+        for name in ("causal", "causal_document", "share_question")
+        for d in (64, 192, 256)
+    ]
+    cases += [
+        Case("random", 1000, 1100, 8, 2, 128, True, causal=causal, columns=columns, softcap=2.0)
+        for causal, columns in FORMS
+    ]
+    cases += [
+        Case(name, 4096, 4096, 8, 2, 128, True, softcap=2.0)
+        for name in ("full", "causal", "document", "global_sliding_window")
+    ]
     return cases
 
 
@@ -146,7 +165,18 @@ AB_CASES = [
 def test_matches_reference(case: Case):
     x = make_inputs(case)
     scale = case.d**-0.5
-    out, lse = cute_forward(x, scale)
+    out, lse = cute_forward(x, scale, softcap=case.softcap)
+    check_against_reference(case, x, scale, out, lse)
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "share_question"])
+def test_a_capped_call_takes_a_negative_scale(name: str):
+    """With a cap the row max is over the capped scores, so any scale runs (the uncapped
+    kernel's max over unscaled scores needs a positive one)."""
+    case = Case(name, 1024, 1024, 8, 2, 128, True, softcap=2.0)
+    x = make_inputs(case)
+    scale = -(case.d**-0.5)
+    out, lse = cute_forward(x, scale, softcap=case.softcap)
     check_against_reference(case, x, scale, out, lse)
 
 
@@ -176,17 +206,19 @@ def test_persistent_matches_one_item_per_program(case: Case):
 
 
 def check_against_reference(case: Case, x, scale: float, out, lse) -> None:
-    """``out`` and ``lse`` against the float32 reference: out as close as a plain bf16/fp16
-    computation, lse to 1e-3, ``-inf`` and ``O = 0`` exactly on the fully masked rows."""
+    """``out`` and ``lse`` against the float32 reference (with the case's logit cap): out as
+    close as a plain bf16/fp16 computation, lse to 1e-3, ``-inf`` and ``O = 0`` exactly on the
+    fully masked rows."""
     intervals = None
     if x.sri is not None:
         from flashmask.mask import FlashMask
 
         intervals = FlashMask(x.sri, x.causal).intervals(case.sq)
+    cap = case.softcap
     ref_out, ref_lse = reference_forward(
-        x.q.float(), x.k.float(), x.v.float(), intervals, x.causal, scale
+        x.q.float(), x.k.float(), x.v.float(), intervals, x.causal, scale, softcap=cap
     )
-    low = naive_attention(x.q, x.k, x.v, x.visible, scale, dtype=x.q.dtype)
+    low = naive_attention(x.q, x.k, x.v, x.visible, scale, dtype=x.q.dtype, softcap=cap)
     assert_close_to_reference(out, ref_out, low, "out", context=case.id)
     hidden = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse) & (lse < 0), hidden), "lse -inf exactly on hidden rows"

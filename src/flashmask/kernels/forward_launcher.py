@@ -174,8 +174,9 @@ def forward(
 
         q, k, v = (tensors.tma_ready(x) for x in (q, k, v))
         return cute_launch.forward(
-            q, k, v, bounds, lists, hm, causal, not causal, softmax_scale, skip_tiles, order
-        )
+            q, k, v, bounds, lists, hm, causal, not causal, softmax_scale, skip_tiles, order,
+            softcap=softcap,
+        )  # fmt: skip
     if plan.use_gluon:
         from flashmask.kernels.gluon_kernels import forward as gluon_forward
 

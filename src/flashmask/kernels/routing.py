@@ -170,16 +170,20 @@ def use_cute_forward(
     softmax_scale: float,
     masked: bool,
     causal: bool,
+    softcap: float = 0.0,
 ) -> bool:
     """Whether the CuTe forward runs this call: a Hopper GPU, the ``cute`` extra, one fp16/bf16
     dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q and k (with a non-causal mask, in
     :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`) and V's head dim that of
     :data:`CUTE_FWD_VALUE_HEAD_DIMS` (``D`` where absent), at least :data:`CUTE_FWD_MIN_SEQLEN`
-    keys and a positive scale (its row max is taken over unscaled scores). ``masked``: the call
-    has a ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads read
-    past a sequence as zeros and its stores clip."""
+    keys and a positive scale (its row max is taken over unscaled scores) or a logit cap
+    (``softcap > 0``: the row max of the capped scores, whatever the scale). ``masked``: the
+    call has a ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads
+    read past a sequence as zeros and its stores clip."""
     d = q.shape[-1]
-    if softmax_scale <= 0 or d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
+    if softmax_scale <= 0 and not softcap:
+        return False
+    if d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
         return False
     if masked and not causal and d not in CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS:
         return False
@@ -263,10 +267,9 @@ def forward_kernel(
     softcap: float = 0.0,
 ) -> tuple[bool, bool]:
     """``(use_cute, use_gluon)``: which forward runs the call, the CuTe one first, then the
-    Gluon one (neither: the Triton forward). A logit cap (``softcap > 0``) never runs the CuTe
-    forward, which has none: such a call takes the Gluon forward where that is eligible (also
-    where the uncapped call would run the CuTe one), else the Triton forward."""
-    use_cute = not softcap and use_cute_forward(q, k, v, softmax_scale, masked, causal)
+    Gluon one (neither: the Triton forward). A logit cap (``softcap > 0``) routes as the
+    uncapped call, whatever the scale's sign (every family takes the cap)."""
+    use_cute = use_cute_forward(q, k, v, softmax_scale, masked, causal, softcap)
     use_gluon = not use_cute and use_gluon_forward(q, k, v, softmax_scale, masked, config, softcap)
     return use_cute, use_gluon
 

@@ -4,6 +4,7 @@ persistent schedule); its results are proved on a GPU by ``tests/gpu``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -67,6 +68,27 @@ def test_every_persistent_variant_compiles(
     head_dim: int, form: tuple[bool, bool, bool], dense: bool
 ):
     variant = _variant(head_dim, form, dense, persistent=True)
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
+
+
+# The logit cap (Gemma's), a compile-time constant: each head dim with the forms that take
+# the per-tile and the persistent schedules, and the dense mode's element mask on every tile.
+CAPPED = [(FORMS[1], False, False), (FORMS[2], False, False), (FORMS[3], False, True)]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize(
+    ("form", "dense", "persistent"), CAPPED, ids=["causal", "causal_mask", "mask-persistent"]
+)
+def test_every_capped_variant_compiles(
+    head_dim: int, form: tuple[bool, bool, bool], dense: bool, persistent: bool
+):
+    variant = dataclasses.replace(_variant(head_dim, form, dense, persistent), softcap=30.0)
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
+
+
+def test_capped_dense_variant_compiles():
+    variant = dataclasses.replace(_variant(128, FORMS[2], True, False), softcap=50.0)
     assert launch.compiled_forward(variant, torch.bfloat16) is not None
 
 

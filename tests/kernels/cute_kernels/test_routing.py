@@ -83,9 +83,9 @@ def test_a_head_dim_left_out_of_the_non_causal_table_leaves_those_masks_to_gluon
 def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch):
     seen = {}
 
-    def fake_forward(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order):
+    def fake_forward(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order, softcap):
         seen.update(q=q, bounds=bounds, lists=lists, hm=hm, causal=causal, order=order)
-        seen.update(has_upper=has_upper, scale=scale, skip=skip)
+        seen.update(has_upper=has_upper, scale=scale, skip=skip, softcap=softcap)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward, key_tile=lambda d: 64 if d > 128 else 128)
@@ -96,8 +96,9 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 4, 384, 256, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
     k = torch.randn(1, 384, 2, 256, dtype=torch.float16)
-    kernels.forward(q, k, k, mask.startend_row_indices, True, 0.0625)
+    kernels.forward(q, k, k, mask.startend_row_indices, True, 0.0625, softcap=30.0)
     assert seen["q"].is_contiguous() and torch.equal(seen["q"], q)
+    assert seen["softcap"] == 30.0
     assert seen["lists"].entries.shape[-2:] == (3, 6)  # 384 / 128 query tiles, 384 / 64 keys
     assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
     assert (seen["causal"], seen["has_upper"], seen["scale"], seen["skip"]) == (
@@ -129,10 +130,10 @@ def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):
     assert noncausal.use_gluon and not noncausal.use_cute
 
 
-def test_a_logit_cap_never_runs_the_cute_forward(monkeypatch):
-    """The CuTe forward has no logit cap: a capped call it would take uncapped runs the Gluon
-    forward at head dim 128 (its lists in the plan) and the Triton forward at 256, whose Gluon
-    forward is off by default."""
+def test_a_logit_cap_routes_the_forward_as_the_uncapped_call(monkeypatch):
+    """The CuTe forward takes the cap: a capped call runs it wherever the uncapped call would,
+    and also with a negative scale (its row max is then over the capped scores), which the
+    uncapped call leaves to the Triton forward."""
     from flashmask.kernels import forward_launcher
 
     _as_if_on(monkeypatch, HOPPER)
@@ -141,17 +142,13 @@ def test_a_logit_cap_never_runs_the_cute_forward(monkeypatch):
     sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
     config = dataclasses.replace(kernels.tile_config(128, has_mask=True), fwd_gluon=True)
     for mask, causal in ((sri[..., :1], True), (sri, False), (None, False), (None, True)):
-        plan = forward_launcher.plan_forward(q, k, v, mask, causal, 0.1, False, config)
-        assert plan.use_cute and not plan.use_gluon
-        plan = forward_launcher.plan_forward(
-            q, k, v, mask, causal, 0.1, False, config, softcap=30.0
-        )
-        assert plan.use_gluon and not plan.use_cute
-        assert plan.shapes[0] == (routing.GLUON_FWD_TILE, routing.GLUON_FWD_TILE, True)
-    q, k, v = _qkv(head_dim=256)
-    config = dataclasses.replace(kernels.tile_config(256, has_mask=True), fwd_gluon=False)
-    plan = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, False, config, softcap=30.0)
-    assert not plan.use_gluon and not plan.use_cute
+        for softcap in (0.0, 30.0):
+            plan = forward_launcher.plan_forward(
+                q, k, v, mask, causal, 0.1, False, config, softcap=softcap
+            )
+            assert plan.use_cute and not plan.use_gluon
+    assert not routing.use_cute_forward(q, k, v, -0.1, True, True)
+    assert routing.use_cute_forward(q, k, v, -0.1, True, True, softcap=30.0)
 
 
 def test_the_cute_backward_takes_no_call_until_a_head_dim_is_routed(monkeypatch):

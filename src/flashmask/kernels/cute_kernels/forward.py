@@ -78,7 +78,9 @@ class ForwardVariant:
     ``mask_full_tiles``: the dense mode (every tile masked); ``ordered``: the grid follows a
     launch order; ``persistent``: one program per SM takes query tiles from a counter (needs
     the launch's program count and a zeroed counter); ``head_dim_v``: V's (and O's) head dim
-    where it differs from D, at most D (MLA's 192 / 128), ``None`` where equal."""
+    where it differs from D, at most D (MLA's 192 / 128), ``None`` where equal; ``softcap``:
+    Gemma's logit cap (0: none), a compile-time constant like the Gluon kernels' ``SOFTCAP``
+    (a model uses one)."""
 
     head_dim: int
     block_n: int
@@ -90,6 +92,7 @@ class ForwardVariant:
     ordered: bool
     persistent: bool = False
     head_dim_v: int | None = None
+    softcap: float = 0.0
 
     @property
     def value_dim(self) -> int:
@@ -199,7 +202,8 @@ class HopperForward:
         ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
         persistent only (the others ignore both): ``mNextItem`` int32 ``[1]``, zero at launch,
         the counter the programs take items from, and ``num_programs``, the grid's size;
-        ``seqlen_k``: Sk; ``qk_scale`` = softmax scale x log2(e) > 0."""
+        ``seqlen_k``: Sk; ``qk_scale`` = softmax scale x log2(e), positive unless the variant
+        caps the scores (``softcap``: any sign)."""
         dtype = mQ.element_type
         # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
@@ -818,6 +822,12 @@ class HopperForward:
         to interleave the P conversion with the exponentials, and the overlap of the
         softmax with ``P V`` would be lost."""
         n_tile = listed_tile(entry)
+        if cutlass.const_expr(self.v.softcap > 0):
+            # The cap needs the scaled scores, so it comes first and the mask after it (a hidden
+            # score is -inf whatever its cap); the softmax then takes the capped scores in base
+            # 2, ``tanh * softcap * log2(e)``, whatever the sign of the scale.
+            self.cap_scores(s_mn, qk_scale)
+            qk_scale = cutlass.Float32(self.v.softcap * LOG2E)
         if cutlass.const_expr(self.v.mask_full_tiles):
             self.hide(s_mn, tScS_mn, mBounds, b, mask_head, row0, n_tile, seqlen_q, seqlen_k)
             self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
@@ -827,6 +837,20 @@ class HopperForward:
                 self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
             else:
                 self.online_softmax(s_mn, row_max, row_sum, o_scale, qk_scale)
+
+    @cute.jit
+    def cap_scores(self, s_mn, qk_scale):
+        """``tanh(s * scale / softcap)`` of the dot products ``s_mn`` in place (``qk_scale`` =
+        scale x log2(e)), as the Gluon and Triton kernels compute it: ``1 - 2 / (e^(2x) + 1)``
+        with ``rcp.approx.ftz.f32`` (+-1 where the exponential overflows or vanishes). Not
+        PTX's ``tanh.approx.f32`` (one MUFU op where this takes two): its 2^-11 relative
+        error moves a capped score, and lse, by up to ``softcap * 2^-11``."""
+        # e^(2x) = 2^(s * 2 * scale * log2(e) / softcap): one multiply folds every constant.
+        doubled = qk_scale * (2.0 / self.v.softcap)
+        for i in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                grown = cute.math.exp2(s_mn[i, j] * doubled, fastmath=True)
+                s_mn[i, j] = 1.0 - 2.0 * cute.arch.rcp_approx(grown + 1.0)
 
     @cute.jit
     def issue_pv(self, pv_mma, acc_o, p, tOrV, v_index):

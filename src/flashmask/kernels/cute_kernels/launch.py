@@ -148,6 +148,7 @@ def forward(
     skip_tiles: bool,
     order: torch.Tensor | None = None,
     persistent: bool | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, Dv], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
     (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
@@ -158,7 +159,8 @@ def forward(
     tile, taking the (query tile, head, batch) items in ``order`` from a counter) instead of
     one program per item. ``None`` (the default) takes it exactly for a non-causal interval
     mask (``bounds`` given, ``causal`` false); ``True``/``False`` force either on any call, so
-    that a benchmark or a test can compare both on the same inputs."""
+    that a benchmark or a test can compare both on the same inputs. ``softcap > 0`` caps the
+    scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs)."""
     import cuda.bindings.driver as cuda
 
     from flashmask.kernels.cute_kernels.forward import BLOCK_M, LOG2E, ForwardVariant
@@ -179,6 +181,7 @@ def forward(
         ordered=order is not None,
         persistent=persistent,
         head_dim_v=dv if dv != d else None,
+        softcap=float(softcap),
     )
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
