@@ -54,7 +54,7 @@ def plan_forward(
     """The :class:`ForwardPlan` of a forward with these inputs and ``config`` (``flashmask
     bench`` times :func:`prepare_plan` of it as a new mask's preparation). A logit cap
     (``softcap > 0``) routes as :func:`~.routing.forward_kernel` and
-    :func:`~.routing.use_gluon_backward` take it (never to the CuTe forward)."""
+    :func:`~.routing.use_gluon_backward` take it (as the uncapped call)."""
     masked = startend_row_indices is not None
     use_cute, use_gluon = routing.forward_kernel(
         q, k, v, softmax_scale, masked, causal, config, softcap
@@ -120,9 +120,8 @@ def forward(
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
 
     ``softcap > 0`` caps the scaled scores at ``softcap * tanh(score / softcap)`` (Gemma's logit
-    soft-capping); such calls run the Gluon training forward where
-    :func:`~.routing.forward_kernel` allows (also where an uncapped call would run the CuTe one,
-    which has no cap), else the Triton one (never the split-KV kernels).
+    soft-capping); such calls run the training forward that
+    :func:`~.routing.forward_kernel` chooses, as uncapped ones (never the split-KV kernels).
 
     Few queries over many keys (:func:`~.routing.use_decode`) run the split-KV kernels of
     :mod:`.decode_launcher` with ``decode`` (default :func:`~.config.device_decode_config`); other
