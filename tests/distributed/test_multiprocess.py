@@ -4,7 +4,10 @@ One spawned world per world size (spawning costs seconds, so each world runs eve
 every mask x balancer x mode x overlap, the distributed output, lse and gradients (dq, dk, dv) must
 equal the single-process ``flashmask_attention`` on the full sequence; the traffic each rank
 actually sent must equal what the plan's need matrix predicts; dispatch/undispatch must round-trip
-exactly; fully masked rows (including whole ranks) must give exact zeros.
+exactly; fully masked rows (including whole ranks) must give exact zeros. Learnable sinks and the
+logit cap get a second world per size (a test of their own, which xdist runs beside the first):
+the same equality on fewer masks, in float64 and float32, with the sinks' gradient summed over
+the ranks' partials.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from flashmask.distributed import (
 )
 from flashmask.distributed.attention import resolve_group
 from tests.distributed.workers import exit_without_teardown
+from tests.tolerance import assert_close_to_reference
 
 SEQLEN = 50  # not a multiple of chunk * world: exercises the plan's padding
 CHUNK = 4
@@ -242,3 +246,186 @@ def _worker(rank: int, world: int, path: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"world{w}")
 def test_context_parallel_equals_single_process(world_size, tmp_path):
     mp.spawn(_worker, args=(world_size, str(tmp_path / "rendezvous")), nprocs=world_size)
+
+
+# ---------------------------------------------------------------------- sinks and softcap
+CAP = 2.0  # scores here are ~N(0, 1): a cap of 2 bends a good share of them
+FEATURES = {"sinks": (True, None), "softcap": (False, CAP), "sinks+softcap": (True, CAP)}
+FEATURE_MASKS = ("causal_document", "sliding_window", "random_noncausal_c4_a", "one_short_document")
+# One balancer per mask: every balancer's chunk layout meets sinks and the cap.
+FEATURE_BALANCERS = ("document", "zigzag", "heap", "contiguous")
+
+
+def _sinks() -> torch.Tensor:
+    # Around e^1 per head: the sink takes a sizeable share of short rows' probability.
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(HEADS_Q, generator=g, dtype=torch.float64) + 1.0
+
+
+def _feature_results(fn, q, k, v, sinks, dout, dlse, **kwargs) -> dict[str, torch.Tensor]:
+    """out, lse and the gradients of q, k, v (and sinks) of ``fn`` under ``_loss``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sink = None if sinks is None else sinks.detach().clone().requires_grad_()
+    out, lse = fn(*leaves, sink, **kwargs)
+    _loss(out, lse, dout, dlse).backward()
+    result = {"out": out.detach(), "lse": lse.detach()}
+    result.update(zip(("dq", "dk", "dv"), (t.grad for t in leaves), strict=True))
+    if sink is not None:
+        result["dsinks"] = sink.grad
+    return result
+
+
+def _feature_references(mask: FlashMask, sinks, softcap, dtype: torch.dtype):
+    """``(hi, lo)``: the single-device ``flashmask_attention`` in float64 and in ``dtype`` (None
+    for float64): what a context-parallel call in ``dtype`` must match."""
+    q, k, v, dout, dlse = _inputs()
+
+    def single_device(q, k, v, sink):
+        return flashmask.flashmask_attention(
+            q, k, v, mask, return_softmax_lse=True, sinks=sink, softcap=softcap
+        )
+
+    hi = _feature_results(single_device, q, k, v, sinks, dout, dlse)
+    if dtype == torch.float64:
+        return hi, None
+    low = [t.to(dtype) for t in (q, k, v, dout, dlse)]
+    lo = _feature_results(
+        single_device, *low[:3], None if sinks is None else sinks.to(dtype), *low[3:]
+    )
+    return hi, lo
+
+
+def _run_feature_case(check, where, plan, mode, overlap, sinks, softcap, dtype, hi, lo) -> None:
+    q, k, v, dout, dlse = (
+        dispatch(t.to(dtype), plan, d) for t, d in zip(_inputs(), (1, 1, 1, 1, 2), strict=True)
+    )
+    sinks = None if sinks is None else sinks.to(dtype)
+
+    def cp(q, k, v, sink):
+        return context_parallel_attention(
+            q, k, v, plan, mode=mode, return_softmax_lse=True, overlap=overlap, sinks=sink,
+            softcap=softcap,
+        )  # fmt: skip
+
+    local = _feature_results(cp, q, k, v, sinks, dout, dlse)
+    got = {name: undispatch(t, plan, 2 if name == "lse" else 1) for name, t in local.items()
+           if name != "dsinks"}  # fmt: skip
+    if "dsinks" in local:
+        # Each rank holds the partial sum over its rows; the group's sum is the gradient. The
+        # sum runs in float64 so that only the library's rounding is measured, not this test's
+        # own reduction (data-parallel code sums in its own dtype).
+        dsinks = local["dsinks"].double()
+        dist.all_reduce(dsinks)
+        got["dsinks"] = dsinks
+    check.expect(got.keys() == hi.keys(), f"{where}: results {sorted(got)} != {sorted(hi)}")
+    for name, actual in got.items():
+        expected = hi[name]
+        plain = None if lo is None else lo[name]
+        if name == "lse":
+            # Rows that see no key: -inf without sinks, exactly the sink with them.
+            finite = torch.isfinite(expected)
+            same = torch.equal(torch.isinf(actual), ~finite)
+            check.expect(same, f"{where}: lse is -inf on other rows than on one device")
+            if not same:
+                continue
+            actual, expected = actual[finite], expected[finite]
+            plain = None if plain is None else plain[finite]
+        if plain is None:
+            # float64 on both sides: equal up to rounding, as in _run_case.
+            err = _max_err(actual, expected)
+            check.expect(err <= TOL, f"{where}: {name} {err}")
+            continue
+        try:
+            if name == "dsinks":
+                # Four numbers, each a float32 sum over all rows: the two sides sum in another
+                # order, so each is within an ulp or so of float64 by luck of the order, and
+                # the rule's mean criterion (1.1x the single device's) has no sample to average
+                # over. torch's float32 tolerance (about 10 ulps) still catches a lost row.
+                torch.testing.assert_close(actual, expected, rtol=1.3e-6, atol=1e-5)
+            else:
+                assert_close_to_reference(actual, expected, plain, name, context=where)
+            check.expect(True, "")
+        except AssertionError as e:
+            check.expect(False, f"{where}: {e}")
+
+    # Padding rows (no part of the sequence): out 0, lse the sink (or -inf), as a row that sees
+    # no key on one device.
+    rows = plan.token_indices(dist.get_rank()) >= SEQLEN
+    out, lse = local["out"], local["lse"]
+    check.expect(bool((out[:, rows] == 0).all()), f"{where}: padding out")
+    pad_lse = lse[:, :, rows]
+    want = -math.inf if sinks is None else sinks.to(lse.dtype).view(1, -1, 1).expand_as(pad_lse)
+    check.expect(bool((pad_lse == want).all()), f"{where}: padding lse")
+
+
+def _check_features(check: Checker) -> None:
+    world = dist.get_world_size()
+    every = cases()
+    for label, balancer in zip(FEATURE_MASKS, FEATURE_BALANCERS, strict=True):
+        mask = every[label]
+        plan = make_plan(mask, world, chunk_size=CHUNK, balancer=balancer)
+        for feature, (with_sinks, softcap) in FEATURES.items():
+            # float32 for the combined feature only: the other two add nothing float64 misses.
+            dtypes = (torch.float64, torch.float32) if with_sinks and softcap else (torch.float64,)
+            for dtype in dtypes:
+                sinks = _sinks() if with_sinks else None
+                hi, lo = _feature_references(mask, sinks, softcap, dtype)
+                for mode in MODES:
+                    for overlap in (True, False):
+                        where = f"{label} P={world} {balancer} {feature} {dtype} {mode}"
+                        where += f" overlap={overlap}"
+                        _run_feature_case(check, where, plan, mode, overlap, sinks, softcap,
+                                          dtype, hi, lo)  # fmt: skip
+
+
+def _check_derivative(check: Checker) -> None:
+    """One rank: the autograd rule is the derivative of what the call returns (gradcheck), the
+    padding row's lse (the sink) included; sinks that need no gradient get none."""
+    g = torch.Generator().manual_seed(7)
+    mask = masks.causal_document([3, 4], 7)  # chunks of 4: one padding row
+    plan = make_plan(mask, 1, chunk_size=4)
+    q, k, v = (torch.randn(1, 8, h, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for h, d in ((2, 4), (1, 4), (1, 3)))  # fmt: skip
+    sinks = torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)
+    for overlap in (True, False):
+
+        def call(q, k, v, sinks, overlap=overlap):
+            return context_parallel_attention(
+                q, k, v, plan, return_softmax_lse=True, overlap=overlap, sinks=sinks, softcap=1.5
+            )
+
+        ok = torch.autograd.gradcheck(call, (q, k, v, sinks), raise_exception=False)
+        check.expect(ok, f"gradcheck with sinks and softcap, overlap={overlap}")
+    fixed = sinks.detach()
+    context_parallel_attention(q, k, v, plan, sinks=fixed).sum().backward()
+    check.expect(fixed.grad is None and q.grad is not None, "sinks without requires_grad")
+
+
+def _feature_worker(rank: int, world: int, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        torch.logsumexp(torch.randn(4, 8, dtype=torch.float64), -1)  # warm-up, as in _worker
+        check = Checker(rank)
+        _check_features(check)
+        if world == 1:
+            _check_derivative(check)
+        dist.barrier()
+        if check.failures:
+            raise AssertionError(
+                f"{len(check.failures)} of {check.checks} checks failed:\n"
+                + "\n".join(check.failures[:40])
+            )
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_without_teardown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"world{w}")
+def test_context_parallel_sinks_and_softcap_equal_single_process(world_size, tmp_path):
+    """With sinks, a logit cap or both, out, lse and dq, dk, dv (and the sum over ranks of the
+    local dsinks) match the single-device ``flashmask_attention`` by the tolerance rule, in
+    float64 and float32, for both modes and overlap settings; padding rows give out 0 and lse
+    the sink. One rank also gradchecks the call."""
+    mp.spawn(_feature_worker, args=(world_size, str(tmp_path / "rendezvous")), nprocs=world_size)

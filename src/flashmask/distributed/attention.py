@@ -19,6 +19,12 @@ simply add up. The rank computes the received chunks' gradients first, starts th
 Only remote chunks with some visible pair (the need matrix) are computed with, in both modes: the
 modes differ only in what travels. Received keys/values are kept for the backward (memory
 ``R x F`` per layer) rather than exchanged again.
+
+A logit cap (``softcap``) is applied inside every block, forward and backward: the merge by lse
+is unchanged because each block's lse is already that of the capped scores. Learnable sinks are
+folded once, after the merge (folding per block would count the sink once per block); the blocks'
+backward then receives the folded output and lse, so ``P`` includes the sink's share of the
+denominator, and the sinks' gradient comes from the same row term as on one device.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from flashmask import ops
+from flashmask import ops, reference
+from flashmask.attention import _check_sinks, _check_softcap
 from flashmask.distributed.exchange import AllGatherExchange, PrunedExchange
 from flashmask.distributed.localize import chunk_columns
 from flashmask.distributed.plan import MODES, ContextParallelPlan
@@ -214,14 +221,25 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------- autograd
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, schedule: _Schedule, scale: float, deterministic: bool):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        sinks: torch.Tensor | None,
+        schedule: _Schedule,
+        scale: float,
+        deterministic: bool,
+        softcap: float,
+    ):
         b, s, hq, _ = q.shape
         hk, d, dv = k.shape[2], k.shape[3], v.shape[3]
         acc = _accum_dtype(q.dtype)
         pending = schedule.exchange.start(_pack(k, v)) if schedule.exchange else None
 
         def block(kb, vb, mask):
-            return ops.attention_forward(q, kb, vb, mask, False, scale, deterministic)
+            # The cap acts on each score, so every block caps its own; no sinks here (see the fold).
+            return ops.attention_forward(q, kb, vb, mask, False, scale, deterministic, softcap)
 
         out = lse = None
         k_remote = v_remote = None
@@ -242,36 +260,55 @@ class _ContextParallelAttention(torch.autograd.Function):
         if out is None:  # no visible key at all: every local row is fully masked
             out = q.new_zeros(b, s, hq, dv, dtype=acc)
             lse = torch.full((b, hq, s), -math.inf, dtype=acc, device=q.device)
-        out, lse = out.to(q.dtype), lse.to(acc)
+        lse = lse.to(acc)
         if schedule.padding_rows is not None:
             # Padding rows may see real keys where the mask had no spare interval to hide them.
             out = out.index_fill(1, schedule.padding_rows, 0)
             lse = lse.index_fill(2, schedule.padding_rows, -math.inf)
-        ctx.save_for_backward(q, k, v, k_remote, v_remote, out, lse)
+        if sinks is not None:
+            # Once, on the merged rows (a sink per block would enter the denominator once per
+            # block), and before the cast, so a merged float32 output is rounded only once. A row
+            # that sees no key, padding included, keeps out 0 and gets lse = sink, as on one
+            # device. The reference's fold is plain PyTorch, so it takes the merged float32 rows
+            # on any device and dtype (the Triton fold is CUDA-only and takes a float32 lse).
+            out, lse = reference.fold_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, k_remote, v_remote, out, lse, sinks)
         ctx.schedule, ctx.scale, ctx.deterministic = schedule, scale, deterministic
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, k_remote, v_remote, out, lse = ctx.saved_tensors
+        q, k, v, k_remote, v_remote, out, lse, sinks = ctx.saved_tensors
         schedule: _Schedule = ctx.schedule
         acc = _accum_dtype(q.dtype)
         if dout is None:
             dout = torch.zeros_like(out)
         dout = dout.contiguous()
+        # With sinks a padding row's lse is the sink (a row that sees no key), so its dlse is
+        # the sinks' gradient there: the sinks' row term takes dlse before the zeroing below.
+        dlse_sinks = dlse
+        lse_blocks = lse
         if schedule.padding_rows is not None:
-            # The forward zeroed these rows: no gradient flows through them.
+            # The forward zeroed these rows (out constant 0): no gradient reaches the blocks.
             dout = dout.index_fill(1, schedule.padding_rows, 0)
             if dlse is not None:
                 dlse = dlse.index_fill(2, schedule.padding_rows, 0)
+            if sinks is not None:
+                # The fold made their lse finite; -inf gives them P = 0 exactly in the blocks
+                # (a finite lse would weigh the real keys the mask could not hide from them).
+                lse_blocks = lse.index_fill(2, schedule.padding_rows, -math.inf)
 
         def block(kb, vb, mask):
-            # No sinks here, so the op's fourth output (dsinks) is empty.
+            # out and lse are the folded ones, so P already has the sink in its denominator and
+            # the blocks need no sinks: the op's fourth output (dsinks) is then empty.
             dq_b, dk_b, dv_b, _ = ops.attention_backward(
-                dout, dlse, q, kb, vb, out, lse, mask, False, ctx.scale, ctx.deterministic
-            )
+                dout, dlse, q, kb, vb, out, lse_blocks, mask, False, ctx.scale, ctx.deterministic,
+                ctx.softcap,
+            )  # fmt: skip
             return dq_b, dk_b, dv_b
 
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -308,7 +345,14 @@ class _ContextParallelAttention(torch.autograd.Function):
             back_k, back_v = _unpack(pending.wait(), b, hk, d, v.shape[3])
             dk += back_k
             dv += back_v
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # As the single-device op computes it, over this rank's rows only: a partial sum
+            # that the data-parallel reduction of the (replicated) sinks completes.
+            delta = reference.row_term(dout, out, dlse_sinks)
+            dsinks = reference.sink_gradient(lse, delta, sinks)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
+        return (*grads, None, None, None, None)
 
 
 def _fused(k, v, k_remote, v_remote, order):
@@ -345,6 +389,8 @@ def context_parallel_attention(
     return_softmax_lse: bool = False,
     overlap: bool = True,
     deterministic: bool = False,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashMask attention of this rank's queries against the whole (distributed) sequence.
 
@@ -360,15 +406,31 @@ def context_parallel_attention(
         group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (the default group).
         softmax_scale: score scale, default ``D ** -0.5``.
         return_softmax_lse: also return the lse ``[B, Hq, S_local]`` (float32; float64 for
-            float64 inputs; ``-inf`` for rows that see no key). It is differentiable.
+            float64 inputs; ``-inf`` for rows that see no key, ``sinks[h]`` with sinks). It is
+            differentiable.
         overlap: compute the own-chunk block while keys/values travel and merge by lse (True),
             or wait and make a single kernel call (False). Both are exact.
         deterministic: passed to the kernels (bit-reproducible backward).
+        sinks: learnable attention sinks (gpt-oss's) as in :func:`flashmask.flashmask_attention`:
+            a floating tensor ``[Hq]`` of logits in the units of the scaled scores, on the
+            query's device, the same (replicated) values on every rank. Query head ``h``'s sink
+            joins every row's softmax denominator as ``exp(sinks[h])`` once, after the ranks'
+            partial results are merged. Differentiable, but **the gradient on each rank is the
+            partial sum over that rank's rows only**: like the gradient of any parameter
+            replicated over the context-parallel group, it must be summed over the group (the
+            data-parallel / FSDP gradient reduction does this when the CP ranks are part of it;
+            otherwise all-reduce ``sinks.grad`` over ``group``).
+        softcap: Gemma's logit cap ``softcap * tanh(score / softcap)`` on every scaled score,
+            as in :func:`flashmask.flashmask_attention` (``None`` or 0: off); each block caps
+            its own scores, forward and backward.
 
     Returns:
         ``out [B, S_local, Hq, Dv]`` (input dtype), or ``(out, lse)``. Equal to the single-device
         :func:`flashmask.flashmask_attention` on the full sequence, restricted to this rank's rows
-        (:func:`undispatch` reassembles it). Padding rows and rows that see no key give 0.
+        (:func:`undispatch` reassembles it). Rows that see no key and padding rows (which are
+        no part of the sequence) give out 0 and lse ``-inf``, or with sinks lse ``sinks[h]`` as
+        on one device; a padding row's gradients reach nothing but, with sinks, ``sinks``
+        through its lse (``dispatch`` pads with 0, so a loss over dispatched tensors adds none).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -423,6 +485,10 @@ def context_parallel_attention(
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale)}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    # The single-device checks, so both entry points accept and reject the same values.
+    if sinks is not None:
+        _check_sinks(sinks, query)
+    cap = _check_softcap(softcap)
     pg = resolve_group(group)
     world = dist.get_world_size(pg)
     if world != plan.world_size:
@@ -432,6 +498,6 @@ def context_parallel_attention(
     rank = dist.get_rank(pg)
     schedule = _schedule(plan, rank, mode, overlap, pg, query.device)
     out, lse = _ContextParallelAttention.apply(
-        query, key, value, schedule, float(softmax_scale), deterministic
+        query, key, value, sinks, schedule, float(softmax_scale), deterministic, cap
     )
     return (out, lse) if return_softmax_lse else out
