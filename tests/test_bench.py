@@ -293,3 +293,59 @@ def test_a_negative_value_head_dim_is_refused_naming_the_option(capsys):
         bench.main(["--head-dim-v", "-1"])
     assert exc.value.code == 2
     assert "--head-dim-v must be 0 or a head dim, got -1" in capsys.readouterr().err
+
+
+def test_the_fp8_run_times_the_fp8_forward_beside_the_bf16_rows_on_the_cpu(tmp_path):
+    """``--dtype fp8`` (here on the CPU, tiny): after each case's bf16 rows, a forward-only
+    ``flashmask_fp8`` row with mask-aware TFLOP/s over the same visible pairs, empty fwd+bwd
+    columns, where the FP8 call ran and the untimed quantisation in its note, and its RMSE
+    against the float32 reference on the dequantised inputs beside the FP8 emulation's."""
+    import json
+
+    from flashmask import bench
+
+    out = tmp_path / "fp8"
+    argv = [
+        "--dtype", "fp8", "--device", "cpu", "--impls", "flashmask", "--seqlens", "64",
+        "--head-dims", "16", "--tokens", "128", "--hidden", "32", "--kv-heads", "1",
+        "--masks", "causal_document", "--rep-ms", "1", "--min-repeats", "1", "--out", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["flashmask", bench.FP8_IMPL]
+    bf16, fp8_row = rows
+    assert fp8_row["fwd_ms"] > 0 and fp8_row["total_ms"] is None and fp8_row["bwd_ms"] is None
+    assert fp8_row["fwd_tflops"] == pytest.approx(
+        bf16["fwd_tflops"] * bf16["fwd_ms"] / fp8_row["fwd_ms"]
+    )
+    assert fp8_row["note"].startswith("reference: no FP8 kernel; quantize ")
+    # The reference path's only error is the bf16 output's rounding; the emulation's P
+    # rounding adds more.
+    assert 0 < fp8_row["rmse"] < fp8_row["emulation_rmse"] < 0.05
+    lines = out.with_suffix(".md").read_text().splitlines()
+    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line[:1] == "|"]
+    assert len({len(cells) for cells in table}) == 1
+    header = table[0]
+    assert header[-2:] == ["RMSE vs fp32", "emulation RMSE"]
+    bf16_cells, fp8_cells = (dict(zip(header, cells, strict=True)) for cells in table[2:])
+    assert fp8_cells["impl"].startswith(f"{bench.FP8_IMPL} (reference: no FP8 kernel; quantize ")
+    assert fp8_cells["fwd ms"] != "—" and fp8_cells["fwd TF/s"] != "—"
+    assert fp8_cells["fwd+bwd ms"] == fp8_cells["fwd+bwd TF/s"] == "—"
+    assert fp8_cells["RMSE vs fp32"] == f"{fp8_row['rmse']:.2e}"
+    assert bf16_cells["RMSE vs fp32"] == bf16_cells["emulation RMSE"] == "—"
+
+
+def test_a_dtype_the_bench_does_not_know_is_refused(capsys):
+    from flashmask import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dtype", "fp16"])
+    assert exc.value.code == 2
+    assert "argument --dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_a_case_refuses_an_unknown_dtype():
+    from flashmask import bench
+
+    with pytest.raises(ValueError, match=r"dtype_name must be one of \('bf16', 'fp8'\)"):
+        bench.run_case("full", 128, 1, 4, 16, ["flashmask"], 1, 0.0, dtype_name="fp16")

@@ -257,3 +257,53 @@ def test_calls_that_may_be_traced_or_intercepted_take_the_custom_ops():
 
     traced(q)
     assert seen == [False]
+
+
+# ---------------------------------------------------------------------------- the FP8 op
+def fp8_args(seed, mask=True, out_dtype=torch.bfloat16, sinks=False, softcap=0.0):
+    """The positional arguments of ``ops.attention_forward_fp8``: per-head quantised q, k, v
+    (GQA, V's head dim 6) with their ``[B, Hk]`` descales."""
+    q, k, v = qkv(seed)
+    (q8, qd), (k8, kd), (v8, vd) = (
+        flashmask.quantize_fp8(q, group=2), flashmask.quantize_fp8(k), flashmask.quantize_fp8(v)
+    )  # fmt: skip
+    sri = indices(seed + 1) if mask else None
+    sink = torch.randn(4) if sinks else None
+    return (q8, k8, v8, sri, False, 0.4, softcap, sink, qd, kd, vd, out_dtype)
+
+
+# opcheck's schema test compares inputs before and after the call with torch.allclose, which
+# float8 tensors do not implement on the CPU; the fake kernel and AOT dispatch tests run.
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"mask": False, "out_dtype": torch.float32}, {"sinks": True, "softcap": 5.0}],
+    ids=["mask-bf16", "no-mask-fp32", "sinks-softcap"],
+)
+def test_opcheck_attention_forward_fp8(kwargs):
+    """The forward-only FP8 op: fake kernel (output in ``out_dtype``, lse float32) and AOT
+    dispatch with static and dynamic shapes."""
+    args = fp8_args(50, **kwargs)
+    torch.library.opcheck(ops.attention_forward_fp8, args, test_utils=FP8_OPCHECKS)
+    out, lse = ops.attention_forward_fp8(*args)
+    assert out.dtype == args[-1] and lse.dtype == torch.float32
+
+
+def test_fp8_calls_trace_as_one_graph_and_never_recompile_for_new_values():
+    """``torch.compile(fullgraph=True)`` through an FP8 ``flashmask_attention``: one frame for
+    new inputs, descales and mask values, equal to eager."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def attend(q, k, v, sri, qd, kd, vd):
+        return flashmask.flashmask_attention(q, k, v, sri, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    for seed in (60, 62):
+        q8, k8, v8, sri, _, _, _, _, qd, kd, vd, _ = fp8_args(seed)
+        eager = flashmask.flashmask_attention(
+            q8, k8, v8, sri, q_descale=qd, k_descale=kd, v_descale=vd
+        )
+        assert torch.equal(attend(q8, k8, v8, sri, qd, kd, vd), eager)
+    assert counter.frame_count == 1

@@ -120,6 +120,21 @@ def test_reference_keeps_input_dtype_and_computes_lse_in_float32_for_low_precisi
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
 
+def test_probability_dtype_rounds_the_probabilities_before_the_value_product_only():
+    """An FP8 kernel's emulation: ``P = exp(s - row_max)`` rounded to ``probability_dtype`` enters
+    ``P V``; the row sums (and so lse) are those of the unrounded ``P``."""
+    q, k, v = make_qkv(1, 1, 6, 9, 2, 1, 8, 4, torch.float32)
+    out, lse = reference_forward(q, k, v, None, True, 0.5, probability_dtype=torch.bfloat16)
+    exact_out, exact_lse = reference_forward(q, k, v, None, True, 0.5)
+    assert torch.equal(lse, exact_lse) and not torch.equal(out, exact_out)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.expand(-1, -1, 2, -1)) * 0.5
+    visible = torch.ones(6, 9, dtype=torch.bool).tril(3)  # bottom-right causal
+    scores = scores.masked_fill(~visible, -torch.inf)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    want = (p.bfloat16().float() @ v.expand(-1, -1, 2, -1).transpose(1, 2)) / p.sum(-1, True)
+    torch.testing.assert_close(out, want.transpose(1, 2))
+
+
 # ---------------------------------------------------------------------------- gradcheck
 def mask_hiding_row(form: Form, heads: int, seqlen: int, row: int, seed: int) -> FlashMask:
     """A random mask of ``form`` (Sq = Sk = seqlen) in which query ``row`` sees no key."""

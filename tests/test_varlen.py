@@ -168,6 +168,11 @@ def test_the_valid_call_used_by_the_error_tests_runs():
         ({"causal": 1}, TypeError, "causal must be a bool"),
         ({"window_size": (1, 2, 3)}, TypeError, "window_size must be an int or a"),
         ({"window_size": -2}, ValueError, "window_size entries must be >= -1"),
+        (
+            {"query": torch.zeros(7, HQ, D, dtype=torch.float8_e4m3fn)},
+            TypeError,
+            "query is float8_e4m3fn: packed sequences take no FP8 inputs",
+        ),
     ],
 )
 def test_invalid_arguments_raise_an_error_naming_the_argument(overrides, error, match):

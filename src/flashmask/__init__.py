@@ -2,6 +2,7 @@
 
 from flashmask import masks
 from flashmask.attention import flashmask_attention
+from flashmask.fp8 import hadamard_rotate, quantize_fp8
 from flashmask.mask import (
     FlashMask,
     MaskNotRepresentableError,
@@ -18,8 +19,10 @@ __all__ = [
     "TileClass",
     "flashmask_attention",
     "flashmask_varlen_attention",
+    "hadamard_rotate",
     "intersect",
     "masks",
+    "quantize_fp8",
     "to_dense",
     "validate",
 ]

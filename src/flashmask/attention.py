@@ -6,12 +6,12 @@ import math
 
 import torch
 
-from flashmask import ops
+from flashmask import fp8, ops
 from flashmask.mask import FlashMask, check_seqlen_q
 
 __all__ = ["flashmask_attention", "window_mask_indices"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, fp8.FP8_DTYPE)
 
 
 def flashmask_attention(
@@ -27,6 +27,10 @@ def flashmask_attention(
     deterministic: bool = False,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention under a FlashMask column-interval mask.
 
@@ -61,10 +65,27 @@ def flashmask_attention(
             ``softcap * tanh(s / softcap)`` before the mask and softmax (gradients through the
             cap's derivative). ``None`` or 0 (flash-attn's "off") leave the scores; on the GPU a
             capped call runs the Triton kernels or, on Hopper, the Gluon ones (not CuTe).
+        q_descale: FP8 only (``query``, ``key`` and ``value`` all ``torch.float8_e4m3fn``):
+            float32 ``[B, Hk]``, query head ``h`` of batch ``b`` is dequantised as
+            ``query.float() * q_descale[b, h // (Hq // Hk)]`` (FlashAttention-3's convention);
+            ``None``: 1.0. :func:`flashmask.quantize_fp8` returns it (``group=Hq // Hk``).
+        k_descale: FP8 only: float32 ``[B, Hk]``, one per batch and key head; ``None``: 1.0.
+        v_descale: FP8 only: float32 ``[B, Hk]``, one per batch and value head; ``None``: 1.0.
+        out_dtype: FP8 only: the output's dtype, ``torch.bfloat16`` (``None``),
+            ``torch.float16`` or ``torch.float32``.
 
     Returns:
-        ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype, or ``(out, lse)``. Query rows that see no
-        key get output 0, lse ``-inf`` and zero gradients.
+        ``out`` ``[B, Sq, Hq, Dv]`` in the input dtype (FP8 inputs: ``out_dtype``), or
+        ``(out, lse)``. Query rows that see no key get output 0, lse ``-inf`` and zero gradients.
+
+    FP8 inputs (``float8_e4m3fn`` query, key and value, all three or none) compute attention over
+    the dequantised inputs, ``x.float() * descale`` per batch and head, with every mask form,
+    ``window_size``, grouped-query heads, ``Sq != Sk``, ``sinks`` and ``softcap`` as above; lse is
+    float32. Forward only: a call in which one of ``query``, ``key``, ``value``, a descale or
+    ``sinks`` requires grad raises ``ValueError`` (unless autograd is off, ``torch.no_grad()``).
+    Until the Hopper FP8 kernel lands, every FP8 call, on any device, runs the exact reference
+    in float32 on the dequantised inputs (:func:`flashmask.fp8.forward` dispatches). Descales
+    and ``out_dtype`` given with other dtypes raise ``ValueError``.
 
     Non-finite values: on the exact reference (CPU, float32/float64), a NaN or infinity in
     ``key`` or ``value`` at a key that a query row cannot see never reaches that row's output,
@@ -75,10 +96,17 @@ def flashmask_attention(
     cannot see it (their output and ``dq``, and the ``dk`` of keys they see): zero such values
     (e.g. in padding) before the call.
 
-    CUDA fp16/bf16 inputs run the Triton kernels; everything else (CPU, float32/float64) runs the
-    exact chunked reference in :mod:`flashmask.reference`.
+    CUDA fp16/bf16 inputs run the Triton kernels; everything else (CPU, float32/float64, FP8)
+    runs the exact chunked reference in :mod:`flashmask.reference`.
     """
     _check_qkv(query, key, value)
+    fp8_inputs = fp8.is_fp8(query)
+    if fp8_inputs:
+        out_dtype = fp8.check_fp8_arguments(
+            query, key, value, q_descale, k_descale, v_descale, out_dtype
+        )
+    else:
+        _check_no_fp8_arguments(query, q_descale, k_descale, v_descale, out_dtype)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_softmax_lse, bool):
@@ -111,10 +139,37 @@ def flashmask_attention(
     if sinks is not None:
         _check_sinks(sinks, query)
     cap = _check_softcap(softcap)
-    out, lse = ops.attention(
-        query, key, value, indices, causal, float(softmax_scale), deterministic, cap, sinks
-    )
+    if fp8_inputs:
+        fp8.check_no_grad(
+            query=query, key=key, value=value, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, sinks=sinks,
+        )  # fmt: skip
+        out, lse = ops.attention_fp8(
+            query, key, value, indices, causal, float(softmax_scale), cap, sinks,
+            q_descale, k_descale, v_descale, out_dtype,
+        )  # fmt: skip
+    else:
+        out, lse = ops.attention(
+            query, key, value, indices, causal, float(softmax_scale), deterministic, cap, sinks
+        )
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_no_fp8_arguments(
+    query: torch.Tensor,
+    q_descale: object,
+    k_descale: object,
+    v_descale: object,
+    out_dtype: object,
+) -> None:
+    """The descales and ``out_dtype`` belong to FP8 inputs: refuse them with any other dtype."""
+    for name, arg in (("q_descale", q_descale), ("k_descale", k_descale),
+                      ("v_descale", v_descale), ("out_dtype", out_dtype)):  # fmt: skip
+        if arg is not None:
+            raise ValueError(
+                f"{name} applies to FP8 inputs only (query, key and value float8_e4m3fn); "
+                f"query, key and value are {query.dtype}: leave {name} as None"
+            )
 
 
 def _check_softcap(softcap: object) -> float:
@@ -200,8 +255,18 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
             )
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(
-                f"{name}.dtype must be float16, bfloat16, float32 or float64, got {t.dtype}"
+                f"{name}.dtype must be float16, bfloat16, float32 or float64 (or float8_e4m3fn, "
+                f"the one FP8 format taken), got {t.dtype}"
             )
+    named = (("query", query), ("key", key), ("value", value))
+    fp8_names = [name for name, t in named if fp8.is_fp8(t)]
+    if fp8_names and len(fp8_names) < 3:
+        others = [f"{name} is {t.dtype}" for name, t in named if not fp8.is_fp8(t)]
+        raise TypeError(
+            "FP8 attention needs query, key and value all float8_e4m3fn: "
+            f"{' and '.join(fp8_names)} {'is' if len(fp8_names) == 1 else 'are'} "
+            f"float8_e4m3fn, {', '.join(others)}"
+        )
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             "query, key and value must share a dtype, got "

@@ -11,7 +11,11 @@ For every (sequence length, head dim, mask) it times forward and forward+backwar
 and reports wall time, mask-aware TFLOP/s (4·D per visible (query, key) pair and query head
 forward, 2.5x that backward), mask-preparation time and peak memory. ``--kv-heads`` runs
 grouped-query attention (fewer key/value heads than query heads) in each implementation's own
-form. Results go to JSON, Markdown and a PNG chart. Needs a CUDA GPU.
+form. ``--dtype fp8`` adds a forward-only row, ``flashmask_fp8``: the same inputs quantised to
+float8_e4m3fn (per batch and head, once, outside the timing), timed beside the bf16 rows, with
+its error against the float32 reference on the dequantised inputs and that of
+:func:`flashmask.fp8.emulate_fp8_forward`. Results go to JSON, Markdown and a PNG chart. Needs a
+CUDA GPU (``--device cpu`` runs the same code on the CPU with wall-clock timings, for tests).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from flashmask import masks
+from flashmask import fp8, masks
 from flashmask.attention import flashmask_attention
 from flashmask.mask import FlashMask
 
@@ -42,6 +46,9 @@ __all__ = ["main", "visible_flop", "visible_pairs"]
 # logit cap of SOFTCAP, timed beside the plain flashmask row to price each feature.
 IMPLS = ("flashmask", "flex", "sdpa", "fm4", "flashmask_sinks", "flashmask_softcap")
 SOFTCAP = 30.0
+# --dtype: the inputs of every row are bf16; fp8 adds the FP8 forward's row (FP8_IMPL).
+DTYPES = ("bf16", "fp8")
+FP8_IMPL = "flashmask_fp8"
 
 
 def visible_pairs(
@@ -137,6 +144,10 @@ class Row:
     kv_heads: int | None = None
     # V's head dim where it differs from Q/K's (MLA: 192 / 128); None: ``head_dim``.
     head_dim_v: int | None = None
+    # FP8 rows: RMSE of the output against the float32 reference on the dequantised inputs, and
+    # that of flashmask.fp8.emulate_fp8_forward (the yardstick of an FP8 kernel's error).
+    rmse: float | None = None
+    emulation_rmse: float | None = None
 
 
 def _bench(fn: Callable[[], object], rep_ms: int, min_repeats: int = 5) -> float:
@@ -201,6 +212,18 @@ def _kernel_names(fn: Callable[[], object], limit: int = 8, width: int = 80) -> 
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     return [e.key[:width] for e in events[:limit]]
+
+
+def _wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time (ms) of ``repeats`` calls of ``fn`` after one warm-up call: the CPU's
+    timing (``--device cpu``), where there are no CUDA events to read."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
 
 
 def _cuda_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -319,22 +342,32 @@ def run_case(
     min_repeats: int = 5,
     kv_heads: int | None = None,
     head_dim_v: int | None = None,
+    dtype_name: str = "bf16",
+    device: str = "cuda",
 ) -> list[Row]:
     """Rows of every implementation in ``impls`` for one mask, length and head dim: Q and K
     ``[batch, seqlen, heads | kv_heads, head_dim]``, V and dO with ``head_dim_v`` (``None``:
     ``head_dim``; MLA's 192 / 128), K and V with ``kv_heads`` heads (``None``: ``heads``; fewer:
     grouped-query attention, each implementation's own form of it). FLOPs count the five
     matmuls at their own widths: ``2 (D + Dv)`` per visible pair and query head forward,
-    ``2 (3 D + 2 Dv)`` backward (:func:`attention_flop`)."""
+    ``2 (3 D + 2 Dv)`` backward (:func:`attention_flop`).
+
+    ``dtype_name`` ``"fp8"`` (one of :data:`DTYPES`) adds the :data:`FP8_IMPL` row after the
+    others (:func:`fp8_row`). ``device`` ``"cpu"`` times wall clock, without memory, kernel
+    names or the preparation's own timing (the CPU runs the reference, which prepares nothing):
+    for tests of the bench itself."""
     from torch.nn.attention.flex_attention import flex_attention
 
     kv_heads = heads if kv_heads is None else kv_heads
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype_name must be one of {DTYPES}, got {dtype_name!r}")
     group = heads // kv_heads
     dv = head_dim if head_dim_v is None else head_dim_v
 
-    device = torch.device("cuda")
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     # random_eviction has a mask per key/value head (FlashMask's mask heads are 1 or Hkv).
@@ -359,17 +392,26 @@ def run_case(
     do = torch.randn(batch, seqlen, heads, dv, device=device, dtype=dtype)
     rows: list[Row] = []
 
-    def finish(row: Row, fwd: Callable, total: Callable) -> Row:
-        torch.cuda.reset_peak_memory_stats()
-        row.fwd_ms = _bench(fwd, rep_ms, min_repeats)
-        row.total_ms = _bench(total, rep_ms, min_repeats)
-        row.peak_gb = torch.cuda.max_memory_allocated() / 2**30
-        row.bwd_ms = max(row.total_ms - row.fwd_ms, 1e-9)
+    def timed(fn: Callable) -> float:
+        return _bench(fn, rep_ms, min_repeats) if on_gpu else _wall_ms(fn, min_repeats)
+
+    def finish(row: Row, fwd: Callable, total: Callable | None) -> Row:
+        """Time ``fwd`` and ``total`` (``None``: a forward-only row, its fwd+bwd columns
+        empty) into ``row``."""
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        row.fwd_ms = timed(fwd)
         row.fwd_tflops = fwd_flop / row.fwd_ms / 1e9
-        row.total_tflops = (fwd_flop + bwd_flop) / row.total_ms / 1e9
-        row.bwd_tflops = bwd_flop / row.bwd_ms / 1e9
+        if total is not None:
+            row.total_ms = timed(total)
+            row.bwd_ms = max(row.total_ms - row.fwd_ms, 1e-9)
+            row.total_tflops = (fwd_flop + bwd_flop) / row.total_ms / 1e9
+            row.bwd_tflops = bwd_flop / row.bwd_ms / 1e9
+        if not on_gpu:
+            return row
+        row.peak_gb = torch.cuda.max_memory_allocated() / 2**30
         try:
-            row.extra["kernels"] = _kernel_names(total)
+            row.extra["kernels"] = _kernel_names(total or fwd)
         except Exception as exc:  # a profiler problem must not cost the timings
             row.extra["kernels"] = [f"unavailable: {type(exc).__name__}: {exc}"[:120]]
         return row
@@ -417,8 +459,9 @@ def run_case(
             input_gradients(out, grads_of, do)
 
         row = finish(base(impl), fm_fwd, fm_total)
-        row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
-        row.mask_prep_gpu_ms = _gpu_time(prep)
+        if on_gpu:  # off the GPU the reference runs, which prepares nothing
+            row.mask_prep_ms = _bench(prep, max(50, rep_ms // 4))
+            row.mask_prep_gpu_ms = _gpu_time(prep)
         rows.append(row)
 
     def run_flex() -> None:
@@ -451,7 +494,8 @@ def run_case(
         if mask is not None and dense_gb <= dense_limit_gb:
             t0 = time.perf_counter()
             dense = mask.to_dense(seqlen)
-            torch.cuda.synchronize()
+            if on_gpu:
+                torch.cuda.synchronize()
             dense_prep = (time.perf_counter() - t0) * 1e3
             if mask.num_heads > 1:
                 dense = dense.repeat_interleave(heads // mask.num_heads, dim=1)
@@ -503,6 +547,14 @@ def run_case(
         sinks = torch.randn(heads, device=device).requires_grad_()
         run_flashmask("flashmask_sinks", sinks=sinks)
 
+    def run_fp8() -> None:
+        row = base(FP8_IMPL)
+        call, row.extra = fp8_row(q, k, v, mask, causal, timed)
+        finish(row, call, None)
+        row.rmse, row.emulation_rmse = row.extra.pop("rmse"), row.extra.pop("emulation_rmse")
+        row.note = row.extra["path"] + f"; quantize {row.extra['quantize_ms']:.3f} ms, untimed"
+        rows.append(row)
+
     runners = {
         "flashmask": run_flashmask,
         "flex": run_flex,
@@ -510,9 +562,11 @@ def run_case(
         "fm4": run_fm4,
         "flashmask_sinks": run_sinks,
         "flashmask_softcap": lambda: run_flashmask("flashmask_softcap", softcap=SOFTCAP),
+        FP8_IMPL: run_fp8,
     }
+    wanted = [*impls, FP8_IMPL] if dtype_name == "fp8" else impls
     for impl, run in runners.items():
-        if impl not in impls:
+        if impl not in wanted:
             continue
         try:
             run()
@@ -522,6 +576,65 @@ def run_case(
             rows.append(replace(base(impl), note="OOM"))
             torch.cuda.empty_cache()
     return rows
+
+
+def fp8_row(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: FlashMask | None,
+    causal: bool,
+    timed: Callable[[Callable[[], object]], float],
+) -> tuple[Callable[[], torch.Tensor], dict]:
+    """The FP8 row's forward call and facts, from the bf16 ``q [B, S, Hq, D]``, ``k``, ``v [B, S,
+    Hk, D | Dv]`` of the other rows: the inputs quantised once per batch and head
+    (:func:`flashmask.quantize_fp8`, queries one descale per key/value head's group), ``timed``
+    (the bench's timer) pricing the quantisation, which stays out of the call.
+
+    Returns ``(call, facts)``: ``call()`` runs :func:`flashmask.flashmask_attention` on the FP8
+    inputs (bf16 output); ``facts`` holds ``quantize_ms``, ``path`` (the FP8 kernel, or the
+    reference where :func:`flashmask.kernels.routing.use_cute_fp8_forward` does not take the
+    call), and the RMSE of the call's output (``rmse``) and of
+    :func:`flashmask.fp8.emulate_fp8_forward` (``emulation_rmse``), each against
+    :func:`flashmask.flashmask_attention` in float32 on the dequantised inputs."""
+    from flashmask.kernels import routing
+
+    heads_k = k.shape[2]
+    group = q.shape[2] // heads_k
+
+    def quantize():
+        return (
+            fp8.quantize_fp8(q, group=group),
+            fp8.quantize_fp8(k),
+            fp8.quantize_fp8(v),
+        )
+
+    (q8, qd), (k8, kd), (v8, vd) = quantize()
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+    def call() -> torch.Tensor:
+        return flashmask_attention(q8, k8, v8, mask, causal=causal, **descales)
+
+    scale = q.shape[-1] ** -0.5
+    kernel = routing.use_cute_fp8_forward(q8, k8, v8, scale)
+    with torch.no_grad():
+        exact = flashmask_attention(
+            fp8.dequantize(q8, qd, heads_k), fp8.dequantize(k8, kd, heads_k),
+            fp8.dequantize(v8, vd, heads_k), mask, causal=causal,
+        )  # fmt: skip
+        emulated, _ = fp8.emulate_fp8_forward(q8, k8, v8, mask, causal=causal, **descales)
+        out = call()
+
+    def rmse(x: torch.Tensor) -> float:
+        return float((x.float() - exact).square().mean().sqrt())
+
+    facts = {
+        "quantize_ms": timed(quantize),
+        "path": "FP8 kernel" if kernel else "reference: no FP8 kernel",
+        "rmse": rmse(out),
+        "emulation_rmse": rmse(emulated),
+    }
+    return call, facts
 
 
 @functools.cache
@@ -543,11 +656,15 @@ def default_impls() -> str:
 
 
 def _markdown(rows: list[Row]) -> str:
+    # The FP8 rows' accuracy columns appear only in runs that have FP8 rows (--dtype fp8).
+    accuracy = any(r.rmse is not None or r.emulation_rmse is not None for r in rows)
     lines = [
         "| S | D | heads | mask | sparsity | impl | fwd ms | fwd+bwd ms | fwd TF/s | fwd+bwd TF/s "
         "| mask prep ms | prep % of fwd+bwd | prep GPU ms | GPU prep % | peak GB "
-        "| vs flex (fwd+bwd) | vs fm4 (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs flex (fwd+bwd) | vs fm4 (fwd+bwd) |"
+        + (" RMSE vs fp32 | emulation RMSE |" if accuracy else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if accuracy else ""),
     ]
 
     def case(r: Row) -> tuple:
@@ -579,6 +696,7 @@ def _markdown(rows: list[Row]) -> str:
             f"| {f(share, '{:.1f}')} | {f(gpu_ms, '{:.3f}')} | {f(gpu_share, '{:.2f}')} "
             f"| {f(r.peak_gb)} "
             f"| {speedup} | {vs_fm4} |"
+            + (f" {f(r.rmse, '{:.2e}')} | {f(r.emulation_rmse, '{:.2e}')} |" if accuracy else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -694,6 +812,22 @@ def main(argv: list[str] | None = None) -> int:
         "importable)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="bf16",
+        help="bf16: every implementation on bf16 inputs; fp8: also the FP8 forward on the same "
+        f"inputs quantised to float8_e4m3fn (the {FP8_IMPL} row: forward only, quantised once "
+        "outside the timing, with its RMSE and that of the FP8 emulation against the float32 "
+        "reference on the dequantised inputs) (bf16)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda; cpu runs the same cases on the CPU with wall-clock timings, to test the "
+        "bench itself (its times mean nothing) (cuda)",
+    )
+    parser.add_argument(
         "--rep-ms",
         type=int,
         default=200,
@@ -742,8 +876,8 @@ def main(argv: list[str] | None = None) -> int:
             "--impls fm4: fm4_torch is not importable (put ../shared/anchors and FlashMask-4's "
             "CuTe DSL wheels on PYTHONPATH; benchmarks/README.md says how)"
         )
-    if not torch.cuda.is_available():
-        print("flashmask bench needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("flashmask bench needs a CUDA GPU (--device cpu: a test run)", file=sys.stderr)
         return 2
     # One compiled flex kernel per shape and causal flag; never fall back to eager flex.
     torch._dynamo.config.cache_size_limit = 64
@@ -766,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows += run_case(
                 n, s, batch, heads, d, impls, args.rep_ms, args.dense_limit_gb,
-                args.min_repeats, kv_heads, args.head_dim_v or None,
+                args.min_repeats, kv_heads, args.head_dim_v or None, args.dtype, args.device,
             )  # fmt: skip
         except torch.OutOfMemoryError as exc:  # report and carry on with the next case
             note = f"OOM: {exc}"[:200]
@@ -802,17 +936,26 @@ def _tile_configs(head_dims: list[int]) -> dict[str, dict]:
     }
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:  # a CPU run on a platform without Triton
+        return None
+    return triton.__version__
+
+
 def _write_json(out: Path, rows: list[Row], args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     head_dims = [int(x) for x in args.head_dims.split(",")]
+    on_gpu = args.device == "cuda"
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()})",
         "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "triton": _triton_version(),
         "python": platform.python_version(),
         "args": vars(args),
-        "tile_configs": _tile_configs(head_dims),
+        "tile_configs": _tile_configs(head_dims) if on_gpu else {},
     }
     out.with_suffix(".json").write_text(
         json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1)

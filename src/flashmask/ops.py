@@ -5,7 +5,9 @@ Wrapping the computation in custom ops with fake (meta) implementations lets
 without graph breaks; the mask travels as a tensor, so new mask *values* never recompile.
 
 Inside each op the implementation is chosen per call: the Triton kernels for CUDA tensors they
-support (:func:`flashmask.kernels.supports`), otherwise the exact chunked reference.
+support (:func:`flashmask.kernels.supports`), otherwise the exact chunked reference. FP8 inputs
+(``float8_e4m3fn``) take a forward-only op of their own, :data:`attention_forward_fp8`, over the
+FP8 dispatch :func:`flashmask.fp8.forward`.
 
 :func:`attention` is the entry point: in eager mode on plain CUDA tensors it runs the same
 computation through a ``torch.autograd.Function`` (:class:`_EagerAttention`), which skips the
@@ -21,10 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from flashmask import reference
+from flashmask import fp8, reference
 from flashmask.mask import ColumnIntervals, FlashMask
 
-__all__ = ["attention", "attention_backward", "attention_forward"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_forward",
+    "attention_forward_fp8",
+    "attention_fp8",
+]
 
 
 def _intervals(
@@ -319,3 +327,70 @@ def attention(
     if q.is_cuda and _plain_eager(q, k, v, startend_row_indices, sinks):
         return _EagerAttention.apply(*args)
     return attention_forward(*args)
+
+
+def _forward_fp8_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flashmask.fp8.forward` as the custom op runs it (uncached, as :func:`_forward_op`)."""
+    with _uncached():
+        return fp8.forward(
+            q, k, v, startend_row_indices, causal, softmax_scale, softcap, sinks,
+            q_descale, k_descale, v_descale, out_dtype,
+        )  # fmt: skip
+
+
+# Forward only: no autograd is registered, and flashmask_attention refuses FP8 calls whose
+# inputs require grad before reaching it.
+attention_forward_fp8 = torch.library.custom_op(
+    "flashmask::attention_forward_fp8", mutates_args=()
+)(_forward_fp8_op)
+
+
+@attention_forward_fp8.register_fake
+def _(
+    q, k, v, startend_row_indices, causal, softmax_scale, softcap, sinks, q_descale, k_descale,
+    v_descale, out_dtype,
+):  # fmt: skip
+    b, sq, hq, _ = q.shape
+    out = q.new_empty(b, sq, hq, v.shape[-1], dtype=out_dtype)
+    lse = q.new_empty(b, hq, sq, dtype=torch.float32)
+    return out, lse
+
+
+def attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of FP8 attention (:func:`flashmask.fp8.forward`, not differentiable):
+    plain CUDA tensors in eager mode call the dispatch directly, anything that may be traced or
+    intercepted the custom op :data:`attention_forward_fp8` (as :func:`attention` chooses)."""
+    args = (
+        q, k, v, startend_row_indices, causal, softmax_scale, softcap, sinks,
+        q_descale, k_descale, v_descale, out_dtype,
+    )  # fmt: skip
+    descales = (q_descale, k_descale, v_descale)
+    if q.is_cuda and _plain_eager(q, k, v, startend_row_indices, sinks, *descales):
+        return fp8.forward(*args)
+    return attention_forward_fp8(*args)

@@ -160,12 +160,16 @@ def reference_forward(
     softmax_scale: float,
     chunk_size: int | None = None,
     softcap: float = 0.0,
+    probability_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact masked attention; returns ``(out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq])``.
 
     ``intervals`` are the clamped column intervals of the mask (``None``: no interval mask); lse
     is float32, or float64 for float64 inputs. ``softcap > 0`` caps the scaled scores
-    (:func:`capped_scores`); 0 leaves them.
+    (:func:`capped_scores`); 0 leaves them. ``probability_dtype`` (``None``: exact) rounds the
+    unnormalised probabilities ``exp(s - row_max)``, which lie in ``[0, 1]``, to that dtype
+    before the ``P V`` product, the row sums still taken before rounding: what an FP8 kernel
+    computes (:func:`flashmask.fp8.emulate_fp8_forward`).
     """
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -193,6 +197,8 @@ def reference_forward(
         row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
         p = torch.exp(scores - row_max)
         row_sum = p.sum(-1, keepdim=True)
+        if probability_dtype is not None:
+            p = p.to(probability_dtype).to(dtype)
         if nonfinite is None:
             pv = p @ vg[..., lo:hi, :]
         else:

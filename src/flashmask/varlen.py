@@ -195,6 +195,12 @@ def flashmask_varlen_attention(
             raise ValueError(
                 f"{name} must be 3-D [total_tokens, heads, head_dim], got shape {tuple(t.shape)}"
             )
+        if t.dtype == torch.float8_e4m3fn:
+            # FP8 descales are per (batch, head): a packing is one batch row of many sequences.
+            raise TypeError(
+                f"{name} is float8_e4m3fn: packed sequences take no FP8 inputs; call "
+                "flashmask_attention with a [B, S, H, D] batch and its descales"
+            )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None and name == "cu_seqlens_k":
             continue

@@ -244,6 +244,54 @@ def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
     return not softcap and q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
 
 
+# The CuTe FP8 forward (float8_e4m3fn q/k/v with per-(batch, key/value head) descales,
+# FlashAttention-3's FP8 scheme) would take FP8 calls at these head dims. None yet: the kernel is
+# not written, so every FP8 call runs the float32 reference on the dequantised inputs
+# (flashmask.fp8.forward, the dispatch point, documents where the kernel plugs in). A head dim
+# enters once its kernel passes tests/gpu/test_fp8.py (error within twice
+# flashmask.fp8.emulate_fp8_forward's) and has been timed. There is no length threshold, unlike
+# CUTE_FWD_MIN_SEQLEN, which is where the bf16 CuTe forward beat the Gluon and Triton forwards:
+# FP8 inputs have no other kernel, only the float32 reference. Like the bf16 CuTe forward it
+# takes any lengths (TMA reads past a sequence as zeros, stores clip).
+CUTE_FP8_HEAD_DIMS: tuple[int, ...] = ()
+# The output dtypes the FP8 kernel writes (16-bit, as FlashAttention-3's FP8 forward does);
+# float32 outputs run the reference.
+CUTE_FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_cute_fp8_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> bool:
+    """Whether the CuTe FP8 forward runs this FP8 call (``flashmask.fp8.forward`` asks): a
+    Hopper GPU (not the interpreter), the ``cute`` extra, float8_e4m3fn q, k and v, ``D`` in
+    :data:`CUTE_FP8_HEAD_DIMS` for q and k and the same head dim for v (``Dv == D``),
+    ``out_dtype`` in :data:`CUTE_FP8_OUT_DTYPES`, a positive scale (its row max is taken over
+    unscaled scores) and no logit cap (``softcap``; the CuTe kernels have none). False while
+    :data:`CUTE_FP8_HEAD_DIMS` is empty."""
+    d = q.shape[-1]
+    if d not in CUTE_FP8_HEAD_DIMS or softmax_scale <= 0 or softcap:
+        return False
+    if out_dtype not in CUTE_FP8_OUT_DTYPES:
+        return False
+    capability = hardware.gpu_capability(q)
+    fp8 = torch.float8_e4m3fn
+    return (
+        capability is not None
+        and capability[0] == 9
+        and q.dtype == fp8
+        and k.dtype == fp8
+        and v.dtype == fp8
+        and k.shape[-1] == d
+        and v.shape[-1] == d
+        and cute_available()
+    )
+
+
 def use_decode(q: torch.Tensor, k: torch.Tensor, skip_tiles: bool, decode: DecodeConfig) -> bool:
     """Whether a forward runs the split-KV kernels (``triton_kernels.decode``): more keys than
     queries (a cache: decoding or chunked prefill), and few enough queries that all of them,

@@ -218,3 +218,31 @@ def test_a_capped_call_goes_to_the_gluon_backward_where_the_cute_one_is_routed(m
     sri = mask.startend_row_indices
     kernels.backward(q, None, q, k, k, out, lse, sri, True, 0.1, False, softcap=30.0)
     assert seen["softcap"] == 30.0
+
+
+def test_the_fp8_forward_takes_only_listed_head_dims_on_hopper_with_the_extra(monkeypatch):
+    """``use_cute_fp8_forward``: false while ``CUTE_FP8_HEAD_DIMS`` is empty, as it is until the
+    kernel lands; with a head dim listed, FP8 q/k/v of that head dim (V's too), a 16-bit output,
+    a positive scale and no cap on a Hopper GPU with the extra, at any length."""
+    fp8 = torch.float8_e4m3fn
+    _as_if_on(monkeypatch, HOPPER)
+    qkv = _qkv(seqlen=128, head_dim=128, dtype=fp8)
+    assert routing.CUTE_FP8_HEAD_DIMS == ()
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1)
+    monkeypatch.setattr(routing, "CUTE_FP8_HEAD_DIMS", (128,))
+    assert routing.use_cute_fp8_forward(*qkv, 0.1)  # no length threshold
+    assert routing.use_cute_fp8_forward(*qkv, 0.1, out_dtype=torch.float16)
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1, out_dtype=torch.float32)
+    assert not routing.use_cute_fp8_forward(*qkv, 0.0)  # row max of unscaled scores
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1, softcap=30.0)  # no cap in CuTe
+    assert not routing.use_cute_fp8_forward(*_qkv(head_dim=64, dtype=fp8), 0.1)  # not listed
+    assert not routing.use_cute_fp8_forward(*_qkv(head_dim=128), 0.1)  # bf16
+    q, k, v = qkv
+    assert not routing.use_cute_fp8_forward(q, k, v[..., :64], 0.1)  # Dv != D
+    assert not routing.use_cute_fp8_forward(q, k, v.to(torch.bfloat16), 0.1)
+    _as_if_on(monkeypatch, (10, 0))
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1)
+    _as_if_on(monkeypatch, None)  # CPU, or the interpreter
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1)
+    _as_if_on(monkeypatch, HOPPER, cute=False)
+    assert not routing.use_cute_fp8_forward(*qkv, 0.1)
