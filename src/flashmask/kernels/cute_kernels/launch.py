@@ -364,8 +364,16 @@ def _check_fp8_inputs(
     named = {"q": q, "k": k, "v": v, **descales, "lists": lists.entries}
     if bounds is not None:
         named["bounds"] = bounds
+    if order is not None:
+        named["order"] = order
+    _check_devices(named, q.device)
+
+
+def _check_devices(named: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Raise ``ValueError`` naming the first of ``named`` (name: tensor) that is not on
+    ``device``, a CUDA device."""
     for name, x in named.items():
-        if x.device.type != "cuda" or x.device != q.device:
+        if x.device.type != "cuda" or x.device != device:
             raise ValueError(f"{name} must be on q's CUDA device, got {x.device}")
 
 
