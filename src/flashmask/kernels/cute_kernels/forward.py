@@ -36,6 +36,13 @@ its Q, which waits until both consumer warpgroups' O stores of the previous item
 Q tile), and the consumers' turns at the tensor cores alternate across items as within one. The
 other variants compile exactly as before (their PTX is unchanged).
 
+The FP8 variant (``ForwardVariant.fp8``, ``launch.forward_fp8``) runs the same schedule on
+e4m3 Q, K and V^T (8-bit MMA operands are K-major: the launcher's pre-pass transposes V and
+permutes its keys within groups of 16, ``fp8_layout``), scales the scores by ``q_descale *
+k_descale`` and O by ``v_descale`` per (batch, K/V head), rounds P to e4m3 for ``P V`` (row sums
+over the fp32 probabilities), and stores a bf16/fp16 O through a Q region of O's size; every
+other variant compiles to the same code as before it existed.
+
 The kernel compiles on a machine without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CPU suite builds
 every variant (``tests/kernels/cute_kernels``); ``tests/gpu`` proves its results.
 """
