@@ -36,6 +36,13 @@ its Q, which waits until both consumer warpgroups' O stores of the previous item
 Q tile), and the consumers' turns at the tensor cores alternate across items as within one. The
 other variants compile exactly as before (their PTX is unchanged).
 
+The FP8 variant (``ForwardVariant.fp8``, ``launch.forward_fp8``) runs the same schedule on
+e4m3 Q, K and V^T (8-bit MMA operands are K-major: the launcher's pre-pass transposes V and
+permutes its keys within groups of 16, ``fp8_layout``), scales the scores by ``q_descale *
+k_descale`` and O by ``v_descale`` per (batch, K/V head), rounds P to e4m3 for ``P V`` (row sums
+over the fp32 probabilities), and stores a bf16/fp16 O through a Q region of O's size; every
+other variant compiles to the same code as before it existed.
+
 The kernel compiles on a machine without a GPU (``CUTE_DSL_ARCH=sm_90a``): the CPU suite builds
 every variant (``tests/kernels/cute_kernels``); ``tests/gpu`` proves its results.
 """
@@ -52,6 +59,8 @@ import cutlass.pipeline as pipeline
 import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flashmask.kernels.cute_kernels import fp8_layout
 
 LOG2E = math.log2(math.e)
 
@@ -80,7 +89,9 @@ class ForwardVariant:
     the launch's program count and a zeroed counter); ``head_dim_v``: V's (and O's) head dim
     where it differs from D, at most D (MLA's 192 / 128), ``None`` where equal; ``softcap``:
     Gemma's logit cap (0: none), a compile-time constant like the Gluon kernels' ``SOFTCAP``
-    (a model uses one)."""
+    (a model uses one); ``fp8``: q, k and v are float8 e4m3, v given transposed with its keys
+    permuted (``launch.forward_fp8``'s pre-pass), O in the compile's dtype, and the score and
+    O scales per (batch, K/V head) from a descale tensor (the FP8 forward, below)."""
 
     head_dim: int
     block_n: int
@@ -93,6 +104,7 @@ class ForwardVariant:
     persistent: bool = False
     head_dim_v: int | None = None
     softcap: float = 0.0
+    fp8: bool = False
 
     @property
     def value_dim(self) -> int:
@@ -116,6 +128,12 @@ def probabilities_layout(block_n: int) -> cute.Layout:
     same registers as the score accumulator ``((2, 2, block_n / 8), 1, 1)``: k-block ``kb``'s
     values ``(column pair, row half, column half)`` sit at ``c + 2 r + 4 h + 8 kb``."""
     return cute.make_layout(((2, 2, 2), 1, block_n // 16), stride=((1, 2, 4), 0, 8))
+
+
+def fp8_layout_of(spec: tuple[tuple, tuple]) -> cute.Layout:
+    """The CuTe layout of one of ``fp8_layout``'s ``(shape, stride)`` pairs."""
+    shape, stride = spec
+    return cute.make_layout(shape, stride=stride)
 
 
 def consumer_state(stages: int, n) -> pipeline.PipelineState:
@@ -174,6 +192,11 @@ class HopperForward:
         # O's 64-row halves leave through Q's shared memory, in their own layout where V's
         # head dim is not Q's (the M x K view of an (M, N, K) tiler).
         self.o_tiler = (HALF_ROWS, variant.block_n, variant.value_dim)
+        # Q half h sits in Q slot h * q_spread. FP8: an O half (16-bit) takes the bytes of two
+        # fp8 Q slots, so Q has four slots with its halves in slots 0 and 2, and warpgroup
+        # h's O half covers exactly slots 2h and 2h + 1: its own Q half and an unused one,
+        # never the other warpgroup's Q half (which that warpgroup may still be reading).
+        self.q_spread = 2 if variant.fp8 else 1
 
     @cute.jit
     def __call__(
@@ -194,9 +217,14 @@ class HopperForward:
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
         stream,
+        mScales: cute.Tensor | None = None,
     ):
         """``mQ [B, Sq, Hq, D]``, ``mK [B, Sk, Hk, D]``, ``mV [B, Sk, Hk, Dv]``, ``mO [B, Sq, Hq,
-        Dv]`` (unit stride along the head dim; ``Dv``: the variant's ``value_dim``),
+        Dv]`` (unit stride along the head dim; ``Dv``: the variant's ``value_dim``; FP8: ``mV``
+        is V^T ``[B, Hk, D, Sk padded]``, unit stride along the keys, which are permuted within
+        each group of 16 as ``fp8_layout.KEY_ORDER`` says, and ``mScales`` float32
+        ``[B, Hk, 2]`` holds each (batch, K/V head)'s ``q_descale * k_descale``, which
+        multiplies ``qk_scale``, and ``v_descale``, which multiplies O; the others pass none),
         ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 column-major ``[B, Hm, Sk padded, 4]``
         (read only with a mask), ``mEntries`` int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32
         ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
@@ -204,13 +232,20 @@ class HopperForward:
         the counter the programs take items from, and ``num_programs``, the grid's size;
         ``seqlen_k``: Sk; ``qk_scale`` = softmax scale x log2(e), positive unless the variant
         caps the scores (``softcap``: any sign)."""
+        # The inputs' dtype and O's (the same but in the FP8 forward).
         dtype = mQ.element_type
+        out_dtype = mO.element_type
+        self.out_dtype = out_dtype
         # (S, D, H, B) views: the sequence first, as the MMA's M/N mode, D as its K mode.
         q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
         o = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        # V as the P V product's B operand: (D, Sk, H, B), D (its N mode) contiguous.
-        v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        # V as the P V product's B operand, (D, Sk, H, B): D (its N mode) contiguous, or, FP8
+        # (8-bit operands must be K-major), the keys: V^T [B, Hk, D, Sk padded].
+        if cutlass.const_expr(self.v.fp8):
+            v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
+        else:
+            v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
 
         # Two copies of the Q K^T MMA: one for a tile's first k-block (it overwrites S), one
         # for the rest (it accumulates). Each has its accumulate field set once, outside any
@@ -223,15 +258,16 @@ class HopperForward:
             )  # fmt: skip
 
         qk_mma_init, qk_mma = (mma(cute.nvgpu.OperandMajorMode.K, self.qk_tiler) for _ in range(2))
-        # P V: P from registers (the score accumulator's values), V MN-major.
-        pv_mma = mma(cute.nvgpu.OperandMajorMode.MN, self.pv_tiler, warpgroup.OperandSource.RMEM)
+        # P V: P from registers (the score accumulator's values), V MN-major (FP8: K-major).
+        v_major, v_layout = cute.nvgpu.OperandMajorMode.MN, tensor_utils.LayoutEnum.COL_MAJOR
+        if cutlass.const_expr(self.v.fp8):
+            v_major, v_layout = cute.nvgpu.OperandMajorMode.K, tensor_utils.LayoutEnum.ROW_MAJOR
+        pv_mma = mma(v_major, self.pv_tiler, warpgroup.OperandSource.RMEM)
         q_layout = tensor_utils.LayoutEnum.ROW_MAJOR
-        q_smem = sm90_utils.make_smem_layout_a(q_layout, self.qk_tiler, dtype, 2)
+        q_smem = sm90_utils.make_smem_layout_a(q_layout, self.qk_tiler, dtype, 2 * self.q_spread)
         k_smem = sm90_utils.make_smem_layout_b(q_layout, self.qk_tiler, dtype, self.v.kv_stages)
-        v_smem = sm90_utils.make_smem_layout_b(
-            tensor_utils.LayoutEnum.COL_MAJOR, self.pv_tiler, dtype, self.v.kv_stages
-        )
-        o_smem = sm90_utils.make_smem_layout_a(q_layout, self.o_tiler, dtype, 2)
+        v_smem = sm90_utils.make_smem_layout_b(v_layout, self.pv_tiler, dtype, self.v.kv_stages)
+        o_smem = sm90_utils.make_smem_layout_a(q_layout, self.o_tiler, out_dtype, 2)
         q_one = cute.slice_(q_smem, (None, None, 0))
         o_one = cute.slice_(o_smem, (None, None, 0))
         k_one = cute.slice_(k_smem, (None, None, 0))
@@ -249,8 +285,9 @@ class HopperForward:
         tma_o, tma_o_tensor = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), o, o_one, (HALF_ROWS, self.v.value_dim)
         )
-        # Q's slots also hold the O halves (no larger than Q's where Dv <= D).
-        q_elements = max(cute.cosize(q_smem), cute.cosize(o_smem))
+        # Q's slots also hold the O halves (no larger than Q's where Dv <= D; FP8: as large as
+        # its four slots), counted in Q's elements.
+        q_elements = max(cute.cosize(q_smem), cute.cosize(o_smem) * out_dtype.width // dtype.width)
         self.q_bytes = cute.size_in_bytes(dtype, q_one)
         self.k_bytes = cute.size_in_bytes(dtype, k_one)
         self.v_bytes = cute.size_in_bytes(dtype, v_one)
@@ -290,7 +327,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
                 mNextItem, q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv,
-                heads_per_mask_head, qk_scale,
+                heads_per_mask_head, qk_scale, mScales,
             ).launch(
                 grid=[num_programs, 1, 1],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -305,7 +342,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
                 q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
-                qk_scale,
+                qk_scale, mScales,
             ).launch(
                 grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -343,6 +380,7 @@ class HopperForward:
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
+        mScales: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -370,10 +408,11 @@ class HopperForward:
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            item_qk_scale, out_scale = self.item_scales(mScales, qk_scale, b, h // heads_per_kv)
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
-                tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale, 0, 0,
+                tidx % WARPGROUP_THREADS, warp, seqlen_k, item_qk_scale, 0, 0, out_scale,
             )  # fmt: skip
 
     @cute.kernel
@@ -404,6 +443,7 @@ class HopperForward:
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
+        mScales: cute.Tensor | None,
     ):
         """The persistent variant: the program's work items, its own (its index) first, then
         each next one from ``mNextItem``."""
@@ -440,8 +480,16 @@ class HopperForward:
             self.consume_items(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
                 sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe,
-                work, role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale,
+                work, role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale, mScales,
             )  # fmt: skip
+
+    def item_scales(self, mScales, qk_scale, b, kv_head):
+        """``(score scale, O scale)`` of a work item of batch ``b``, K/V head ``kv_head``: the
+        launch's ``qk_scale`` and none, or, FP8, ``qk_scale * q_descale * k_descale`` and
+        ``v_descale`` from ``mScales [B, Hk, 2]``."""
+        if cutlass.const_expr(self.v.fp8):
+            return qk_scale * mScales[b, kv_head, 0], mScales[b, kv_head, 1]
+        return qk_scale, None
 
     @cute.jit
     def shared_tiles(self, q_smem, k_smem, v_smem, o_smem):
@@ -452,7 +500,10 @@ class HopperForward:
         sQ = storage.sQ.get_tensor(q_smem.outer, swizzle=q_smem.inner)
         sK = storage.sK.get_tensor(k_smem.outer, swizzle=k_smem.inner)
         sV = storage.sV.get_tensor(v_smem.outer, swizzle=v_smem.inner)
-        sO = storage.sQ.get_tensor(o_smem.outer, swizzle=o_smem.inner)
+        if cutlass.const_expr(self.v.fp8):
+            sO = storage.sQ.get_tensor(o_smem.outer, swizzle=o_smem.inner, dtype=self.out_dtype)
+        else:
+            sO = storage.sQ.get_tensor(o_smem.outer, swizzle=o_smem.inner)
         return storage, sQ, sK, sV, sO
 
     @cute.jit
@@ -500,7 +551,10 @@ class HopperForward:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
         for half in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
+            cute.copy(
+                tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half * self.q_spread],
+                tma_bar_ptr=q_full,
+            )  # fmt: skip
         # K and V advance together: one state walks both rings.
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v.kv_stages)
         for it in cutlass.range(count, unroll=1):
@@ -601,13 +655,16 @@ class HopperForward:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, 2 * self.q_bytes)
         for half in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half], tma_bar_ptr=q_full)
+            cute.copy(
+                tma_q, tQgQ[None, 2 * m_tile + half], tQsQ[None, half * self.q_spread],
+                tma_bar_ptr=q_full,
+            )  # fmt: skip
 
     @cute.jit
     def consume_items(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
         sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
-        wg, thread, warp, seqlen_k, qk_scale,
+        wg, thread, warp, seqlen_k, qk_scale, mScales,
     ):  # fmt: skip
         """Persistent consumer warpgroup ``wg``: rows ``wg * 64 ...`` of each of the program's
         query tiles, the program's own item first, then each one the producer hands over."""
@@ -645,10 +702,13 @@ class HopperForward:
             m_tile, h, b = self.locate(work, mOrder, w)
             mask_head = h // work.heads_per_mask_head
             count = mCounts[b, mask_head, m_tile]
+            item_qk_scale, out_scale = self.item_scales(
+                mScales, qk_scale, b, h // work.heads_per_kv
+            )
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
-                seqlen_k, qk_scale, u, consumed,
+                seqlen_k, item_qk_scale, u, consumed, out_scale,
             )  # fmt: skip
             if thread == 0:
                 # The warpgroup's O store has read its Q half: the producer may load the next
@@ -672,12 +732,13 @@ class HopperForward:
     def consume(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
         q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k,
-        qk_scale, u, consumed,
+        qk_scale, u, consumed, out_scale=None,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile. In
         the persistent variant the program's ``u``-th item, after ``consumed`` K/V tiles of its
         earlier items (:meth:`consume_items` sets the MMA fields and opens and closes the
-        turns); the other variants pass ``u = consumed = 0``, unused."""
+        turns); the other variants pass ``u = consumed = 0``, unused. ``out_scale``: what O
+        is multiplied by at the end (FP8: ``v_descale``; ``None``: nothing)."""
         qk_thr = qk_mma.get_slice(thread)
         pv_thr = pv_mma.get_slice(thread)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -702,7 +763,12 @@ class HopperForward:
         row_sum.fill(0.0)
         # Each row's O rescaling factor of the current step, applied once P_{j-1} V_{j-1} lands.
         o_scale = cute.make_rmem_tensor(cute.make_layout(num_rows), cutlass.Float32)
-        p_prev = cute.make_rmem_tensor(probabilities_layout(self.v.block_n), sQ.element_type)
+        # P in the score accumulator's order, read as the P V product's A operand (the 8-bit
+        # operand's fragment takes other keys per thread: fp8_layout).
+        p_layout = probabilities_layout(self.v.block_n)
+        if cutlass.const_expr(self.v.fp8):
+            p_layout = fp8_layout_of(fp8_layout.fragment_layout(self.v.block_n))
+        p_prev = cute.make_rmem_tensor(p_layout, sQ.element_type)
         seqlen_q = mO.shape[0]
         row0 = m_tile * BLOCK_M + wg * HALF_ROWS
         my_turn = TURN_BARRIER[0]
@@ -719,7 +785,10 @@ class HopperForward:
                     barrier_id=other_turn, number_of_threads=2 * WARPGROUP_THREADS
                 )
             cute.arch.mbarrier_wait(q_full, 0)
-        q_stage = tSrQ[None, None, None, wg]
+        q_slot = wg
+        if cutlass.const_expr(self.v.fp8):
+            q_slot = wg * self.q_spread
+        q_stage = tSrQ[None, None, None, q_slot]
         stages = self.v.kv_stages
         # Slot 0 holds step 0's K and V (persistent: the ring's tile number ``consumed``). The
         # loop's states start one step on; V is waited for at the end of a step and used (then
@@ -780,8 +849,7 @@ class HopperForward:
             v_pipe.consumer_release(v_release)
             v_release.advance()
             self.rescale(acc_o, o_scale)
-            p_as_s = cute.make_tensor(p_prev.iterator, acc_s.layout)
-            p_as_s.store(acc_s.load().to(sQ.element_type))
+            self.store_probabilities(acc_s, p_prev)
             v_pipe.consumer_wait(v_wait)
             v_wait.advance()
         if count > 0:
@@ -795,7 +863,7 @@ class HopperForward:
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
             pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-            thread, warp, row0, seqlen_q,
+            thread, warp, row0, seqlen_q, out_scale,
         )  # fmt: skip
 
     @cute.jit
@@ -915,8 +983,30 @@ class HopperForward:
             s_mn, tScS_mn, mBounds, entry, b, mask_head, row0, seqlen_q, seqlen_k, row_max,
             row_sum, o_scale, qk_scale,
         )  # fmt: skip
-        p_as_s = cute.make_tensor(p.iterator, acc_s.layout)
-        p_as_s.store(acc_s.load().to(p.element_type))
+        self.store_probabilities(acc_s, p)
+
+    @cute.jit
+    def store_probabilities(self, acc_s, p):
+        """The probabilities in ``acc_s`` (the score accumulator) rounded to ``p``'s dtype into
+        ``p``, the ``P V`` product's A operand: value for value (16-bit P shares the
+        accumulator's order), or, FP8, each value to the A byte ``fp8_layout.scatter_layout``
+        gives it (the MMA reads its register fragment in memory order, whatever its layout's
+        strides, so the permutation happens here, at the store)."""
+        if cutlass.const_expr(self.v.fp8):
+            n = self.v.block_n
+            s_split = cute.make_tensor(
+                acc_s.iterator, fp8_layout_of(fp8_layout.accumulator_split(n))
+            )
+            p_split = cute.make_tensor(p.iterator, fp8_layout_of(fp8_layout.scatter_layout(n)))
+            # Pair by pair: one cvt to e4m3x2 each. (One store of the whole tile leaves LLVM
+            # a byte shuffle on one register.)
+            for i in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(n // 8):
+                    pair = (None, i, (j % 2, (j // 2) % 2, j // 4))
+                    p_split[pair, 0, 0].store(s_split[pair, 0, 0].load().to(p.element_type))
+        else:
+            p_as_s = cute.make_tensor(p.iterator, acc_s.layout)
+            p_as_s.store(acc_s.load().to(p.element_type))
 
     @cute.jit
     def online_softmax(self, s_mn, row_max, row_sum, o_scale, qk_scale):
@@ -954,11 +1044,11 @@ class HopperForward:
     @cute.jit
     def finish_rows(
         self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-        thread, warp, row0, seqlen_q,
+        thread, warp, row0, seqlen_q, out_scale=None,
     ):  # fmt: skip
         """``O / l`` of the warpgroup's 64 rows through its Q half (``sO``: the O halves' view
         of Q's slots) and one TMA store, and their lse (natural log; ``-inf`` with ``O = 0``
-        where no key is visible)."""
+        where no key is visible). ``out_scale`` (FP8: ``v_descale``) multiplies O."""
         o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
         tOcO = pv_thr.partition_C(cute.make_identity_tensor(self.pv_tiler[:2]))
         tOcO_mn = cute.make_tensor(tOcO.iterator, row_col_view(tOcO.layout))
@@ -970,6 +1060,8 @@ class HopperForward:
             inv = cutlass.Float32(1.0)
             if visible:
                 inv = 1.0 / total
+            if cutlass.const_expr(out_scale is not None):
+                inv = inv * out_scale
             for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[i, j] = o_mn[i, j] * inv
             lse = -cutlass.Float32.inf

@@ -1,6 +1,7 @@
 """Compiling and launching the CuTe forward: one compiled kernel per
 :class:`~.forward.ForwardVariant` and dtype, built from symbolic tensors (so that it compiles
-without a GPU and serves every shape), called with the torch tensors' DLPack views."""
+without a GPU and serves every shape), called with the torch tensors' DLPack views. Also the
+FP8 (e4m3) forward's launcher, :func:`forward_fp8`, with its V^T pre-pass."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.kernels import hardware, preparation
+from flashmask.kernels.cute_kernels import fp8_layout
 from flashmask.kernels.tiles import TileLists
 
 # This family targets Hopper: compile for sm_90a, also on a machine without a GPU. CuTe DSL reads
@@ -22,10 +24,34 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # (MLA, V's head dim 128) the 48 KB Q tile and two 48 + 32 KB slots take 208 KB.
 KV_STAGES = {64: 4, 128: 3, 192: 2, 256: 2}
 
+# The FP8 forward's K/V ring slots per head dim, at the same key tiles (``key_tile``: 128 keys,
+# 64 at D = 256, so that both forwards read the same lists). Its K and V slots are half the
+# bytes of bf16 ones, but its 16-bit O leaves through the Q region, which is therefore O's
+# size, 128 x D x 2 bytes (the fp8 Q halves sit in its first and third quarters). D = 128:
+# 32 KB + 6 x (16 + 16 KB) = 224 KB of the 227 KB, twice the bf16 forward's ring depth in
+# tiles; D = 256: 64 KB + 5 x (16 + 16 KB) = 224 KB; D = 64: 16 KB + 8 x (8 + 8 KB) = 144 KB
+# (a 128-key tile's two products take a fraction of a microsecond at FP8 rates, so eight
+# cover a load's latency several times over). Wider tiles at D <= 128 (256 keys) would
+# double the score accumulator (64 x 256 fp32: 128 registers per thread) next to O and
+# spill at the consumers' 240 registers, and would skip masked keys half as finely.
+FP8_KV_STAGES = {64: 8, 128: 6, 256: 5}
+FP8_HEAD_DIMS = tuple(FP8_KV_STAGES)
+# Query rows per program of both forwards (``forward.BLOCK_M``, here without importing cutlass).
+QUERY_TILE = 128
+
 
 def key_tile(head_dim: int) -> int:
     """Keys per tile of the CuTe forward at ``head_dim`` (Q/K's)."""
     return 64 if head_dim > 192 else 128
+
+
+def fp8_tile_shape(head_dim: int) -> tuple[int, int, bool]:
+    """The tile lists :func:`forward_fp8` reads at ``head_dim``, as
+    ``preparation.prepare_cached``'s ``shapes`` entry: row-major ``(128, key_tile(D), True)``
+    (query tiles of 128 rows, each listing its key tiles)."""
+    if head_dim not in FP8_KV_STAGES:
+        raise ValueError(f"head_dim must be one of {FP8_HEAD_DIMS}, got {head_dim}")
+    return QUERY_TILE, key_tile(head_dim), True
 
 
 def _dtype(torch_dtype: torch.dtype):
@@ -49,8 +75,10 @@ def _symbolic(dtype, rank: int, divisibility: int):
 
 @functools.cache
 def compiled_forward(variant, torch_dtype: torch.dtype):
-    """The compiled :class:`~.forward.HopperForward` of ``variant`` for ``torch_dtype``
-    (for sm_90a, with or without a GPU)."""
+    """The compiled :class:`~.forward.HopperForward` of ``variant`` for ``torch_dtype``, O's
+    dtype (for sm_90a, with or without a GPU). The inputs have O's dtype, or, in an FP8
+    variant (``variant.fp8``), float8 e4m3 (V as the pre-pass's V^T) with the descale tensor
+    after the stream."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -58,10 +86,16 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
     from flashmask.kernels.cute_kernels.forward import HopperForward
 
     dtype = _dtype(torch_dtype)
+    extra = ()
+    if variant.fp8:
+        # 16-byte strides and bases (TMA's), in one-byte elements.
+        fp8 = cutlass.Float8E4M3FN
+        inputs = (_symbolic(fp8, 4, 16), _symbolic(fp8, 4, 16), _symbolic(fp8, 4, 16))
+        extra = (_symbolic(cutlass.Float32, 3, 1),)  # descales [B, Hk, 2]
+    else:
+        inputs = (_symbolic(dtype, 4, 8), _symbolic(dtype, 4, 8), _symbolic(dtype, 4, 8))
     tensors = (
-        _symbolic(dtype, 4, 8),  # q
-        _symbolic(dtype, 4, 8),  # k
-        _symbolic(dtype, 4, 8),  # v
+        *inputs,  # q, k, v
         _symbolic(dtype, 4, 8),  # out
         _symbolic(cutlass.Float32, 3, 1),  # lse
         _symbolic(cutlass.Int32, 4, 4),  # bounds, column-major: 16-byte columns
@@ -80,6 +114,7 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
         cutlass.Int32(1),
         cutlass.Float32(1.0),
         stream,
+        *extra,
     )
 
 
@@ -161,9 +196,7 @@ def forward(
     mask (``bounds`` given, ``causal`` false); ``True``/``False`` force either on any call, so
     that a benchmark or a test can compare both on the same inputs. ``softcap > 0`` caps the
     scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs)."""
-    import cuda.bindings.driver as cuda
-
-    from flashmask.kernels.cute_kernels.forward import BLOCK_M, LOG2E, ForwardVariant
+    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
 
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
@@ -185,6 +218,31 @@ def forward(
     )
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
+    return _launch(
+        kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order, persistent
+    )
+
+
+def _launch(
+    kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists: TileLists,
+    mask_heads: int,
+    qk_scale: float,
+    order: torch.Tensor | None,
+    persistent: bool,
+    *extra: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a compiled forward ``kernel`` writing ``out [B, Sq, Hq, Dv]``: ``(out, lse)``, with
+    the bounds in the kernel's column-major form, the persistent launch's programs and
+    counter, and ``extra`` tensors after the stream (the FP8 forward's descales)."""
+    import cuda.bindings.driver as cuda
+
+    b, sq, hq, d = q.shape
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if order is None:
         order = lists.counts.view(-1)  # never read
@@ -192,13 +250,196 @@ def forward(
         bounds = _unread_bounds(q.device)
     else:
         bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * key_tile(d))
-    num_items = -(-sq // BLOCK_M) * hq * b
+    num_items = -(-sq // QUERY_TILE) * hq * b
     next_item, programs = persistent_programs(num_items, q.device, persistent, order)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(
         _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
         _view(bounds, 16), _view(lists.entries, 4), _view(lists.counts, 4), _view(order, 4),
         _view(next_item, 4), programs, k.shape[1], hq // k.shape[2], hq // mask_heads,
-        softmax_scale * LOG2E, stream,
+        qk_scale, stream, *(_view(x, 4) for x in extra),
     )  # fmt: skip
     return out, lse
+
+
+@functools.cache
+def _permuted_keys(num_keys: int, device: torch.device) -> torch.Tensor:
+    """``fp8_layout.permuted_keys(num_keys)`` as an index tensor on ``device``."""
+    return torch.tensor(fp8_layout.permuted_keys(num_keys), dtype=torch.long, device=device)
+
+
+def fp8_values_transposed(v: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The FP8 forward's form of ``v [B, Sk, Hk, D]`` (float8 e4m3, any strides): V^T, float8
+    ``[B, Hk, D, Sk padded to a multiple of block_n]``, contiguous (8-bit ``wgmma`` operands
+    must be K-major, and the keys are ``P V``'s k mode), its keys permuted within each group of
+    16 so that k index ``p`` holds key ``16 (p // 16) + fp8_layout.KEY_ORDER[p % 16]`` (what the
+    kernel's P fragment reads there), and zeros past Sk (TMA then reads whole tiles, and a
+    hidden key's zero probability meets a zero value, never NaN). A copy per call: three
+    passes over V, small against the attention that reads it ``Sq / 128`` times."""
+    if block_n % fp8_layout.KEY_GROUP:
+        raise ValueError(f"block_n must be a multiple of {fp8_layout.KEY_GROUP}, got {block_n}")
+    sk = v.shape[1]
+    padded = -(-sk // block_n) * block_n
+    # Bytes: padding, gathers and copies of every dtype, the same bits.
+    raw = v.view(torch.uint8)
+    if padded != sk:
+        raw = torch.nn.functional.pad(raw, (0, 0, 0, 0, 0, padded - sk))
+    permuted = raw.index_select(1, _permuted_keys(padded, v.device))
+    return permuted.permute(0, 2, 3, 1).contiguous().view(torch.float8_e4m3fn)
+
+
+def _check_fp8_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists: TileLists,
+    mask_heads: int,
+    softmax_scale: float,
+    order: torch.Tensor | None,
+    descales: dict[str, torch.Tensor],
+    out_dtype: torch.dtype,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument :func:`forward_fp8` cannot run
+    (shapes, dtypes, layouts and devices; the device last, so that the rest is checked
+    anywhere)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name} must be torch.float8_e4m3fn, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [B, S, H, D], got shape {tuple(x.shape)}")
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    if d not in FP8_KV_STAGES:
+        raise ValueError(f"q's head dim must be one of {FP8_HEAD_DIMS}, got {d}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must be [B, Sk, Hk, D] = [{b}, Sk, Hk, {d}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"k's heads ({hk}) must divide q's ({hq})")
+    if sq == 0 or sk == 0:
+        raise ValueError(f"q and k need at least one row, got Sq = {sq}, Sk = {sk}")
+    for name, x in (("q", q), ("k", k)):
+        # TMA: unit stride along D, 16-byte aligned base and strides.
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous with a 16-byte aligned start")
+    if mask_heads not in {1, hk, hq}:
+        raise ValueError(f"mask_heads must be 1, Hk ({hk}) or Hq ({hq}), got {mask_heads}")
+    if bounds is not None and (
+        bounds.dtype != torch.int32 or tuple(bounds.shape) != (b, mask_heads, 4, sk)
+    ):
+        raise ValueError(
+            f"bounds must be int32 [B, Hm, 4, Sk] = [{b}, {mask_heads}, 4, {sk}], got "
+            f"{bounds.dtype} {tuple(bounds.shape)}"
+        )
+    tiles_m, tiles_n = -(-sq // QUERY_TILE), -(-sk // key_tile(d))
+    lists_heads = mask_heads if bounds is not None else 1
+    expected = (b, lists_heads, tiles_m, tiles_n)
+    if (
+        lists.entries.dtype != torch.int32
+        or tuple(lists.entries.shape) != expected
+        or tuple(lists.counts.shape) != expected[:3]
+    ):
+        raise ValueError(
+            f"lists must be int32 row-major lists of {fp8_tile_shape(d)[:2]} tiles, entries "
+            f"[B, Hm, Tm, Tn] = {list(expected)}, got {tuple(lists.entries.shape)}"
+        )
+    if order is not None and (order.dtype != torch.int32 or order.numel() != b * hq * tiles_m):
+        raise ValueError(f"order must be int32 with B * Hq * Tm = {b * hq * tiles_m} entries")
+    if not softmax_scale > 0:
+        # The running row max is taken over unscaled scores.
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    for name, x in descales.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {x.dtype}")
+        if tuple(x.shape) != (b, hk):
+            raise ValueError(f"{name} must be [B, Hk] = [{b}, {hk}], got {tuple(x.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    named = {"q": q, "k": k, "v": v, **descales, "lists": lists.entries}
+    if bounds is not None:
+        named["bounds"] = bounds
+    if order is not None:
+        named["order"] = order
+    _check_devices(named, q.device)
+
+
+def _check_devices(named: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Raise ``ValueError`` naming the first of ``named`` (name: tensor) that is not on
+    ``device``, a CUDA device."""
+    for name, x in named.items():
+        if x.device.type != "cuda" or x.device != device:
+            raise ValueError(f"{name} must be on q's CUDA device, got {x.device}")
+
+
+def forward_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    lists: TileLists,
+    mask_heads: int,
+    causal: bool,
+    has_upper: bool,
+    softmax_scale: float,
+    skip_tiles: bool,
+    order: torch.Tensor | None,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    persistent: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, Hq, D] out_dtype, lse float32 [B, Hq, Sq])`` of the FP8 (e4m3) CuTe
+    forward, on the same lists, bounds, launch order and schedules as :func:`forward`.
+
+    ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hk, D]`` float8 e4m3 (``Hq % Hk == 0``; D 64, 128
+    or 256; q and k contiguous, v any strides: a pre-pass copies it transposed,
+    :func:`fp8_values_transposed`); ``q_descale``, ``k_descale``, ``v_descale`` float32
+    ``[B, Hk]``, positive: the dequantised inputs are ``q * q_descale`` and so on, query head
+    ``h`` taking K/V head ``h // (Hq / Hk)``'s. The scores ``Q K^T`` accumulate in fp32 and are
+    scaled by ``softmax_scale * q_descale * k_descale``; the online softmax runs as in the
+    bf16 forward, with the row sum over the fp32 probabilities, while ``P`` (in ``[0, 1]``
+    after the running max) is rounded to e4m3 for ``P V`` (fp32 accumulation); O is divided by
+    the row sum and multiplied by ``v_descale``. Fully masked rows give ``lse = -inf``, O = 0.
+
+    ``lists``: row-major, of ``fp8_tile_shape(D)`` tiles (``preparation.prepare_cached``);
+    ``bounds [B, Hm, 4, Sk]`` int32 (``None``: no interval mask), ``mask_heads`` Hm (1, Hk or
+    Hq); ``order``: the lists' launch order (``preparation.program_orders``) or ``None``;
+    ``skip_tiles=False``: the dense mode (every listed tile masked). ``persistent``: as
+    :func:`forward` (``None``: persistent programs exactly for a non-causal interval mask)."""
+    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
+
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    _check_fp8_inputs(q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype)
+    b, sq, hq, d = q.shape
+    has_mask = bounds is not None
+    if persistent is None:
+        persistent = has_mask and not causal
+    variant = ForwardVariant(
+        head_dim=d,
+        block_n=key_tile(d),
+        kv_stages=FP8_KV_STAGES[d],
+        causal=causal,
+        has_mask=has_mask,
+        has_upper=has_mask and has_upper,
+        mask_full_tiles=not skip_tiles,
+        ordered=order is not None,
+        persistent=persistent,
+        fp8=True,
+    )
+    kernel = compiled_forward(variant, out_dtype)
+    values = fp8_values_transposed(v, key_tile(d))
+    # Per (batch, K/V head): the score scale's factor and O's.
+    scales = torch.stack((q_descale * k_descale, v_descale), dim=-1).contiguous()
+    out = torch.empty(b, sq, hq, d, dtype=out_dtype, device=q.device)
+    return _launch(
+        kernel, q, k, values, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
+        persistent, scales,
+    )  # fmt: skip
