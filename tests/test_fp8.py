@@ -272,27 +272,56 @@ def test_bad_fp8_arguments_are_refused_naming_them(kwargs, error, message):
 
 
 # ---------------------------------------------------------------------------- dispatch
-def test_every_fp8_call_runs_the_reference_until_a_kernel_head_dim_is_listed():
-    """No FP8 kernel yet: the table is empty and the predicate false, even on a Hopper GPU."""
-    assert routing.CUTE_FP8_HEAD_DIMS == ()
+def test_off_hopper_every_fp8_call_runs_the_reference():
+    """The kernel's head dims are listed, but on the CPU the predicate is false."""
+    assert routing.CUTE_FP8_HEAD_DIMS == (64, 128, 256)
     qkv, _ = fp8_qkv(16, head_dim=128)
     assert not routing.use_cute_fp8_forward(*qkv, 0.1)
 
 
-def test_the_dispatch_asks_the_routing_predicate(monkeypatch):
-    """Where the predicate routes a call to the kernel, the dispatch goes there; as no launch is
-    wired in yet, it says so instead of silently running the reference."""
-    asked = []
+def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_absent_descales(
+    monkeypatch,
+):
+    """Where the predicate routes a call to the kernel, the dispatch prepares the CuTe forward's
+    lists (and, with a mask, its launch order) and hands absent descales as ones; sinks are
+    folded after the kernel."""
+    from flashmask.kernels import sinks as sinks_module
+    from flashmask.kernels.cute_kernels import launch
+
+    seen = {}
 
     def predicate(q, k, v, softmax_scale, softcap, out_dtype):
-        asked.append((q.shape[-1], softmax_scale, softcap, out_dtype))
+        seen["asked"] = (q.shape[-1], softmax_scale, softcap, out_dtype)
         return True
 
+    def fake_forward_fp8(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order,
+                         q_descale, k_descale, v_descale, out_dtype):  # fmt: skip
+        seen.update(lists=lists, hm=hm, causal=causal, order=order, scale=scale)
+        seen.update(descales=(q_descale, k_descale, v_descale), bounds=bounds)
+        b, sq, hq, d = q.shape
+        return torch.zeros(b, sq, hq, d, dtype=out_dtype), torch.zeros(b, hq, sq)
+
+    def fake_fold(out, lse, sinks):
+        seen["folded"] = sinks
+
     monkeypatch.setattr(routing, "use_cute_fp8_forward", predicate)
-    qkv, descales = fp8_qkv(17)
-    with pytest.raises(RuntimeError, match=r"no FP8 kernel launch is wired into"):
-        flashmask.flashmask_attention(*qkv, softmax_scale=0.5, **descales)
-    assert asked == [(16, 0.5, 0.0, torch.bfloat16)]
+    monkeypatch.setattr(launch, "forward_fp8", fake_forward_fp8)
+    monkeypatch.setattr(sinks_module, "fold_sinks", fake_fold)
+    qkv, descales = fp8_qkv(17, seqlen_q=200, seqlen_k=200, head_dim=64)
+    q = qkv[0]
+    mask = masks.causal_document([q.shape[1] // 2, q.shape[1] - q.shape[1] // 2])
+    mask = mask.startend_row_indices.expand(q.shape[0], -1, -1, -1)
+    sinks = torch.zeros(q.shape[2])
+    flashmask.flashmask_attention(
+        *qkv, mask, causal=True, softmax_scale=0.5, k_descale=descales["k_descale"], sinks=sinks
+    )
+    assert seen["asked"] == (q.shape[-1], 0.5, 0.0, torch.bfloat16)
+    assert seen["lists"].entries.shape[-1] == -(-q.shape[1] // launch.key_tile(q.shape[-1]))
+    assert seen["hm"] == 1 and seen["causal"] and seen["order"] is not None
+    q_descale, k_descale, v_descale = seen["descales"]
+    assert torch.equal(k_descale, descales["k_descale"])
+    assert torch.equal(q_descale, torch.ones_like(k_descale)) and torch.equal(v_descale, q_descale)
+    assert seen["folded"] is sinks
 
 
 # ---------------------------------------------------------------------------- quantize_fp8

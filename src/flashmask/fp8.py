@@ -12,8 +12,8 @@ output is cast to ``out_dtype`` (bfloat16 by default), lse is float32.
 
 What runs: :func:`forward` is the one dispatch point. It asks
 :func:`flashmask.kernels.routing.use_cute_fp8_forward` whether a Hopper FP8 kernel takes the
-call; that predicate is false while ``routing.CUTE_FP8_HEAD_DIMS`` is empty, which it is until the
-kernel lands, so today every call (any device) runs the exact reference of
+call (a Hopper GPU with the ``cute`` extra, a head dim of ``routing.CUTE_FP8_HEAD_DIMS``, a
+16-bit output, no cap); every other call (CPU, other GPUs) runs the exact reference of
 :mod:`flashmask.reference` in float32 on the dequantised inputs.
 
 Besides the dispatch this module holds what FP8 callers and checks need:
@@ -188,56 +188,82 @@ def forward(
     ``startend_row_indices`` the raw int32 ``[B, Hm, Sk, C]`` or ``None``, ``softcap`` 0 (off)
     or the cap, ``sinks`` ``None`` or ``[Hq]``, descales ``None`` or float32 ``[B, Hk]``.
 
-    Today this is always the exact reference (:func:`flashmask.reference.reference_forward` in
-    float32 on the dequantised inputs, with ``softcap`` and ``sinks`` as in the bf16 path).
-
-    **Where the Hopper FP8 kernel plugs in.** When
-    ``routing.use_cute_fp8_forward(q, k, v, softmax_scale, softcap, out_dtype)`` is true (never
-    while ``routing.CUTE_FP8_HEAD_DIMS`` is empty), the branch below launches the CuTe FP8
-    forward instead of raising. The caller side, as ``kernels.forward_launcher.forward`` does it
-    for the bf16 CuTe forward:
-
-    1. ``shape = (128, cute_kernels.launch.key_tile(D), True)``, the CuTe forward's row-major
-       lists; ``plan = ForwardPlan(use_gluon=False, shapes=[shape], orders=[(shape, (Hq, True))]
-       if masked else [], use_cute=True)`` and ``bounds, lists, orders =
-       forward_launcher.prepare_plan(plan, startend_row_indices, causal, Sq, Sk, B, q.device)``
-       (the mask prepared once per mask tensor, cached as for every kernel);
-    2. ``q``, ``k`` through ``tensors.tma_ready``; ``v_transposed``: ``v`` as float8_e4m3fn
-       ``[B, Hk, D, Sk_pad]``, contiguous, keys on the last axis (FP8 ``wgmma`` takes both
-       operands K-major, and the ``P V`` product reduces over keys), ``Sk_pad`` = ``Sk`` rounded
-       up to a multiple of 16 (TMA strides are multiples of 16 bytes), the padding zero;
-    3. descales that are ``None`` become ``torch.ones(B, Hk, dtype=torch.float32)`` on the
-       device, so the kernel always reads three ``[B, Hk]`` float32 tensors;
-    4. ``out, lse = cute_kernels.launch.forward_fp8(q, k, v_transposed, bounds, lists[0], Hm,
-       causal, not causal, softmax_scale, True, orders[0] if orders else None, q_descale,
-       k_descale, v_descale, out_dtype)``, with ``Hm = startend_row_indices.shape[1]`` (1
-       without a mask), ``has_upper = not causal`` and ``skip_tiles = True`` as the bf16 launch
-       passes them;
-    5. with ``sinks``, ``kernels.sinks.fold_sinks(out, lse, sinks)`` (in place, as for bf16).
+    The Hopper FP8 kernel (``cute_kernels.launch.forward_fp8``) runs where
+    ``routing.use_cute_fp8_forward(q, k, v, softmax_scale, softcap, out_dtype)`` is true
+    (:func:`_kernel_forward`); every other call is the exact reference
+    (:func:`flashmask.reference.reference_forward` in float32 on the dequantised inputs, with
+    ``softcap`` and ``sinks`` as in the bf16 path).
 
     The kernel's contract: ``out [B, Sq, Hq, D]`` in ``out_dtype`` (bfloat16 or float16,
     :data:`~flashmask.kernels.routing.CUTE_FP8_OUT_DTYPES`) and ``lse`` float32 ``[B, Hq, Sq]``
     (natural log) of ``softmax(scores) @ v_deq`` with ``scores = (q . k) * q_descale[b, h // G]
     * k_descale[b, h // G] * softmax_scale`` (``G = Hq // Hk``) under the mask, ``out = (P v) *
     v_descale / rowsum``; rows that see no key get ``out = 0`` and ``lse = -inf``. Its
-    probabilities may be rounded to e4m3 for the second product: its error against this
-    reference must stay within twice :func:`emulate_fp8_forward`'s (``tests/gpu/test_fp8.py``).
-    Descales are positive (what :func:`quantize_fp8` returns): like FlashAttention-3's, the kernel
-    may fold ``q_descale * k_descale * softmax_scale`` into one scale and take the row max over
-    unscaled scores.
+    probabilities are rounded to e4m3 for the second product: its error against this reference
+    stays within twice :func:`emulate_fp8_forward`'s (``tests/gpu/test_cute_fp8.py``).
+    Descales are positive (what :func:`quantize_fp8` returns): the kernel folds ``q_descale *
+    k_descale * softmax_scale`` into one scale and takes the row max over unscaled scores.
     """
     from flashmask.kernels import routing
 
     if routing.use_cute_fp8_forward(q, k, v, softmax_scale, softcap, out_dtype):
-        raise RuntimeError(
-            "routing.use_cute_fp8_forward routes this call to the Hopper FP8 kernel, but no "
-            "FP8 kernel launch is wired into flashmask.fp8.forward (see its docstring): "
-            f"routing.CUTE_FP8_HEAD_DIMS = {routing.CUTE_FP8_HEAD_DIMS} names head dims before "
-            "the kernel exists"
-        )
+        out, lse = _kernel_forward(
+            q, k, v, startend_row_indices, causal, softmax_scale, q_descale, k_descale,
+            v_descale, out_dtype,
+        )  # fmt: skip
+        if sinks is not None:
+            from flashmask.kernels.sinks import fold_sinks
+
+            fold_sinks(out, lse, sinks)
+        return out, lse
     return _reference(
         q, k, v, startend_row_indices, causal, softmax_scale, softcap, sinks,
         q_descale, k_descale, v_descale, out_dtype,
+    )  # fmt: skip
+
+
+def _kernel_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    startend_row_indices: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CuTe FP8 forward on a routed call: the mask prepared (once per mask tensor, cached
+    like every kernel's) into the CuTe forward's row-major lists and, with a mask, their launch
+    order; absent descales as ones."""
+    from flashmask.kernels import forward_launcher, tensors
+    from flashmask.kernels.cute_kernels import launch
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    masked = startend_row_indices is not None
+    shape = launch.fp8_tile_shape(d)
+    plan = forward_launcher.ForwardPlan(
+        use_gluon=False,
+        shapes=[shape],
+        orders=[(shape, (hq, True))] if masked else [],
+        use_cute=True,
+    )
+    bounds, lists, orders = forward_launcher.prepare_plan(
+        plan, startend_row_indices, causal, sq, sk, b, q.device
+    )
+    ones = None
+    if q_descale is None or k_descale is None or v_descale is None:
+        ones = torch.ones(b, hk, dtype=torch.float32, device=q.device)
+    q, k = (tensors.tma_ready(x) for x in (q, k))
+    return launch.forward_fp8(
+        q, k, v, bounds, lists[0], 1 if not masked else startend_row_indices.shape[1], causal,
+        not causal, softmax_scale, True, orders[0] if orders else None,
+        ones if q_descale is None else q_descale.contiguous(),
+        ones if k_descale is None else k_descale.contiguous(),
+        ones if v_descale is None else v_descale.contiguous(),
+        out_dtype,
     )  # fmt: skip
 
 

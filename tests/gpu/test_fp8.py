@@ -9,10 +9,9 @@ float32 reference may be at most twice the emulation's (which rounds the probabi
 before ``P V``, as an FP8 kernel does) plus the output dtype's rounding noise, 1.1x on the mean;
 lse to float32 accuracy; fully masked rows out = 0 and lse = -inf exactly.
 
-Until the Hopper FP8 kernel lands (``routing.CUTE_FP8_HEAD_DIMS`` is empty) every case runs the
-reference path, whose only error is the output's rounding: the cases then check the dispatch on
-the GPU, and each case records which path ran (``kernels``: "FP8 kernel" or "reference") so that
-a report shows when the kernel starts taking them.
+On a Hopper GPU with the ``cute`` extra the routed cases run the CuTe FP8 forward; the others
+(float32 outputs, a cap, other GPUs) the reference path, whose only error is the output's
+rounding. Each case records which path ran (``kernels``: "FP8 kernel" or "reference").
 """
 
 from __future__ import annotations

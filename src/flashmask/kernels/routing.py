@@ -244,16 +244,13 @@ def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
     return not softcap and q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
 
 
-# The CuTe FP8 forward (float8_e4m3fn q/k/v with per-(batch, key/value head) descales,
-# FlashAttention-3's FP8 scheme) would take FP8 calls at these head dims. None yet: the kernel is
-# not written, so every FP8 call runs the float32 reference on the dequantised inputs
-# (flashmask.fp8.forward, the dispatch point, documents where the kernel plugs in). A head dim
-# enters once its kernel passes tests/gpu/test_fp8.py (error within twice
-# flashmask.fp8.emulate_fp8_forward's) and has been timed. There is no length threshold, unlike
-# CUTE_FWD_MIN_SEQLEN, which is where the bf16 CuTe forward beat the Gluon and Triton forwards:
-# FP8 inputs have no other kernel, only the float32 reference. Like the bf16 CuTe forward it
-# takes any lengths (TMA reads past a sequence as zeros, stores clip).
-CUTE_FP8_HEAD_DIMS: tuple[int, ...] = ()
+# The CuTe FP8 forward (``cute_kernels.launch.forward_fp8``: float8_e4m3fn q/k/v with
+# per-(batch, key/value head) descales, FlashAttention-3's FP8 scheme) takes FP8 calls at these
+# head dims; other FP8 calls run the float32 reference on the dequantised inputs. No length
+# threshold, unlike CUTE_FWD_MIN_SEQLEN (where the bf16 CuTe forward beat the Gluon and Triton
+# forwards): FP8 inputs have no other kernel. Like the bf16 CuTe forward it takes any lengths
+# (TMA reads past a sequence as zeros, stores clip).
+CUTE_FP8_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 # The output dtypes the FP8 kernel writes (16-bit, as FlashAttention-3's FP8 forward does);
 # float32 outputs run the reference.
 CUTE_FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)

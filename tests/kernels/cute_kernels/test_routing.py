@@ -221,13 +221,12 @@ def test_a_capped_call_goes_to_the_gluon_backward_where_the_cute_one_is_routed(m
 
 
 def test_the_fp8_forward_takes_only_listed_head_dims_on_hopper_with_the_extra(monkeypatch):
-    """``use_cute_fp8_forward``: false while ``CUTE_FP8_HEAD_DIMS`` is empty, as it is until the
-    kernel lands; with a head dim listed, FP8 q/k/v of that head dim (V's too), a 16-bit output,
-    a positive scale and no cap on a Hopper GPU with the extra, at any length."""
+    """``use_cute_fp8_forward``: FP8 q/k/v of a listed head dim (V's too), a 16-bit output, a
+    positive scale and no cap on a Hopper GPU with the extra, at any length."""
     fp8 = torch.float8_e4m3fn
     _as_if_on(monkeypatch, HOPPER)
     qkv = _qkv(seqlen=128, head_dim=128, dtype=fp8)
-    assert routing.CUTE_FP8_HEAD_DIMS == ()
+    monkeypatch.setattr(routing, "CUTE_FP8_HEAD_DIMS", ())
     assert not routing.use_cute_fp8_forward(*qkv, 0.1)
     monkeypatch.setattr(routing, "CUTE_FP8_HEAD_DIMS", (128,))
     assert routing.use_cute_fp8_forward(*qkv, 0.1)  # no length threshold

@@ -142,11 +142,11 @@ def test_with_a_mask_only_from_8k_keys(monkeypatch):
     assert routing.use_gluon_forward(*short, 0.1, True, cfg)
 
 
-def test_capped_calls_run_it_where_the_cute_forward_would_run_uncapped(monkeypatch):
-    """A logit cap (``softcap > 0``) never reaches the CuTe forward, which has none: on a
-    (faked) Hopper GPU with the ``cute`` extra, a call the CuTe forward takes uncapped runs the
-    Gluon forward capped; other calls route as uncapped ones (the length limit with a mask, the
-    config's flag, else the Triton forward)."""
+def test_capped_calls_route_as_uncapped_ones(monkeypatch):
+    """A logit cap (``softcap > 0``) changes no routing: on a (faked) Hopper GPU with the
+    ``cute`` extra, the CuTe forward takes the calls it takes uncapped (it has the cap too);
+    shorter ones run the Gluon forward capped (the length limit with a mask, the config's flag,
+    else the Triton forward)."""
     cfg = replace(kernels.tile_config(128), fwd_gluon=True)
     monkeypatch.setattr(hardware, "gpu_capability", lambda q: HOPPER)
     monkeypatch.setattr(routing, "gluon_available", lambda: True)
@@ -154,24 +154,17 @@ def test_capped_calls_run_it_where_the_cute_forward_would_run_uncapped(monkeypat
     long = _qkv(seqlen_q=256, seqlen_k=routing.CUTE_FWD_MIN_SEQLEN)
     for masked, causal in ((False, False), (False, True), (True, True), (True, False)):
         assert routing.forward_kernel(*long, 0.1, masked, causal, cfg) == (True, False)
-        assert routing.forward_kernel(*long, 0.1, masked, causal, cfg, 30.0) == (False, True)
+        assert routing.forward_kernel(*long, 0.1, masked, causal, cfg, 30.0) == (True, False)
     short = _qkv(seqlen_q=256, seqlen_k=4096)
     assert routing.forward_kernel(*short, 0.1, False, True, cfg, 30.0) == (False, True)
     # With a mask below the Gluon forward's length limit, or with its flag off: Triton.
     assert routing.forward_kernel(*short, 0.1, True, True, cfg, 30.0) == (False, False)
     off = replace(cfg, fwd_gluon=False)
-    assert routing.forward_kernel(*long, 0.1, False, True, off, 30.0) == (False, False)
+    assert routing.forward_kernel(*short, 0.1, False, True, off, 30.0) == (False, False)
     # The lists the forward prepares follow: the Gluon forward's 128 x 128 tiles.
     tile = routing.GLUON_FWD_TILE
-    shapes = routing.forward_list_shapes(*long, None, True, 0.1, cfg, 30.0)
+    shapes = routing.forward_list_shapes(*short, None, True, 0.1, cfg, 30.0)
     assert shapes == [(tile, tile, True)]
-    # At D = 256 (the Gluon forward's flag off by default) CuTe uncapped, Triton capped.
-    long256 = _qkv(seqlen_q=256, seqlen_k=routing.CUTE_FWD_MIN_SEQLEN, head_dim=256)
-    cfg256 = replace(kernels.tile_config(256), fwd_gluon=False)
-    assert routing.forward_kernel(*long256, 0.1, False, True, cfg256) == (True, False)
-    assert routing.forward_kernel(*long256, 0.1, False, True, cfg256, 30.0) == (False, False)
-    shapes = routing.forward_list_shapes(*long256, None, True, 0.1, cfg256, 30.0)
-    assert shapes == [(cfg256.fwd_m, cfg256.fwd_n, True)]
 
 
 def test_key_tiles_and_slots_per_head_dim():
