@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close_to_reference", "naive_attention", "naive_logsumexp"]
+__all__ = [
+    "assert_close_to_reference",
+    "assert_fp8_lse_close",
+    "naive_attention",
+    "naive_logsumexp",
+]
 
 
 def _rounding_noise(ref_hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,6 +74,46 @@ def assert_close_to_reference(
             f"low-precision reference {ref_err.mean().item():.3e}); worst element at "
             f"{list(torch.unravel_index(err.argmax(), err.shape))}"
         )
+
+
+# Mantissa bits that Hopper's FP8 ``wgmma`` keeps in its fp32 accumulator (about 14: DeepSeek-V3
+# technical report, 3.3.2), and the k depth of one FP8 ``wgmma`` instruction.
+FP8_ACCUMULATOR_BITS = 14
+FP8_MMA_K = 32
+
+
+def assert_fp8_lse_close(
+    lse: torch.Tensor,
+    ref_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    *,
+    context: str = "",
+) -> None:
+    """Assert an FP8 kernel's ``lse [B, Hq, Sq]`` is within its scores' accumulation error of
+    the float32 reference's, on the rows where the reference is finite.
+
+    The kernel's scores come from e4m3 products summed by tensor cores that keep about
+    :data:`FP8_ACCUMULATOR_BITS` bits: each of the ``D / 32`` instructions of a score may round
+    its partial sum by ``2^-14`` of its magnitude, at most ``scale * sum_d |q_d| |k_jd|``; lse,
+    a smooth maximum of its row's scores, moves by no more than their largest error. Bound per
+    row: ``1e-3 + 1e-4 |lse| + (D / 32) 2^-14 scale sum_d |q_d| max_j |k_jd|`` (the last a cheap
+    upper bound of the product sums). ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hk, D]``: the
+    dequantised float32 inputs."""
+    hq, d = q.shape[2], q.shape[3]
+    group = hq // k.shape[2]
+    key_max = k.abs().amax(1).repeat_interleave(group, 1)  # [B, Hq, D]
+    magnitude = torch.einsum("bshd,bhd->bhs", q.abs().float(), key_max.float())
+    slack = (d / FP8_MMA_K) * 2.0**-FP8_ACCUMULATOR_BITS * abs(scale) * magnitude
+    finite = torch.isfinite(ref_lse)
+    err = (lse.float() - ref_lse.float()).abs()[finite]
+    bound = (1e-3 + 1e-4 * ref_lse.abs() + slack)[finite]
+    worst = (err - bound).argmax()
+    assert bool((err <= bound).all()), (
+        f"{context}: lse error {err[worst].item():.3g} beyond its bound {bound[worst].item():.3g} "
+        f"({int((err > bound).sum())} of {err.numel()} rows)"
+    )
 
 
 def _scores(q, k, dense_mask, scale, dtype, softcap=0.0):

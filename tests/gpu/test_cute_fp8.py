@@ -12,9 +12,11 @@ local quantiser: amax / 448 over the head's group). Each output is compared with
   against the running row max of its tiles, the emulation against the final one, so their
   errors are alike in size, not equal).
 
-lse, which the fp32 probabilities give, must match the reference to 1e-3; fully masked rows
-must give ``lse = -inf`` and O = 0 exactly. Skipped without a Hopper GPU or without the
-``flashmask[cute]`` extra. Run::
+lse, which the fp32 probabilities give, must match the reference within the accumulation error
+of the FP8 tensor cores' scores (``tests.tolerance.assert_fp8_lse_close``: a flat 1e-3 failed 8
+of 221 cases by up to 2.2e-3, at head dim 256 and on rows seeing few keys, on an H100, while
+their outputs were as close as the emulation's); fully masked rows must give ``lse = -inf`` and
+O = 0 exactly. Skipped without a Hopper GPU or without the ``flashmask[cute]`` extra. Run::
 
     PYTHONPATH=src python -m pytest -q tests/gpu/test_cute_fp8.py"""
 
@@ -28,6 +30,7 @@ import torch
 from flashmask.kernels import preparation
 from flashmask.reference import reference_forward
 from tests.gpu.test_kernels import FORMS, MASK_NAMES, SHAPES, UNMASKED, Case, Inputs, make_inputs
+from tests.tolerance import assert_fp8_lse_close
 
 pytestmark = [
     pytest.mark.gpu,
@@ -134,8 +137,7 @@ def check_fp8(case: Case, x: Inputs, scale: float, out, lse, dequantised) -> Non
     hidden = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse) & (lse < 0), hidden), "lse -inf exactly on hidden rows"
     assert (actual.transpose(1, 2)[hidden] == 0).all(), "fully masked rows give 0"
-    finite = ~hidden
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+    assert_fp8_lse_close(lse, ref_lse, q, k, scale, context=case.id)
     # O's own rounding (to bf16/fp16): twice the output's unit roundoff at its largest value.
     floor = 2 * torch.finfo(out.dtype).eps * ref_out.abs().amax().item()
     err = (actual - ref_out).abs()
