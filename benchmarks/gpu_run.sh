@@ -9,6 +9,8 @@
 #   bench       flashmask bench, 8K and 32K tokens, head dim 128, the 12 masks (the README's
 #               table): bench_hd128_<date>.{json,md,png}
 #   bench-128k  the same at 128K, in two runs of six masks: bench_hd128_128k_{a,b}_<date>.*
+#   bench-fp8   flashmask bench --dtype fp8: the FP8 forward beside the bf16 forward,
+#               FlexAttention and SDPA, 8K and 32K, head dim 128, the 12 masks: fp8_<date>.*
 #   decode      flashmask bench --decode: decode steps (batch 1/8/32, 8K-128K caches) and
 #               chunked prefill beside SDPA and FlexAttention: decode_<date>.{json,md}
 #   graphs      benchmarks/decode_graphs.py, a ~1B model's generation with and without CUDA
@@ -25,7 +27,7 @@ set -uo pipefail
 results=${RESULTS:-benchmarks/results}
 date=${DATE:-$(date +%F)}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 mkdir -p "$results"
 
 bench() {  # bench NAME SEQLENS MASKS
@@ -50,6 +52,10 @@ for step in "$@"; do
     bench-128k)
         bench bench_hd128_128k_a 131072 "$all_masks" &&
             bench bench_hd128_128k_b 131072 "$more_masks"
+        ;;
+    bench-fp8)
+        python -m flashmask bench --dtype fp8 --seqlens 8192,32768 --head-dims 128 --rep-ms 100 \
+            --dense-limit-gb 0.5 --out "$results/fp8_$date"
         ;;
     decode) python -m flashmask bench --decode --out "$results/decode_$date" ;;
     graphs) python benchmarks/decode_graphs.py --out "$results/decode_graphs_$date" ;;
