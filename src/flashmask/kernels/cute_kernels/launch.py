@@ -263,29 +263,30 @@ def _launch(
 
 
 @functools.cache
-def _permuted_keys(num_keys: int, device: torch.device) -> torch.Tensor:
-    """``fp8_layout.permuted_keys(num_keys)`` as an index tensor on ``device``."""
-    return torch.tensor(fp8_layout.permuted_keys(num_keys), dtype=torch.long, device=device)
-
-
 def fp8_values_transposed(v: torch.Tensor, block_n: int) -> torch.Tensor:
     """The FP8 forward's form of ``v [B, Sk, Hk, D]`` (float8 e4m3, any strides): V^T, float8
     ``[B, Hk, D, Sk padded to a multiple of block_n]``, contiguous (8-bit ``wgmma`` operands
     must be K-major, and the keys are ``P V``'s k mode), its keys permuted within each group of
     16 so that k index ``p`` holds key ``16 (p // 16) + fp8_layout.KEY_ORDER[p % 16]`` (what the
     kernel's P fragment reads there), and zeros past Sk (TMA then reads whole tiles, and a
-    hidden key's zero probability meets a zero value, never NaN). A copy per call: three
-    passes over V, small against the attention that reads it ``Sq / 128`` times."""
+    hidden key's zero probability meets a zero value, never NaN).
+
+    ``KEY_ORDER`` is an axis swap: a group's key ``8 a + 2 t + c`` (``a`` < 2, ``t`` < 4, ``c``
+    < 2) sits at k index ``4 t + 2 a + c``, so the keys viewed as ``(group, a, t, c)`` are read
+    as ``(group, t, a, c)``, and the permutation and the transposition are one strided copy (a
+    second, the padding, only where ``block_n`` does not divide Sk)."""
     if block_n % fp8_layout.KEY_GROUP:
         raise ValueError(f"block_n must be a multiple of {fp8_layout.KEY_GROUP}, got {block_n}")
-    sk = v.shape[1]
+    b, sk, hk, d = v.shape
     padded = -(-sk // block_n) * block_n
-    # Bytes: padding, gathers and copies of every dtype, the same bits.
+    # Bytes: padding and copies of every dtype, the same bits.
     raw = v.view(torch.uint8)
     if padded != sk:
         raw = torch.nn.functional.pad(raw, (0, 0, 0, 0, 0, padded - sk))
-    permuted = raw.index_select(1, _permuted_keys(padded, v.device))
-    return permuted.permute(0, 2, 3, 1).contiguous().view(torch.float8_e4m3fn)
+    groups = raw.view(b, padded // fp8_layout.KEY_GROUP, 2, 4, 2, hk, d)
+    # (b, group, a, t, c, hk, d) -> (b, hk, d, group, t, a, c)
+    transposed = groups.permute(0, 5, 6, 1, 3, 2, 4).contiguous()
+    return transposed.view(b, hk, d, padded).view(torch.float8_e4m3fn)
 
 
 def _check_fp8_inputs(
