@@ -349,3 +349,25 @@ def test_a_case_refuses_an_unknown_dtype():
 
     with pytest.raises(ValueError, match=r"dtype_name must be one of \('bf16', 'fp8'\)"):
         bench.run_case("full", 128, 1, 4, 16, ["flashmask"], 1, 0.0, dtype_name="fp16")
+
+
+def test_the_fp8_errors_are_measured_over_the_last_query_rows(monkeypatch):
+    """The FP8 row's RMSE covers the last ``ACCURACY_ROWS`` query rows, with the mask's last
+    rows (``FlashMask.last_rows``): the same numbers as the full reference sliced there."""
+    import flashmask
+    from flashmask import bench, fp8
+
+    monkeypatch.setattr(bench, "ACCURACY_ROWS", 16)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 64, 2, 16) for _ in range(3))
+    mask = masks.causal_document([[24, 40], [40, 24]])
+    _, facts = bench.fp8_row(q, k, v, mask, False, lambda fn: 0.0)
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(x) for x in (q, k, v))
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    exact = flashmask.flashmask_attention(
+        fp8.dequantize(q8, qd, 2), fp8.dequantize(k8, kd, 2), fp8.dequantize(v8, vd, 2), mask
+    )[:, -16:]
+    emulated = fp8.emulate_fp8_forward(q8, k8, v8, mask, **descales)[0][:, -16:]
+    expected = float((emulated.float() - exact).square().mean().sqrt())
+    assert facts["emulation_rmse"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < facts["rmse"] < facts["emulation_rmse"]
