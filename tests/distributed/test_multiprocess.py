@@ -13,6 +13,7 @@ the ranks' partials.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -201,7 +202,9 @@ def _check_round_trip(check: Checker, world: int) -> None:
     check.expect(torch.equal(xl.grad, expected), "undispatch backward")
 
 
-def _worker(rank: int, world: int, path: str) -> None:
+def _spawned(rank: int, world: int, path: str, checks: Callable[[Checker], None]) -> None:
+    """One spawned rank: join the gloo group at ``path``, run ``checks``, then fail with every
+    check any of them broke (after a barrier, so that no rank leaves a collective behind)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -209,6 +212,21 @@ def _worker(rank: int, world: int, path: str) -> None:
         # §A.8); warm it up before comparing.
         torch.logsumexp(torch.randn(4, 8, dtype=torch.float64), -1)
         check = Checker(rank)
+        checks(check)
+        dist.barrier()
+        if check.failures:
+            raise AssertionError(
+                f"{len(check.failures)} of {check.checks} checks failed:\n"
+                + "\n".join(check.failures[:40])
+            )
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_without_teardown()
+
+
+def _worker(rank: int, world: int, path: str) -> None:
+    def checks(check: Checker) -> None:
         _check_world(check, None, "")
         _check_round_trip(check, world)
         if world == 2:
@@ -231,16 +249,8 @@ def _worker(rank: int, world: int, path: str) -> None:
                 plan = make_plan(mask, 2, chunk_size=CHUNK, balancer="document")
                 _run_case(check, f"subgroup{rank // 2}", mask, plan, mode, True, mine, inputs,
                           ref)  # fmt: skip
-        dist.barrier()
-        if check.failures:
-            raise AssertionError(
-                f"{len(check.failures)} of {check.checks} checks failed:\n"
-                + "\n".join(check.failures[:40])
-            )
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+
+    _spawned(rank, world, path, checks)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"world{w}")
@@ -402,24 +412,12 @@ def _check_derivative(check: Checker) -> None:
 
 
 def _feature_worker(rank: int, world: int, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    try:
-        torch.logsumexp(torch.randn(4, 8, dtype=torch.float64), -1)  # warm-up, as in _worker
-        check = Checker(rank)
+    def checks(check: Checker) -> None:
         _check_features(check)
         if world == 1:
             _check_derivative(check)
-        dist.barrier()
-        if check.failures:
-            raise AssertionError(
-                f"{len(check.failures)} of {check.checks} checks failed:\n"
-                + "\n".join(check.failures[:40])
-            )
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+
+    _spawned(rank, world, path, checks)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"world{w}")
