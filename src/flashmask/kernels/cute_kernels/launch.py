@@ -196,30 +196,52 @@ def forward(
     mask (``bounds`` given, ``causal`` false); ``True``/``False`` force either on any call, so
     that a benchmark or a test can compare both on the same inputs. ``softcap > 0`` caps the
     scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs)."""
-    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
+    from flashmask.kernels.cute_kernels.forward import LOG2E
 
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
+    variant = _variant(
+        d, KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent,
+        head_dim_v=dv if dv != d else None, softcap=float(softcap),
+    )  # fmt: skip
+    kernel = compiled_forward(variant, q.dtype)
+    out = q.new_empty(b, sq, hq, dv)
+    return _launch(
+        kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
+        variant.persistent,
+    )  # fmt: skip
+
+
+def _variant(
+    head_dim: int,
+    kv_stages: int,
+    bounds: torch.Tensor | None,
+    causal: bool,
+    has_upper: bool,
+    skip_tiles: bool,
+    order: torch.Tensor | None,
+    persistent: bool | None,
+    **fields,
+):
+    """The :class:`~.forward.ForwardVariant` of a launch (both forwards'): the mask's form from
+    ``bounds`` and the flags, persistent programs by default exactly for a non-causal interval
+    mask (``persistent=None``), and the family's own ``fields``."""
+    from flashmask.kernels.cute_kernels.forward import ForwardVariant
+
     has_mask = bounds is not None
     if persistent is None:
         persistent = has_mask and not causal
-    variant = ForwardVariant(
-        head_dim=d,
-        block_n=key_tile(d),
-        kv_stages=KV_STAGES[d],
+    return ForwardVariant(
+        head_dim=head_dim,
+        block_n=key_tile(head_dim),
+        kv_stages=kv_stages,
         causal=causal,
         has_mask=has_mask,
         has_upper=has_mask and has_upper,
         mask_full_tiles=not skip_tiles,
         ordered=order is not None,
         persistent=persistent,
-        head_dim_v=dv if dv != d else None,
-        softcap=float(softcap),
-    )
-    kernel = compiled_forward(variant, q.dtype)
-    out = q.new_empty(b, sq, hq, dv)
-    return _launch(
-        kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order, persistent
+        **fields,
     )
 
 
@@ -415,25 +437,13 @@ def forward_fp8(
     Hq); ``order``: the lists' launch order (``preparation.program_orders``) or ``None``;
     ``skip_tiles=False``: the dense mode (every listed tile masked). ``persistent``: as
     :func:`forward` (``None``: persistent programs exactly for a non-causal interval mask)."""
-    from flashmask.kernels.cute_kernels.forward import LOG2E, ForwardVariant
+    from flashmask.kernels.cute_kernels.forward import LOG2E
 
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     _check_fp8_inputs(q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype)
     b, sq, hq, d = q.shape
-    has_mask = bounds is not None
-    if persistent is None:
-        persistent = has_mask and not causal
-    variant = ForwardVariant(
-        head_dim=d,
-        block_n=key_tile(d),
-        kv_stages=FP8_KV_STAGES[d],
-        causal=causal,
-        has_mask=has_mask,
-        has_upper=has_mask and has_upper,
-        mask_full_tiles=not skip_tiles,
-        ordered=order is not None,
-        persistent=persistent,
-        fp8=True,
+    variant = _variant(
+        d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True
     )
     kernel = compiled_forward(variant, out_dtype)
     values = fp8_values_transposed(v, key_tile(d))
@@ -442,5 +452,5 @@ def forward_fp8(
     out = torch.empty(b, sq, hq, d, dtype=out_dtype, device=q.device)
     return _launch(
         kernel, q, k, values, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        persistent, scales,
+        variant.persistent, scales,
     )  # fmt: skip
