@@ -1,7 +1,7 @@
 """The FP8 (e4m3) CuTe forward (``launch.forward_fp8``) on a Hopper GPU.
 
-Inputs are the cases' bf16 draws quantised to e4m3 with a descale per (batch, K/V head) (a
-local quantiser: amax / 448 over the head's group). Each output is compared with
+Inputs are the cases' bf16 draws quantised to e4m3 with a descale per (batch, K/V head)
+(``flashmask.quantize_fp8``: amax / 448 over the head's group). Each output is compared with
 
 * the float32 reference (``flashmask.reference.reference_forward``) on the DEQUANTISED inputs,
   which differs from the kernel by the rounding of P to e4m3 for ``P V`` (3 mantissa bits:
@@ -27,6 +27,8 @@ import importlib.util
 import pytest
 import torch
 
+import flashmask
+from flashmask import fp8
 from flashmask.kernels import preparation
 from flashmask.reference import reference_forward
 from tests.gpu.test_kernels import FORMS, MASK_NAMES, SHAPES, UNMASKED, Case, Inputs, make_inputs
@@ -43,28 +45,6 @@ pytestmark = [
     ),
 ]
 
-# The largest finite e4m3 value.
-E4M3_MAX = 448.0
-
-
-def quantize(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x8 float8_e4m3fn, descale float32 [B, Hk])`` of ``x [B, S, H, D]``: one scale per
-    batch and group of ``H / Hk`` heads (those sharing a K/V head), amax / 448, so that
-    ``x8 * descale`` approximates ``x``."""
-    b, s, h, d = x.shape
-    grouped = x.float().view(b, s, kv_heads, h // kv_heads, d)
-    descale = (grouped.abs().amax(dim=(1, 3, 4)) / E4M3_MAX).clamp(min=1e-12)
-    x8 = (grouped / descale[:, None, :, None, None]).to(torch.float8_e4m3fn)
-    return x8.view(b, s, h, d), descale
-
-
-def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """``x8 * descale`` in float32 (``descale [B, Hk]`` over groups of ``H / Hk`` heads)."""
-    b, s, h, d = x8.shape
-    kv_heads = descale.shape[1]
-    grouped = x8.float().view(b, s, kv_heads, h // kv_heads, d)
-    return (grouped * descale[:, None, :, None, None]).view(b, s, h, d)
-
 
 def fp8_forward(
     x: Inputs,
@@ -80,7 +60,9 @@ def fp8_forward(
 
     b, sq, hq, d = x.q.shape
     hk = x.k.shape[2]
-    (q8, qd), (k8, kd), (v8, vd) = (quantize(t, hk) for t in (x.q, x.k, x.v))
+    (q8, qd), (k8, kd), (v8, vd) = (
+        flashmask.quantize_fp8(t, group=t.shape[2] // hk) for t in (x.q, x.k, x.v)
+    )
     bounds, (lists,) = preparation.prepare_cached(
         x.sri, x.causal, sq, x.k.shape[1], b, x.q.device, [launch.fp8_tile_shape(d)], skip_tiles
     )
@@ -92,7 +74,7 @@ def fp8_forward(
         q8, k8, v8, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
         qd, kd, vd, out_dtype, persistent=persistent,
     )  # fmt: skip
-    return out, lse, (dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd))
+    return out, lse, tuple(fp8.dequantize(t, ds, hk) for t, ds in ((q8, qd), (k8, kd), (v8, vd)))
 
 
 def emulate(
@@ -247,7 +229,9 @@ def test_descales_scale_scores_and_output():
 
     x = make_inputs(Case("causal_document", 1024, 1024, 8, 2, 128, True))
     hk = x.k.shape[2]
-    (q8, qd), (k8, kd), (v8, vd) = (quantize(t, hk) for t in (x.q, x.k, x.v))
+    (q8, qd), (k8, kd), (v8, vd) = (
+        flashmask.quantize_fp8(t, group=t.shape[2] // hk) for t in (x.q, x.k, x.v)
+    )
     bounds, (lists,) = preparation.prepare_cached(
         x.sri, x.causal, 1024, 1024, 2, x.q.device, [launch.fp8_tile_shape(128)]
     )
