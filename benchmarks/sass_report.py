@@ -262,32 +262,43 @@ GLUON_FORMS = ("full", "causal", "causal-C1", "noncausal-C2")
 GLUON_SOFTCAP = 50.0
 
 
-def _gluon_variants() -> list[tuple[int, str, torch.dtype, float]]:
-    """``(head dim, mask form, dtype, softcap)`` of the Gluon families' variants: the uncapped
+def _gluon_variants(family: str) -> list[tuple[int, str, torch.dtype, float]]:
+    """``(head dim, mask form, dtype, softcap)`` of the Gluon family's variants: the uncapped
     ones, then the capped ones (head dim 128 causal and masked, 256 masked: the largest
-    accumulators)."""
+    accumulators); the backward's also at multi-head latent attention's 192 (V's head dim
+    128), capped where masked."""
     shipped = [(d, form, torch.bfloat16, 0.0) for d in (64, 128, 256) for form in GLUON_FORMS]
     capped = [
         (d, form, torch.bfloat16, GLUON_SOFTCAP)
         for d, form in ((128, "causal"), (128, "noncausal-C2"), (256, "noncausal-C2"))
     ]
-    return [*shipped, (128, "causal-C1", torch.float16, 0.0), *capped]
+    variants = [*shipped, (128, "causal-C1", torch.float16, 0.0), *capped]
+    if family == "gluon_bwd":
+        variants += [(192, form, torch.bfloat16, 0.0) for form in GLUON_FORMS]
+        variants.append((192, "noncausal-C2", torch.bfloat16, GLUON_SOFTCAP))
+    return variants
 
 
 def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
     """``(what, kernel, args, kwargs)`` of each Gluon kernel launch of ``family``, ``what``
     naming its variant (GQA shapes, 1024 rows: 8 query heads over 2 kv heads)."""
-    cases = [(*variant, mode) for variant in _gluon_variants() for mode in ("skip", "dense")]
+    variants = _gluon_variants(family)
+    cases = [(*variant, mode) for variant in variants for mode in ("skip", "dense")]
     if family == "gluon_bwd":
-        cases = [(*variant, "skip") for variant in _gluon_variants()]
+        cases = [(*variant, "skip") for variant in variants]
         cases += [(d, "full", torch.bfloat16, 0.0, "chunks") for d in (64, 128)]
         cases.append((128, "full", torch.bfloat16, GLUON_SOFTCAP, "chunks"))
     for head_dim, form, dtype, softcap, mode in cases:
         q, k, sri, causal = _inputs(head_dim, form, 1024, 8, 2, dtype)
+        # V (and O, dO) with V's own head dim where the backward takes one.
+        head_dim_v = routing.GLUON_BWD_VALUE_HEAD_DIMS.get(head_dim, head_dim)
+        v = k.new_empty(*k.shape[:-1], head_dim_v)
+        out = q.new_empty(*q.shape[:-1], head_dim_v)
         cfg = kernels.tile_config(head_dim, has_mask=sri is not None)
         what = {
-            "head_dim": head_dim, "causal": causal, "has_mask": sri is not None,
-            "dtype": str(dtype).removeprefix("torch."), "softcap": softcap,
+            "head_dim": head_dim, "head_dim_v": head_dim_v, "causal": causal,
+            "has_mask": sri is not None, "dtype": str(dtype).removeprefix("torch."),
+            "softcap": softcap,
         }  # fmt: skip
         chunk_bytes = query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES
         if mode == "chunks":  # two chunks of 512 rows
@@ -301,7 +312,7 @@ def gluon_launches(family: str) -> Iterator[tuple[dict, object, tuple, dict]]:
                                     config=cfg, softcap=softcap)  # fmt: skip
                 else:
                     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
-                    kernels.backward(q, None, q, k, k, q, lse, sri, causal, 0.125, False,
+                    kernels.backward(out, None, q, k, v, out, lse, sri, causal, 0.125, False,
                                      config=cfg, softcap=softcap)  # fmt: skip
         finally:
             query_chunks.QUERY_SPLIT_FROM_BYTES, query_chunks.QUERY_CHUNK_BYTES = chunk_bytes

@@ -166,8 +166,8 @@ def _shape_cases() -> list[Case]:
 
 def _gluon_cases() -> list[Case]:
     """Masked cases the Gluon kernels take once the length limits are lifted: the backward
-    (``deterministic=False``) at head dims 64 and 128, the forward at 128; also with a logit
-    cap (the Gluon kernels' ``SOFTCAP``) and sinks."""
+    (``deterministic=False``) at head dims 64 and 128 and MLA's 192 / 128, the forward at 128;
+    also with a logit cap (the Gluon kernels' ``SOFTCAP``) and sinks."""
     cases = []
     for name in MASK_NAMES:
         if name in UNMASKED:
@@ -187,6 +187,20 @@ def _gluon_cases() -> list[Case]:
         for name in ("causal_document", "share_question", "sliding_window"):
             case = Case(name, SEQLEN, SEQLEN, 8, 2, 128, False, **feature)
             cases.append(replace(case, gluon_everywhere=True))
+    # Multi-head latent attention (Q/K 192, V 128: the hd256 layout with Q/K padded to 256):
+    # masks of every kind, every random form at Sq != Sk, and the cap and sinks.
+    for name in ("full", "causal", "causal_document", "share_question", "random_eviction"):
+        heads = 2 if name == "random_eviction" else 1
+        case = Case(name, SEQLEN, SEQLEN, 8, 2, 192, False, mask_heads=heads, dv=128)
+        cases.append(replace(case, gluon_everywhere=True))
+    for causal, columns in FORMS:
+        for sq, sk in ((256, 384), (384, 256)):
+            form = {"causal": causal, "columns": columns, "mask_heads": 4, "dv": 128}
+            case = Case("random", sq, sk, 4, 4, 192, False, **form)
+            cases.append(replace(case, gluon_everywhere=True))
+    for feature in FEATURES:
+        case = Case("causal_document", SEQLEN, SEQLEN, 8, 2, 192, False, dv=128, **feature)
+        cases.append(replace(case, gluon_everywhere=True))
     return cases
 
 

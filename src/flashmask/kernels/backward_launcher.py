@@ -142,9 +142,10 @@ def _gluon_backward(
         module = routing.gluon_backward_module(q.shape[-1])
         capped = {"softcap": softcap}
     dq_accumulator = None
-    if module.one_launch(q, k, bounds is not None, causal):
-        # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``); a backward in
-        # query chunks zeros one per chunk.
+    if module.one_launch(q, k, bounds is not None, causal) and v.shape[-1] == q.shape[-1]:
+        # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``), which walks O's
+        # rows and so zeros Q's only where the head dims agree (else the launcher zeros it); a
+        # backward in query chunks zeros one per chunk.
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = backward_delta(out, dout, dlse, dq_accumulator)
     order = None if bounds is None else preparation.program_order(lists, k.shape[2], False)

@@ -28,6 +28,9 @@ GLUON_BWD_KEYS = 128
 GLUON_BWD_HEAD_DIMS = (64, 128, 256)
 # At D = 256 a program owns 64 keys (two 128-key dK/dV accumulators would not fit the registers).
 GLUON_BWD256_KEYS = 64
+# Q/K head dims whose V has a head dim of its own in the Gluon backward (``backward_hd256``'s
+# layout, 64 keys a program): multi-head latent attention's 192 with V's 128.
+GLUON_BWD_VALUE_HEAD_DIMS = {192: 128}
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,10 @@ def tile_config(
             return cfg
         return replace(cfg, fwd_m=128, fwd_n=128, fwd_warps=8)
     # At D = 256 the Gluon backward (``gluon_kernels.backward_hd256``): 1.43-1.69x the Triton
-    # backward on the H200 on full, causal and four masks at 8K and 32K (docs/performance.md).
-    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=head_dim == 256)
+    # backward on the H200 on full, causal and four masks at 8K and 32K (docs/performance.md);
+    # also at MLA's 192 (with V's 128: ``routing.gluon_backward_eligible``).
+    gluon = head_dim == 256 or head_dim in GLUON_BWD_VALUE_HEAD_DIMS
+    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=gluon)
 
 
 def compact_tile_config(head_dim: int) -> TileConfig:

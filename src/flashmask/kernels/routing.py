@@ -15,6 +15,7 @@ from flashmask.kernels.config import (
     GLUON_BWD_HEAD_DIMS,
     GLUON_BWD_KEYS,
     GLUON_BWD_QUERIES,
+    GLUON_BWD_VALUE_HEAD_DIMS,
     GLUON_FWD_HEAD_DIMS,
     GLUON_FWD_SLOTS,
     GLUON_FWD_TILE,
@@ -77,13 +78,22 @@ def gluon_backward_eligible(
     dout: torch.Tensor,
     capability: tuple[int, int],
 ) -> bool:
-    """Whether the Gluon backward can take these inputs: those of :func:`gluon_forward_eligible`
-    (its tiles divide lengths divisible by 128 too) with ``D`` in :data:`GLUON_BWD_HEAD_DIMS`,
-    and a ``dout`` like ``q``."""
+    """Whether the Gluon backward can take these inputs: Hopper, one fp16/bf16 dtype, lengths
+    divisible by 128 (as :func:`gluon_forward_eligible`), ``D`` in :data:`GLUON_BWD_HEAD_DIMS`
+    with V's head dim equal, or a ``(D, Dv)`` pair of :data:`GLUON_BWD_VALUE_HEAD_DIMS`
+    (multi-head latent attention), and a ``dout`` like ``v``'s head dim over ``q``'s rows."""
+    d, dv = q.shape[-1], v.shape[-1]
+    head_dims = (d in GLUON_BWD_HEAD_DIMS and dv == d) or GLUON_BWD_VALUE_HEAD_DIMS.get(d) == dv
     return (
-        gluon_forward_eligible(q, k, v, capability)
-        and q.shape[-1] in GLUON_BWD_HEAD_DIMS
-        and dout.shape == q.shape
+        capability[0] == 9
+        and q.dtype in hardware.KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and head_dims
+        and k.shape[-1] == d
+        and q.shape[1] % GLUON_FWD_TILE == 0
+        and k.shape[1] % GLUON_FWD_TILE == 0
+        and dout.shape == (*q.shape[:-1], dv)
         and dout.dtype == q.dtype
     )
 
@@ -337,15 +347,22 @@ def forward_shapes(
     return [(config.fwd_m, config.fwd_n, True)]
 
 
+def _backward_hd256_layout(head_dim: int) -> bool:
+    """Whether the Gluon backward at Q/K head dim ``head_dim`` is ``backward_hd256``'s layout:
+    at 256, and at the head dims whose V has its own (:data:`GLUON_BWD_VALUE_HEAD_DIMS`)."""
+    return head_dim == 256 or head_dim in GLUON_BWD_VALUE_HEAD_DIMS
+
+
 def gluon_backward_keys(head_dim: int) -> int:
     """Keys per program (the key tile) of the Gluon backward at ``head_dim``."""
-    return GLUON_BWD256_KEYS if head_dim == 256 else GLUON_BWD_KEYS
+    return GLUON_BWD256_KEYS if _backward_hd256_layout(head_dim) else GLUON_BWD_KEYS
 
 
 def gluon_backward_module(head_dim: int):
-    """The module of the Gluon backward at ``head_dim`` (``gluon_kernels.backward_hd256`` at 256,
-    else ``gluon_kernels.backward``); imports it, so only where the interpreter is off."""
-    if head_dim == 256:
+    """The module of the Gluon backward at ``head_dim`` (``gluon_kernels.backward_hd256`` at 256
+    and at MLA's 192, else ``gluon_kernels.backward``); imports it, so only where the
+    interpreter is off."""
+    if _backward_hd256_layout(head_dim):
         from flashmask.kernels.gluon_kernels import backward_hd256
 
         return backward_hd256

@@ -38,7 +38,7 @@ def _inputs(seqlen_q=256, seqlen_k=384, head_dim=128, dtype=torch.bfloat16):
     return q, k, torch.zeros_like(k), torch.zeros_like(q)
 
 
-def test_eligible_inputs_are_the_forward_s_with_a_dout_like_q():
+def test_eligible_inputs_are_the_forward_s_with_a_dout_like_q_or_mla_s():
     q, k, v, dout = _inputs()
     assert routing.gluon_backward_eligible(q, k, v, dout, HOPPER)
     assert not routing.gluon_backward_eligible(q, k, v, dout, (8, 0))
@@ -53,6 +53,13 @@ def test_eligible_inputs_are_the_forward_s_with_a_dout_like_q():
     # Any layout (the launcher makes contiguous aligned copies where needed).
     strided = torch.zeros(2, 4, 256, 128, dtype=q.dtype).transpose(1, 2)
     assert routing.gluon_backward_eligible(q, k, v, strided, HOPPER)
+    # Multi-head latent attention: Q/K 192 with V (and dout) 128, through the hd256 layout.
+    q, k, v, dout = _inputs(head_dim=192)
+    v, dout = v[..., :128], dout[..., :128]
+    assert routing.gluon_backward_eligible(q, k, v, dout, HOPPER)
+    assert not routing.gluon_backward_eligible(q, k, v, dout[..., :64], HOPPER)
+    q, k, v, dout = _inputs(head_dim=256)  # no other pair: 256 with V's 128
+    assert not routing.gluon_backward_eligible(q, k, v[..., :128], dout[..., :128], HOPPER)
 
 
 def test_launcher_uses_it_only_non_deterministic_skipping_on_a_gpu(monkeypatch):
@@ -135,11 +142,13 @@ def test_default_tiles_use_it_at_head_dims_64_128_and_256_with_or_without_a_mask
     monkeypatch, head_dim
 ):
     """Measured faster on the H200 at hd64, hd128 (with a mask from 8K and 4K keys, the
-    launcher's rule) and hd256."""
+    launcher's rule) and hd256, and at MLA's 192 (V's 128; ``gluon_backward_eligible`` holds
+    the pair)."""
     monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    gluon_dims = {*routing.GLUON_BWD_HEAD_DIMS, *routing.GLUON_BWD_VALUE_HEAD_DIMS}
     for has_mask in (True, False):
         use = kernels.tile_config(head_dim, has_mask=has_mask).bwd_gluon
-        assert use == (head_dim in routing.GLUON_BWD_HEAD_DIMS)
+        assert use == (head_dim in gluon_dims)
     assert not kernels.compact_tile_config(head_dim).bwd_gluon
     monkeypatch.setattr(hardware, "interpreting", lambda: True)
     assert not kernels.tile_config(head_dim).bwd_gluon
@@ -213,9 +222,10 @@ def _one_launch(reports: list[dict]) -> list[dict]:
 
 
 def test_compiles_warp_specialised_for_sm90(sm90_reports):
-    """Every shipped variant: head dims 64, 128 (also in fp16) and 256, full, causal and masked
-    (causal or not). Producer and dQ writers in one warpgroup beside the two consumer
-    warpgroups, the consumers raised to 240 registers; operands in through TMA, dQ out through
+    """Every shipped variant: head dims 64, 128 (also in fp16), 256 and multi-head latent
+    attention's 192 with V's 128 (Q/K padded to 256), full, causal and masked (causal or not).
+    Producer and dQ writers in one warpgroup beside the two consumer warpgroups, the
+    consumers raised to 240 registers; operands in through TMA, dQ out through
     TMA reduce-adds; the five products per tile as ``wgmma`` kept asynchronous (far fewer waits
     than products: ptxas waits on every one where it cannot keep an accumulator's registers from
     issue to wait); spills small, shared memory within Hopper's 227 KB."""
@@ -223,11 +233,13 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
     variants = {
         (r["head_dim"], r["causal"], r["has_mask"], r["dtype"], r["softcap"]) for r in reports
     }
-    assert len(variants) == len(reports) == 16  # 13 uncapped, 3 capped
-    assert {v[0] for v in variants} == set(routing.GLUON_BWD_HEAD_DIMS)
+    assert len(variants) == len(reports) == 21  # 17 uncapped, 4 capped
+    mla = set(routing.GLUON_BWD_VALUE_HEAD_DIMS)
+    assert {v[0] for v in variants} == set(routing.GLUON_BWD_HEAD_DIMS) | mla
     assert {v[3] for v in variants} == {"bfloat16", "float16"}
     for report in reports:
-        kernel = "gluon_bwd256_kernel" if report["head_dim"] == 256 else "gluon_bwd_kernel"
+        wide = report["head_dim"] == 256 or report["head_dim"] in mla
+        kernel = "gluon_bwd256_kernel" if wide else "gluon_bwd_kernel"
         assert report["kernel"] == kernel, report
         assert report["warps"] == 12, report
         assert any("inc.sync.aligned.u32 240" in s for s in report["setmaxnreg"]), report
@@ -235,7 +247,9 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
         assert report["REDG"] == 0 and report["ATOMG"] == 0 and report["HMMA"] == 0, report
         # Five matmuls; at D = 256 per warpgroup S^T and dP^T over the head dim (16 k-steps
         # each) and dV, dK, dQ (4 each).
-        assert report["HGMMA"] >= (44 if report["head_dim"] == 256 else 5 * 4), report
+        # (At 192 / 128: 12 and 8 k-steps, then 4 each.)
+        want = {256: 44, 192: 32}.get(report["head_dim"], 5 * 4)
+        assert report["HGMMA"] >= want, report
         assert report["WARPGROUP.DEPBAR"] * 4 < report["HGMMA"], report
         # Version-dependent but small: at most 80 bytes under Triton 3.6 (the H200's; none
         # without a mask), up to 152 under 3.9. A register blow-up would spill kilobytes.
@@ -258,15 +272,15 @@ def test_capped_variants_compile_like_the_uncapped_ones(sm90_reports):
     capped = [r for r in sm90_reports if r["softcap"]]
     assert {(r["head_dim"], r["causal"], r["has_mask"], r["chunk"]) for r in capped} == {
         (128, True, False, False), (128, False, True, False), (256, False, True, False),
-        (128, False, False, True),
+        (192, False, True, False), (128, False, False, True),
     }  # fmt: skip
     for report in capped:
         plain = uncapped[variant(report)]
         for key in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "registers", "shared_kb"):
             assert report[key] == plain[key], (key, report, plain)
         added = report["MUFU.EX2"] - plain["MUFU.EX2"]
-        # A thread's scores: 32 of a 128 x 64 tile (D = 128), 16 of 64 x 64 (D = 256).
-        assert added >= (16 if report["head_dim"] == 256 else 32), (report, plain)
+        # A thread's scores: 32 of a 128 x 64 tile (D = 128), 16 of 64 x 64 (D = 256, 192).
+        assert added >= (32 if report["head_dim"] == 128 else 16), (report, plain)
         assert report["MUFU.RCP"] - plain["MUFU.RCP"] == added, (report, plain)
         assert report["MUFU.TANH"] == 0, report
         assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
@@ -276,10 +290,12 @@ def test_dk_dv_leave_through_tma_stores_where_they_ship(sm90_reports):
     """dK and dV staged in the K/V tiles' buffers and stored with one TMA store each (no
     ``STG`` left) except where stores from registers measured faster: plain causal attention
     at D = 64/128, and every unmasked form at D = 256 (there the TMA form ships with a mask
-    only)."""
+    only). With V's own head dim (192 / 128) always through TMA: the stores from registers
+    share dK's offsets."""
     for report in _one_launch(sm90_reports):
         masked, causal = report["has_mask"], report["causal"]
         tma = masked or (not causal and report["head_dim"] != 256)
+        tma = tma or report["head_dim_v"] != report["head_dim"]
         assert report["dkdv_tma"] == tma, report
         if tma:
             assert report["STG"] == 0 and report["UTMASTG"] >= 2, report

@@ -137,13 +137,15 @@ def _bwd_load_partition(
     ``b``: K and V (``kv_bar``), then Q and dO of every listed query tile of every head sharing
     the kv head into the slots' ring, and beside each the tile's lse and delta rows in
     ``lse_bufs[slot]``/``delta_bufs[slot]`` (with ``LSE_BASE2`` the lse ready to use:
-    :func:`base2_lse`)."""
+    :func:`base2_lse`). ``HEAD_DIM`` is Q's and K's; V and dO have their descriptors' own
+    (multi-head latent attention's 128 beside 192)."""
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    head_dim_v: gl.constexpr = v_desc.block_type.shape[1]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     kv_row = b * seqlen_k + n_tile * BLOCK_N
     tma_load(k_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, k_smem)
-    tma_load(v_desc, [kv_row, h_kv * HEAD_DIM], kv_bar, v_smem)
+    tma_load(v_desc, [kv_row, h_kv * head_dim_v], kv_bar, v_smem)
     tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     it = 0
     for g in range(heads_per_kv):
@@ -160,7 +162,7 @@ def _bwd_load_partition(
             mbarrier.expect(bar, tile_bytes)
             row = b * seqlen_q + m_tile * BLOCK_M
             tma_load(q_desc, [row, h * HEAD_DIM], bar, q_bufs.index(slot))
-            tma_load(do_desc, [row, h * HEAD_DIM], bar, do_bufs.index(slot))
+            tma_load(do_desc, [row, h * head_dim_v], bar, do_bufs.index(slot))
             # While the copies run: the rows, then the slot's second arrival ("ready" counts
             # two), lowered as a barrier of this warp and one release-arrive, so the
             # consumers' wait sees every lane's stores.
@@ -316,7 +318,8 @@ def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, s
     """Store the program's ``dK * softmax_scale`` and ``dV`` (fp32 ``[keys, D]`` accumulators;
     ``dk_ptr``/``dv_ptr`` share K's strides) in their dtype; with ``ADD`` added to what they
     hold (a query chunk's fp32 sums: each program owns its keys, so no other program writes
-    them during the launch)."""
+    them during the launch). Equal head dims only (dV shares dK's offsets)."""
+    gl.static_assert(dk.type.shape[1] == dv.type.shape[1], "dK/dV stores from registers: D == Dv")
     layout: gl.constexpr = dk.type.layout
     block_n: gl.constexpr = dk.type.shape[0]
     head_dim: gl.constexpr = dk.type.shape[1]
@@ -338,10 +341,11 @@ def store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, s
 
 
 @gluon.jit
-def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_scale):
+def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, h_kv, softmax_scale):
     """:func:`store_dk_dv` without ``ADD`` through shared memory: the consumers' ``dk``
-    (scaled) and ``dv`` into the K/V tiles' buffers, then one TMA store each to ``[row, col]`` of
-    ``dk_desc``/``dv_desc`` (2-D ``[B * Sk, Hk * D]`` views, K's tile and layout)."""
+    (scaled) and ``dv`` into the K/V tiles' buffers, then one TMA store each to row ``row``,
+    kv head ``h_kv``'s columns of ``dk_desc``/``dv_desc`` (2-D ``[B * Sk, Hk * D]`` and
+    ``[B * Sk, Hk * Dv]`` views, K's and V's tiles and layouts)."""
     # The other warpgroup's last dQ product reads all of K (and its dV/dK products V's and
     # K's rows of its own keys only, but dQ's spans both halves): overwrite only once both
     # warpgroups' products are in.
@@ -350,8 +354,8 @@ def store_dk_dv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, row, col, softmax_
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     _partition_barrier()  # every thread's rows are in place before the copies read them
-    tma_store(dk_desc, [row, col], k_smem)
-    tma_store(dv_desc, [row, col], v_smem)
+    tma_store(dk_desc, [row, h_kv * dk.type.shape[1]], k_smem)
+    tma_store(dv_desc, [row, h_kv * dv.type.shape[1]], v_smem)
     tma.store_wait(0)  # the copies have read the buffers before the program exits
 
 
@@ -363,14 +367,13 @@ def write_dk_dv(
     TMA: gl.constexpr,
 ):  # fmt: skip
     """The program's dK/dV leave: with ``TMA`` through :func:`store_dk_dv_tma` (its tile at
-    row ``b * seqlen_k + n_tile * keys``, columns ``h_kv * D`` of the descriptors' 2-D views),
-    else :func:`store_dk_dv` (``ADD`` as there)."""
+    row ``b * seqlen_k + n_tile * keys``, kv head ``h_kv``'s columns of the descriptors' 2-D
+    views), else :func:`store_dk_dv` (``ADD`` as there; equal head dims only)."""
     if TMA:
         block_n: gl.constexpr = dk.type.shape[0]
-        head_dim: gl.constexpr = dk.type.shape[1]
         store_dk_dv_tma(
-            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * block_n,
-            h_kv * head_dim, softmax_scale,
+            dk, dv, k_smem, v_smem, dk_desc, dv_desc, b * seqlen_k + n_tile * block_n, h_kv,
+            softmax_scale,
         )  # fmt: skip
     else:
         store_dk_dv(dk, dv, dk_ptr, dv_ptr, b, h_kv, n_tile, stride_kb, stride_ks, stride_kh,
@@ -482,14 +485,16 @@ def _bwd_compute_partition(
 def allocate_operands(q_desc, k_desc, v_desc, do_desc, BLOCK_N: gl.constexpr,
                       NUM_BUFFERS: gl.constexpr):  # fmt: skip
     """``(k_smem, v_smem, q_bufs, do_bufs)``: a program's K and V tiles (``BLOCK_N`` keys) and
-    ``NUM_BUFFERS`` Q/dO slots in shared memory, in the descriptors' layouts."""
+    ``NUM_BUFFERS`` Q/dO slots in shared memory, in the descriptors' layouts and head dims (V's
+    and dO's may differ from Q's and K's)."""
     dtype: gl.constexpr = q_desc.dtype
     block_m: gl.constexpr = q_desc.block_type.shape[0]
     head_dim: gl.constexpr = q_desc.block_type.shape[1]
+    head_dim_v: gl.constexpr = v_desc.block_type.shape[1]
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, head_dim], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, head_dim], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, head_dim_v], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, block_m, head_dim], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, block_m, head_dim], do_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, block_m, head_dim_v], do_desc.layout)
     return k_smem, v_smem, q_bufs, do_bufs
 
 

@@ -1,6 +1,7 @@
-"""Warp-specialised backward for Hopper (sm_90) at head dim 256, written in Gluon: dK, dV and dQ
-in one pass, dQ added through TMA reduce-adds (fp32, not bit-reproducible: the launcher uses it
-only for ``deterministic=False``).
+"""Warp-specialised backward for Hopper (sm_90) at head dim 256, and at multi-head latent
+attention's 192 (Q/K) with 128 (V), written in Gluon: dK, dV and dQ in one pass, dQ added
+through TMA reduce-adds (fp32, not bit-reproducible: the launcher uses it only for
+``deterministic=False``).
 
 The head-dim-128 kernel's layout (``backward``: each of two consumer warpgroups owns 64 of a
 program's 128 keys with the whole head dim of dK and dV) does not carry over: at D = 256 those
@@ -19,7 +20,12 @@ A logit cap (``SOFTCAP > 0``) is ``backward``'s: ``P^T`` from the capped scores,
 the cap's derivative.
 
 Shared memory: K and V 32 KB each, one Q/dO slot 64 KB (two would not fit), ``P^T``/``dS^T``
-double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB. The producer warp (here staging
+double-buffered 32 KB, one 64x256 fp32 dQ buffer 64 KB: 224 KB.
+
+At 192 / 128 the kernel runs with Q and K zero-padded to 256 columns (TMA tiles and Gluon's
+descriptors take powers of two; the zero columns add nothing to the scores, and dQ's and dK's
+extra columns are dropped) and V, dO and dV 128 wide (each warpgroup's dV half 64 columns):
+23% more products than 192 would need, 20% fewer than 256 / 256. The producer warp (here staging
 each tile's lse ready to use), the dQ writer, the barrier protocol and the tile-list walk
 (column-major lists at 64x64 tiles) are ``backward``'s, and so is the launcher
 (``backward_launch``); this backward never splits the query rows.
@@ -64,6 +70,8 @@ BLOCK_N = GLUON_BWD256_KEYS  # keys per program
 # One Q/dO slot and one fp32 dQ buffer: 224 KB with K, V and the P^T/dS^T buffers.
 NUM_BUFFERS = 1
 DQ_BUFFERS = 1
+# The Q/K head dim the kernel runs at: 192 (MLA) pads to it, as TMA tiles take powers of two.
+KERNEL_HEAD_DIM = 256
 
 
 @gluon.jit
@@ -131,9 +139,14 @@ def _bwd256_compute_partition(
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, BLOCK_M // groups, 16]
     )
-    # dK, dV [BLOCK_N, HEAD_DIM] and dQ [BLOCK_M, HEAD_DIM]: the warpgroups split the head dim.
+    # dK [BLOCK_N, HEAD_DIM], dQ [BLOCK_M, HEAD_DIM] and dV [BLOCK_N, V's head dim]: the
+    # warpgroups split the head dims.
+    head_dim_v: gl.constexpr = v_smem.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, HEAD_DIM // groups, 16]
+    )
+    acc_v_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, head_dim_v // groups, 16]
     )
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
@@ -141,7 +154,7 @@ def _bwd256_compute_partition(
     keys = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
     offs_m = gl.arange(0, BLOCK_M, query_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, head_dim_v], gl.float32, acc_v_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
     causal_offset = seqlen_k - seqlen_q
@@ -277,15 +290,28 @@ def backward(
     dq_accumulator: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` as ``backward.backward``, at head dim 256 (``lists``: column-major at
-    ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``softcap``: the forward's logit cap, 0.0 for none)."""
-    # dK/dV through TMA stores with a mask only: without one they measured mixed.
-    return backward_launch.launch(
+    """``(dq, dk, dv)`` as ``backward.backward``, at head dim 256, or 192 with V's 128
+    (``lists``: column-major at ``BLOCK_M x BLOCK_N`` = 64x64 tiles; ``softcap``: the forward's
+    logit cap, 0.0 for none; ``dq_accumulator`` at 256 only: at 192 the kernel adds dQ into a
+    padded one of its own)."""
+    head_dim = q.shape[-1]
+    if head_dim != KERNEL_HEAD_DIM:
+        if dq_accumulator is not None:
+            raise ValueError(f"dq_accumulator: none at head dim {head_dim} (padded to 256)")
+        pad = (0, KERNEL_HEAD_DIM - head_dim)
+        q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
+    # dK/dV through TMA stores with a mask only: without one they measured mixed at 256. With
+    # V's own head dim always (the stores from registers share dK's offsets).
+    dkdv_tma = bounds is not None or v.shape[-1] != q.shape[-1]
+    dq, dk, dv = backward_launch.launch(
         gluon_bwd256_kernel, BLOCK_N, NUM_BUFFERS, DQ_BUFFERS,
         dout, q, k, v, lse, delta, bounds, lists, num_mask_heads, causal, softmax_scale,
-        dkdv_tma=bounds is not None, order=order, dq_accumulator=dq_accumulator,
+        dkdv_tma=dkdv_tma, order=order, dq_accumulator=dq_accumulator,
         softcap=softcap,
     )  # fmt: skip
+    if head_dim != KERNEL_HEAD_DIM:
+        dq, dk = dq[..., :head_dim].contiguous(), dk[..., :head_dim].contiguous()
+    return dq, dk, dv
 
 
 def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:

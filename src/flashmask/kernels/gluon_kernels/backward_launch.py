@@ -86,7 +86,8 @@ def launch(
     ``num_buffers`` Q/dO slots and ``dq_buffers`` fp32 dQ buffers; dK/dV stored through TMA if
     ``dkdv_tma``.
 
-    ``dout``, ``q``: ``[B, Sq, H, D]``; ``k``, ``v``: ``[B, Sk, Hk, D]``; ``lse`` (the
+    ``q``: ``[B, Sq, H, D]``; ``k``: ``[B, Sk, Hk, D]``; ``v``: ``[B, Sk, Hk, Dv]``; ``dout``:
+    ``[B, Sq, H, Dv]`` (``Dv != D`` only where the kernel takes it); ``lse`` (the
     forward's) and ``delta`` (``backward_launcher.backward_delta``): float32 ``[B, H, Sq]``;
     ``bounds`` (``[B, Hm, 4, Sk]``, ``None`` without a mask) and ``lists`` (column-major at
     ``BLOCK_M x block_n`` tiles) from ``preparation.prepare_cached``; ``order``
@@ -156,15 +157,18 @@ def _launch_once(
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, d_v = k.shape[1], k.shape[2], v.shape[-1]
     tn, tm = lists.entries.shape[-2:]
     q2, k2, v2, do2 = (x.view(x.shape[0] * x.shape[1], -1) for x in (q, k, v, dout))
     q_layout = shared_layout(BLOCK_M, d, q.dtype)
-    kv_layout = shared_layout(block_n, d, q.dtype)
+    k_layout = shared_layout(block_n, d, q.dtype)
+    # V, dO and dV have V's head dim (Dv != D: multi-head latent attention).
+    do_layout = shared_layout(BLOCK_M, d_v, q.dtype)
+    v_layout = shared_layout(block_n, d_v, q.dtype)
     q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, d], q_layout)
-    do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], kv_layout)
+    do_desc = TensorDescriptor.from_tensor(do2, [BLOCK_M, d_v], do_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], k_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d_v], v_layout)
     dkdv_dtype = torch.float32 if fp32_sums else None
     dk = torch.empty_like(k, dtype=dkdv_dtype) if dk_sums is None else dk_sums
     dv = torch.empty_like(v, dtype=dkdv_dtype) if dv_sums is None else dv_sums
@@ -179,10 +183,8 @@ def _launch_once(
     dkdv_tma = dkdv_tma and not fp32_sums
     dk_desc = dv_desc = None
     if dkdv_tma:
-        dk_desc, dv_desc = (
-            TensorDescriptor.from_tensor(x.view(b * sk, hk * d), [block_n, d], kv_layout)
-            for x in (dk, dv)
-        )
+        dk_desc = TensorDescriptor.from_tensor(dk.view(b * sk, hk * d), [block_n, d], k_layout)
+        dv_desc = TensorDescriptor.from_tensor(dv.view(b * sk, hk * d_v), [block_n, d_v], v_layout)
     launch_kernel(
         kernel, (tn, hk, b),
         q_desc, k_desc, v_desc, do_desc, lse, delta, dq_desc, dk, dv, dk_desc, dv_desc,
