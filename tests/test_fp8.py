@@ -489,3 +489,21 @@ def test_the_emulation_refuses_inputs_that_are_not_fp8():
         fp8.emulate_fp8_forward(q8, k8.float(), v8)
     with pytest.raises(ValueError, match=r"was built for seqlen_q=8"):
         fp8.emulate_fp8_forward(q8, k8, v8, masks.causal(8))
+
+
+def test_fp8_lse_tolerance_holds_fully_masked_rows_to_minus_inf_and_scores_to_their_bound():
+    """``tests.tolerance.assert_fp8_lse_close``, the GPU tests' FP8 lse rule: rows the reference
+    hides entirely must be -inf (also when every row is), finite rows within ``1e-3 + 1e-4
+    |lse|`` plus the accumulation slack of their scores."""
+    from tests.tolerance import assert_fp8_lse_close
+
+    q = torch.zeros(1, 3, 2, 32)
+    k = torch.zeros(1, 5, 1, 32)  # zero inputs: no accumulation slack
+    ref = torch.tensor([[[1.0, 2.0, -torch.inf], [0.5, -torch.inf, 3.0]]])
+    assert_fp8_lse_close(ref + 9e-4, ref, q, k, 0.125)
+    with pytest.raises(AssertionError, match="beyond its bound"):
+        assert_fp8_lse_close(ref + 2e-3, ref, q, k, 0.125)
+    with pytest.raises(AssertionError, match="fully masked"):
+        assert_fp8_lse_close(torch.where(ref.isinf(), 0.0, ref), ref, q, k, 0.125)
+    hidden = torch.full((1, 2, 3), -torch.inf)
+    assert_fp8_lse_close(hidden.clone(), hidden, q, k, 0.125)

@@ -92,7 +92,8 @@ def assert_fp8_lse_close(
     context: str = "",
 ) -> None:
     """Assert an FP8 kernel's ``lse [B, Hq, Sq]`` is within its scores' accumulation error of
-    the float32 reference's, on the rows where the reference is finite.
+    the float32 reference's, on the rows where the reference is finite (-inf exactly on the
+    others, the fully masked rows).
 
     The kernel's scores come from e4m3 products summed by tensor cores that keep about
     :data:`FP8_ACCUMULATOR_BITS` bits: each of the ``D / 32`` instructions of a score may round
@@ -107,7 +108,14 @@ def assert_fp8_lse_close(
     magnitude = torch.einsum("bshd,bhd->bhs", q.abs().float(), key_max.float())
     slack = (d / FP8_MMA_K) * 2.0**-FP8_ACCUMULATOR_BITS * abs(scale) * magnitude
     finite = torch.isfinite(ref_lse)
+    # Fully masked rows: -inf exactly, as the reference's.
+    hidden = lse[~finite].float()
+    assert bool((hidden == ref_lse[~finite].float()).all()), (
+        f"{context}: lse of fully masked rows {hidden.unique().tolist()}, expected -inf"
+    )
     err = (lse.float() - ref_lse.float()).abs()[finite]
+    if err.numel() == 0:  # every row fully masked
+        return
     bound = (1e-3 + 1e-4 * ref_lse.abs() + slack)[finite]
     worst = (err - bound).argmax()
     assert bool((err <= bound).all()), (

@@ -67,7 +67,10 @@ def gluon_forward_eligible(
 # * forward: from 8K keys (at 8K 1.04-1.22x on seven of ten masks and 0.93-0.97x on the three
 #   sparsest, 11% less forward time summed; at 4K 0.86-0.94x on four). The launcher decides on
 #   the length alone: a mask's tile lists live on the GPU and are not read on the host.
-GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 8192, 128: 4096}
+# * backward at MLA's 192 / 128 (``backward_hd256`` with Q/K padded to 256), H100: without a mask
+#   1.15-1.44x at 8K and 32K; with one from 32K keys (1.02-1.42x on nine of ten masks at 32K,
+#   share_question 0.88x; at 8K 0.73-0.97x on five of ten, sliding_window the least).
+GLUON_BWD_MIN_MASKED_SEQLEN: dict[int, int] = {64: 8192, 128: 4096, 192: 32768}
 GLUON_FWD_MIN_MASKED_SEQLEN = 8192
 
 

@@ -123,6 +123,27 @@ def test_with_a_mask_only_from_4k_keys_at_hd128_and_8k_at_hd64(monkeypatch, head
     assert routing.use_gluon_backward(*short, False, True, True, cfg)
 
 
+def test_at_mla_head_dims_without_a_mask_at_any_length_with_one_from_32k_keys(monkeypatch):
+    """Q/K 192 with V 128 (``backward_hd256``, Q and K padded to 256) measured on the H100
+    against the Triton backward: 1.15-1.44x without a mask at 8K and 32K; with one 1.02-1.42x on
+    nine of ten masks at 32K but 0.73-0.97x on five of ten at 8K (``docs/performance.md``)."""
+    assert routing.GLUON_BWD_MIN_MASKED_SEQLEN[192] == 32768
+    monkeypatch.setattr(hardware, "interpreting", lambda: False)
+    cfg = kernels.tile_config(192)  # the default tiles: the Gluon backward on
+    monkeypatch.setattr(hardware, "gpu_capability", lambda q: HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+
+    def mla(seqlen):
+        q, k, v, dout = _inputs(seqlen_q=256, seqlen_k=seqlen, head_dim=192)
+        return q, k, v[..., :128], dout[..., :128]
+
+    assert routing.use_gluon_backward(*mla(8192), False, True, False, cfg)  # no mask
+    assert not routing.use_gluon_backward(*mla(32768 - 128), False, True, True, cfg)
+    assert routing.use_gluon_backward(*mla(32768), False, True, True, cfg)
+    shapes = routing.backward_list_shapes(*mla(32768), torch.zeros(1), False, cfg)
+    assert shapes == [(64, 64, False)]
+
+
 def test_at_head_dim_256_with_a_mask_at_any_length(monkeypatch):
     """Its 64-key tiles skip as finely as the Triton backward's, and it measured 1.43-1.69x
     that backward on every mask at 8K (``docs/performance.md``)."""
