@@ -151,6 +151,11 @@ def _shape_cases() -> list[Case]:
                               mask_heads=8))  # fmt: skip
             cases.append(Case("random", 2048, 2048, 8, 2, d, det, causal=False, columns=4,
                               mask_heads=8))  # fmt: skip
+    # MLA's head dims capped, alone and with sinks (the Triton backward, deterministic or not).
+    for feature in FEATURES[0], FEATURES[2]:
+        for det in (True, False):
+            case = Case("causal_document", SEQLEN, SEQLEN, 8, 2, 192, det, dv=128, **feature)
+            cases.append(case)
     # Logit cap and learnable sinks, alone and together, on masks of every kind.
     for d in (64, 128, 256):
         for feature in FEATURES:
@@ -188,7 +193,8 @@ def _gluon_cases() -> list[Case]:
             case = Case(name, SEQLEN, SEQLEN, 8, 2, 128, False, **feature)
             cases.append(replace(case, gluon_everywhere=True))
     # Multi-head latent attention (Q/K 192, V 128: the hd256 layout with Q/K padded to 256):
-    # masks of every kind, every random form at Sq != Sk, and the cap and sinks.
+    # masks of every kind, every random form at Sq != Sk, and sinks (capped calls run the Triton
+    # backward: ``_shape_cases``).
     for name in ("full", "causal", "causal_document", "share_question", "random_eviction"):
         heads = 2 if name == "random_eviction" else 1
         case = Case(name, SEQLEN, SEQLEN, 8, 2, 192, False, mask_heads=heads, dv=128)
@@ -198,9 +204,8 @@ def _gluon_cases() -> list[Case]:
             form = {"causal": causal, "columns": columns, "mask_heads": 4, "dv": 128}
             case = Case("random", sq, sk, 4, 4, 192, False, **form)
             cases.append(replace(case, gluon_everywhere=True))
-    for feature in FEATURES:
-        case = Case("causal_document", SEQLEN, SEQLEN, 8, 2, 192, False, dv=128, **feature)
-        cases.append(replace(case, gluon_everywhere=True))
+    case = Case("causal_document", SEQLEN, SEQLEN, 8, 2, 192, False, dv=128, sinks=True)
+    cases.append(replace(case, gluon_everywhere=True))
     return cases
 
 

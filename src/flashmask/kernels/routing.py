@@ -228,8 +228,13 @@ def use_gluon_backward(
     ``torch.use_deterministic_algorithms(True)`` (its dQ atomics are not bit-reproducible), the
     skipping mode, inputs the Gluon backward takes, on a GPU; with an interval mask
     (``masked``) also at least the keys :data:`GLUON_BWD_MIN_MASKED_SEQLEN` asks at its head dim.
-    A logit cap (``softcap > 0``) changes nothing: the Gluon backward takes it."""
+    A logit cap (``softcap > 0``) changes nothing where ``Dv == D``: the Gluon backward takes
+    it. At MLA's head dims capped calls run the Triton backward: one GPU check case, the cap
+    with sinks on causal_document, failed there (dq, dk, dv far off) while the cap alone and
+    sinks alone passed, and no MLA model caps its logits."""
     if not config.bwd_gluon or deterministic or not skip_tiles:
+        return False
+    if softcap and v.shape[-1] != q.shape[-1]:
         return False
     if torch.are_deterministic_algorithms_enabled():  # the atomics are not reproducible
         return False
