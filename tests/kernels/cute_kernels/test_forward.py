@@ -100,3 +100,43 @@ def test_float16_compiles():
 def test_value_dim_is_the_head_dim_unless_v_has_its_own():
     assert _variant(128, FORMS[0], False, False).value_dim == 128
     assert _variant(192, FORMS[0], False, False).value_dim == 128
+
+
+_CAPPED_PTX = """
+import dataclasses, sys, torch
+sys.path.insert(0, {root!r})
+from tests.kernels.cute_kernels.test_forward import FORMS, _variant
+from flashmask.kernels.cute_kernels import launch
+variant = dataclasses.replace(_variant(128, FORMS[1], False, False), softcap={softcap})
+launch.compiled_forward(variant, torch.bfloat16)
+"""
+
+
+def _ptx_counts(tmp_path, softcap: float) -> dict[str, int]:
+    """Instruction counts in the PTX of the causal head-dim-128 forward with ``softcap``."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[3])
+    tmp_path.mkdir()
+    env = {**os.environ, "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    env["CUTE_DSL_DUMP_DIR"] = str(tmp_path)
+    code = _CAPPED_PTX.format(root=root, softcap=softcap)
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, check=True)
+    (ptx,) = pathlib.Path(tmp_path).glob("*.ptx")
+    text = ptx.read_text()
+    return {op: text.count(op) for op in ("tanh.approx.f32", "ex2.approx", "rcp.approx")}
+
+
+def test_the_cap_takes_one_tanh_per_score_and_no_reciprocal(tmp_path):
+    """The cap is PTX's ``tanh.approx.f32`` (one MUFU op per score; measured 1.21-1.29x the
+    plain forward where ``1 - 2 / (e^(2x) + 1)`` took 1.40-1.55x): as many tanh as the
+    softmax's exponentials per score, no extra exponential and no reciprocal."""
+    plain = _ptx_counts(tmp_path / "plain", 0.0)
+    capped = _ptx_counts(tmp_path / "capped", 30.0)
+    assert plain["tanh.approx.f32"] == 0
+    assert capped["tanh.approx.f32"] > 0
+    assert capped["ex2.approx"] == plain["ex2.approx"]
+    assert capped["rcp.approx"] == plain["rcp.approx"]
