@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -29,6 +30,19 @@ FULL = os.environ.get("FLASHMASK_GPU_FULL", "") not in ("", "0")
 REPORT_ENV = "FLASHMASK_GPU_REPORT"
 # The user property a test records its case under (see ``test_kernels.record``).
 CASE_PROPERTY = "flashmask_gpu_case"
+
+# The CuTe kernels' test modules: a Hopper GPU and the ``flashmask[cute]`` extra.
+HOPPER_CUTE_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs a Hopper GPU",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("cutlass") is None, reason="needs the flashmask[cute] extra"
+    ),
+]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _records: list[dict] = []

@@ -9,13 +9,12 @@ Skipped without a Hopper GPU or without the ``flashmask[cute]`` extra.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from flashmask.kernels import preparation
 from flashmask.reference import reference_forward
+from tests.gpu.conftest import HOPPER_CUTE_MARKS
 from tests.gpu.test_kernels import (
     FORMS,
     MASK_NAMES,
@@ -26,16 +25,7 @@ from tests.gpu.test_kernels import (
 )
 from tests.tolerance import assert_close_to_reference, naive_attention
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a Hopper GPU",
-    ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("cutlass") is None, reason="needs the flashmask[cute] extra"
-    ),
-]
+pytestmark = HOPPER_CUTE_MARKS
 
 
 def cute_forward(
@@ -62,7 +52,12 @@ def cute_forward(
     )  # fmt: skip
 
 
-def _cases() -> list[Case]:
+def forward_cases() -> list[Case]:
+    """The cases every Hopper forward family runs (the bf16 and the FP8 CuTe forwards): every
+    mask of ``MASK_NAMES`` (full and causal among them) at each head dim, grouped-query 8 on 2
+    and not, random_eviction with one mask per K/V head; every form of random indices (fully
+    masked rows among them) at ragged lengths; no mask at ragged lengths (causal with Sq > Sk:
+    the first Sq - Sk rows see no key)."""
     cases = [
         Case(name, 1024, 1024, 8, hk, d, True, mask_heads=hk if name == "random_eviction" else 1)
         for name in MASK_NAMES
@@ -81,6 +76,11 @@ def _cases() -> list[Case]:
         for sq, sk in ((256, 384), (384, 256), (1000, 1100))
         for d in (64, 128, 256)
     ]
+    return cases
+
+
+def _cases() -> list[Case]:
+    cases = forward_cases()
     # More query tiles than the GPU has SMs (several waves of programs, heaviest first).
     many = ("full", "causal", "causal_document", "share_question", "global_sliding_window")
     cases += [Case(name, 4096, 4096, 8, 2, 128, True) for name in many]

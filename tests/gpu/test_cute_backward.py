@@ -7,7 +7,6 @@ or without the ``flashmask[cute]`` extra."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 from flashmask import kernels
 from flashmask.kernels import preparation, routing
+from tests.gpu.conftest import HOPPER_CUTE_MARKS
 from tests.gpu.test_kernels import (
     FORMS,
     MASK_NAMES,
@@ -24,16 +24,7 @@ from tests.gpu.test_kernels import (
     make_inputs,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a Hopper GPU",
-    ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("cutlass") is None, reason="needs the flashmask[cute] extra"
-    ),
-]
+pytestmark = HOPPER_CUTE_MARKS
 
 
 @pytest.fixture

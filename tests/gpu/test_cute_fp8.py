@@ -22,8 +22,6 @@ O = 0 exactly. Skipped without a Hopper GPU or without the ``flashmask[cute]`` e
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -31,19 +29,12 @@ import flashmask
 from flashmask import fp8
 from flashmask.kernels import preparation
 from flashmask.reference import reference_forward
-from tests.gpu.test_kernels import FORMS, MASK_NAMES, SHAPES, UNMASKED, Case, Inputs, make_inputs
+from tests.gpu.conftest import HOPPER_CUTE_MARKS
+from tests.gpu.test_cute import forward_cases
+from tests.gpu.test_kernels import FORMS, Case, Inputs, make_inputs
 from tests.tolerance import assert_fp8_lse_close
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-        reason="needs a Hopper GPU",
-    ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("cutlass") is None, reason="needs the flashmask[cute] extra"
-    ),
-]
+pytestmark = HOPPER_CUTE_MARKS
 
 
 def fp8_forward(
@@ -133,28 +124,8 @@ def check_fp8(case: Case, x: Inputs, scale: float, out, lse, dequantised) -> Non
 
 
 def _cases() -> list[Case]:
-    # Every mask of flashmask.masks (and full, causal) at each head dim, grouped-query 8 on 2
-    # and not; random_eviction with one mask per K/V head.
-    cases = [
-        Case(name, 1024, 1024, 8, hk, d, True, mask_heads=hk if name == "random_eviction" else 1)
-        for name in (*UNMASKED, *MASK_NAMES)
-        for d in (64, 128, 256)
-        for hk in (8, 2)
-    ]
-    # Every form of random indices (fully masked rows among them) at ragged lengths.
-    cases += [
-        Case("random", sq, sk, 4, 2, 128, True, causal=causal, columns=columns, mask_heads=hm)
-        for causal, columns in FORMS
-        for sq, sk in SHAPES
-        for hm in (1, 2)
-    ]
-    # No mask at ragged lengths (causal with Sq > Sk: the first Sq - Sk rows see no key).
-    cases += [
-        Case(name, sq, sk, 8, 2, d, True)
-        for name in UNMASKED
-        for sq, sk in ((256, 384), (384, 256), (1000, 1100))
-        for d in (64, 128, 256)
-    ]
+    # The bf16 CuTe forward's cases (masks, ragged random forms, no mask at ragged lengths).
+    cases = forward_cases()
     # One mask per query head (Hm = Hq > Hk).
     cases += [
         Case("random", 1024, 1024, 8, 2, d, True, causal=causal, columns=columns, mask_heads=8)
