@@ -57,9 +57,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
     low = [x.to(torch.bfloat16).float() for x in (q, k, v)]
     bf16, _ = reference_forward(*low, None, args.causal, scale)
     rows = [{"method": "bf16 inputs, float32 compute", "rmse": rmse(bf16.to(torch.float16))}]
+    rotated = {False: (q, k), True: (hadamard_rotate(q), hadamard_rotate(k))}
     for granularity in ("tensor", "head"):
-        for rotate in (False, True):
-            qr, kr = (hadamard_rotate(q), hadamard_rotate(k)) if rotate else (q, k)
+        for rotate, (qr, kr) in rotated.items():
             (q8, qd), (k8, kd), (v8, vd) = (
                 quantize_fp8(x.float(), granularity=granularity) for x in (qr, kr, v)
             )

@@ -5,18 +5,24 @@ published figure it is compared with shows)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pytest
 
-import fp8_accuracy
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_rotation_lowers_the_error_on_outlier_inputs(tmp_path):
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("fp8_accuracy")
+
+
+def test_rotation_lowers_the_error_on_outlier_inputs(script, tmp_path):
     out = tmp_path / "acc"
-    fp8_accuracy.main(["--seqlen", "256", "--heads", "2", "--fraction", "0.01", "--out", str(out)])
+    script.main(["--seqlen", "256", "--heads", "2", "--fraction", "0.01", "--out", str(out)])
     rows = {r["method"]: r["rmse"] for r in json.loads(Path(f"{out}.json").read_text())["rows"]}
     assert len(rows) == 5
     bf16 = rows["bf16 inputs, float32 compute"]
@@ -27,8 +33,8 @@ def test_rotation_lowers_the_error_on_outlier_inputs(tmp_path):
     assert Path(f"{out}.md").read_text().count("| FP8") == 4
 
 
-def test_outliers_are_the_requested_share_and_spread():
-    q, k, v = fp8_accuracy.outlier_inputs(1, 512, 4, 64, 0.01, 10.0, seed=1)
+def test_outliers_are_the_requested_share_and_spread(script):
+    q, k, v = script.outlier_inputs(1, 512, 4, 64, 0.01, 10.0, seed=1)
     assert q.shape == k.shape == v.shape == (1, 512, 4, 64)
     large = (q.abs() > 6).double().mean().item()  # N(0, 1) almost never exceeds 6
     assert 0.004 < large < 0.012

@@ -4,19 +4,25 @@ and the gradients' differences, and its Markdown table."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pytest
 
-import mla_backward
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_cpu_run_writes_a_row_per_mask_with_equal_gradients(tmp_path):
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("mla_backward")
+
+
+def test_cpu_run_writes_a_row_per_mask_with_equal_gradients(script, tmp_path):
     out = tmp_path / "mla"
     args = ["--seqlens", "64", "--tokens", "64", "--heads", "2", "--device", "cpu"]
-    mla_backward.main([*args, "--masks", "full,causal_document", "--out", str(out)])
+    script.main([*args, "--masks", "full,causal_document", "--out", str(out)])
     rows = json.loads(Path(f"{out}.json").read_text())
     assert [r["mask"] for r in rows] == ["full", "causal_document"]
     for row in rows:
