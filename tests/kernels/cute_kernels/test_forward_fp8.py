@@ -250,6 +250,16 @@ def test_values_transposed_takes_any_strides():
     )
 
 
+def test_values_transposed_reads_v_anew_on_every_call():
+    """V changed in place (a KV cache being filled) gives a new V^T: nothing is cached."""
+    v = _fp8(torch.randn(1, 128, 1, 64))
+    first = launch.fp8_values_transposed(v, 128).clone()
+    v.view(torch.uint8).zero_()
+    second = launch.fp8_values_transposed(v, 128)
+    assert (second.view(torch.uint8) == 0).all()
+    assert not torch.equal(first.view(torch.uint8), second.view(torch.uint8))
+
+
 def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True):
     """CPU stand-ins of ``forward_fp8``'s arguments: ``(args, kwargs)``."""
     q = _fp8(torch.randn(batch, sq, hq, d))

@@ -284,7 +284,6 @@ def _launch(
     return out, lse
 
 
-@functools.cache
 def fp8_values_transposed(v: torch.Tensor, block_n: int) -> torch.Tensor:
     """The FP8 forward's form of ``v [B, Sk, Hk, D]`` (float8 e4m3, any strides): V^T, float8
     ``[B, Hk, D, Sk padded to a multiple of block_n]``, contiguous (8-bit ``wgmma`` operands
