@@ -1,5 +1,9 @@
 """Profile one FlashMask attention call (forward + backward) on a CUDA GPU.
 
+``--fp8`` profiles the FP8 forward instead (forward only: the inputs quantised once with
+``flashmask.quantize_fp8``, per head, so that the table shows the call's own kernels, the V^T
+pre-pass among them).
+
 Warms the call up (compiles its kernels), then runs it ``--repeats`` times under
 ``torch.profiler`` and prints the GPU time per kernel (``--trace PATH`` also writes a Chrome
 trace for Perfetto or chrome://tracing). ``--ncu`` prints instead the Nsight Compute command
@@ -22,7 +26,7 @@ import sys
 
 import torch
 
-from flashmask import flashmask_attention, masks
+from flashmask import flashmask_attention, masks, quantize_fp8
 from flashmask.mask import FlashMask
 
 NVTX_RANGE = "flashmask"
@@ -39,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048, help="heads x head dim")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: all)")
     p.add_argument("--deterministic", action="store_true", help="the bit-reproducible backward")
+    p.add_argument("--fp8", action="store_true", help="the FP8 (e4m3) forward alone")
     p.add_argument(
         "--prepare-each-call",
         action="store_true",
@@ -91,11 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     mask, causal = None, args.mask == "causal"
     if args.mask not in ("full", "causal"):
         mask = masks.example(args.mask, args.seqlen, batch_size=batch).to("cuda")
+    if args.fp8:
+        (q8, q_descale), (k8, k_descale), (v8, v_descale) = (
+            quantize_fp8(x.detach(), group=group)
+            for x, group in ((q, heads // kv_heads), (k, 1), (v, 1))
+        )
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
 
     def call() -> None:
         m = mask
         if m is not None and args.prepare_each_call:
             m = FlashMask(m.startend_row_indices.clone(), m.causal)
+        if args.fp8:
+            flashmask_attention(q8, k8, v8, m, causal=causal, **descales)
+            return
         out = flashmask_attention(q, k, v, m, causal=causal, deterministic=args.deterministic)
         torch.autograd.grad(out, (q, k, v), dout)
 
@@ -113,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             call()
         torch.cuda.synchronize()
+    kind = "fp8, forward" if args.fp8 else "bf16, forward+backward"
     print(
-        f"{args.mask}, B={batch} S={args.seqlen} H={heads}:{kv_heads} D={args.head_dim}, bf16, "
-        f"{args.repeats} forward+backward calls:"
+        f"{args.mask}, B={batch} S={args.seqlen} H={heads}:{kv_heads} D={args.head_dim}, {kind}, "
+        f"{args.repeats} calls:"
     )
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=args.rows))
     if args.trace:

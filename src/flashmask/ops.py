@@ -71,15 +71,11 @@ def _forward(
     softmax). The kernels where they take the inputs, else the reference."""
     if _use_kernel(q, k, v):
         from flashmask import kernels
-        from flashmask.kernels.sinks import fold_sinks
 
-        out, lse = kernels.forward(
+        return kernels.forward(
             q, k, v, startend_row_indices, causal, softmax_scale, deterministic=deterministic,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )  # fmt: skip
-        if sinks is not None:
-            fold_sinks(out, lse, sinks)
-        return out, lse
     intervals = _intervals(startend_row_indices, causal, q.shape[1])
     out, lse = reference.reference_forward(
         q, k, v, intervals, causal, softmax_scale, softcap=softcap

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashmask import reference
 from flashmask.kernels import preparation
 from flashmask.reference import reference_forward
 from tests.gpu.conftest import HOPPER_CUTE_MARKS
@@ -29,11 +30,16 @@ pytestmark = HOPPER_CUTE_MARKS
 
 
 def cute_forward(
-    x, scale: float, skip_tiles: bool = True, persistent: bool | None = None, softcap: float = 0.0
+    x,
+    scale: float,
+    skip_tiles: bool = True,
+    persistent: bool | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """``(out, lse)`` of the CuTe forward on a case's inputs, with the lists and launch order
     the launcher would prepare; ``persistent``: as ``launch.forward`` (``None``: its rule);
-    ``softcap``: the logit cap (0: none)."""
+    ``softcap``: the logit cap (0: none); ``sinks``: ``[Hq]`` or ``None``."""
     from flashmask.kernels.cute_kernels import launch
 
     q, k, v = (t.contiguous() for t in (x.q, x.k, x.v))
@@ -48,7 +54,7 @@ def cute_forward(
     mask_heads = 1 if x.sri is None else x.sri.shape[1]
     return launch.forward(
         q, k, v, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
-        persistent=persistent, softcap=softcap,
+        persistent=persistent, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -169,6 +175,42 @@ def test_matches_reference(case: Case):
     check_against_reference(case, x, scale, out, lse)
 
 
+def _sinks_cases() -> list[Case]:
+    """Sinks on every mask at head dim 128, the other head dims (192: MLA's) on two, every
+    form of random indices at ragged lengths (fully masked rows: O = 0, lse = the sink), the
+    persistent schedule over several waves, and with the logit cap."""
+    cases = [Case(name, 1024, 1024, 8, 2, 128, True, sinks=True) for name in MASK_NAMES]
+    cases += [
+        Case(name, 1024, 1024, 8, 2, d, True, sinks=True, dv=128 if d == 192 else None)
+        for name in ("causal", "document")
+        for d in (64, 192, 256)
+    ]
+    cases += [
+        Case("random", 1000, 1100, 8, 2, 128, True, causal=causal, columns=columns, sinks=True)
+        for causal, columns in FORMS
+    ]
+    cases += [
+        Case(name, 4096, 4096, 8, 2, 128, True, sinks=True)
+        for name in ("full", "causal", "document", "global_sliding_window")
+    ]
+    cases += [
+        Case(name, 1024, 1024, 8, 2, 128, True, softcap=2.0, sinks=True)
+        for name in ("causal", "share_question")
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("case", _sinks_cases(), ids=lambda c: c.id)
+def test_sinks_join_the_rows_in_the_kernel(case: Case):
+    """Learnable sinks in the epilogue: out and lse those of the reference with the sinks
+    folded in (one logit per query head, some below and some above the scores' range)."""
+    x = make_inputs(case)
+    scale = case.d**-0.5
+    sinks = torch.linspace(-2.0, 3.0, case.hq, device="cuda")
+    out, lse = cute_forward(x, scale, softcap=case.softcap, sinks=sinks)
+    check_against_reference(case, x, scale, out, lse, sinks)
+
+
 @pytest.mark.parametrize("name", ["causal", "document", "share_question"])
 def test_a_capped_call_takes_a_negative_scale(name: str):
     """With a cap the row max is over the capped scores, so any scale runs (the uncapped
@@ -205,10 +247,11 @@ def test_persistent_matches_one_item_per_program(case: Case):
     torch.testing.assert_close(on[1][finite], off[1][finite], atol=1e-3, rtol=1e-4)
 
 
-def check_against_reference(case: Case, x, scale: float, out, lse) -> None:
-    """``out`` and ``lse`` against the float32 reference (with the case's logit cap): out as
-    close as a plain bf16/fp16 computation, lse to 1e-3, ``-inf`` and ``O = 0`` exactly on the
-    fully masked rows."""
+def check_against_reference(case: Case, x, scale: float, out, lse, sinks=None) -> None:
+    """``out`` and ``lse`` against the float32 reference (with the case's logit cap, and
+    ``sinks`` folded in where given): out as close as a plain bf16/fp16 computation, lse to
+    1e-3, ``O = 0`` exactly on the fully masked rows and their lse ``-inf`` (with sinks: the
+    row's sink)."""
     intervals = None
     if x.sri is not None:
         from flashmask.mask import FlashMask
@@ -218,10 +261,18 @@ def check_against_reference(case: Case, x, scale: float, out, lse) -> None:
     ref_out, ref_lse = reference_forward(
         x.q.float(), x.k.float(), x.v.float(), intervals, x.causal, scale, softcap=cap
     )
-    low = naive_attention(x.q, x.k, x.v, x.visible, scale, dtype=x.q.dtype, softcap=cap)
-    assert_close_to_reference(out, ref_out, low, "out", context=case.id)
     hidden = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse) & (lse < 0), hidden), "lse -inf exactly on hidden rows"
+    if sinks is not None:
+        ref_out, ref_lse = reference.fold_sinks(ref_out, ref_lse, sinks)
+    low = naive_attention(
+        x.q, x.k, x.v, x.visible, scale, dtype=x.q.dtype, softcap=cap, sinks=sinks
+    )
+    assert_close_to_reference(out, ref_out, low, "out", context=case.id)
+    if sinks is None:
+        assert torch.equal(torch.isinf(lse) & (lse < 0), hidden), "lse -inf exactly on hidden rows"
+    else:
+        want = sinks.view(1, -1, 1).expand_as(lse)[hidden]
+        torch.testing.assert_close(lse[hidden], want, atol=1e-5, rtol=1e-5)
     assert (out.float().transpose(1, 2)[hidden] == 0).all(), "fully masked rows give 0"
     finite = ~hidden
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)

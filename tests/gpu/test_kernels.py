@@ -44,7 +44,6 @@ import torch
 from flashmask import kernels, masks, reference
 from flashmask.kernels import routing
 from flashmask.kernels.config import device_decode_config
-from flashmask.kernels.sinks import fold_sinks
 from flashmask.mask import FlashMask
 from flashmask.reference import reference_backward, reference_forward
 from tests.gpu.conftest import CASE_PROPERTY, FULL
@@ -321,9 +320,7 @@ def check_accuracy(case: Case, record_property) -> None:
     cap = case.softcap
     # One sink logit per query head, some below and some above the scores' range.
     sinks = torch.linspace(-2.0, 3.0, hq, device="cuda") if case.sinks else None
-    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale, softcap=cap)
-    if sinks is not None:
-        fold_sinks(out, lse, sinks)
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale, softcap=cap, sinks=sinks)
     dq, dk, dv, *dsinks = kernels.backward(
         x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, case.deterministic,
         softcap=cap, sinks=sinks,

@@ -110,9 +110,9 @@ def backward(
         )  # fmt: skip
     if sinks is None:
         return grads
-    from flashmask.reference import sink_gradient
+    from flashmask.kernels.sinks import sink_gradient
 
-    return *grads, sink_gradient(lse, delta, sinks)
+    return *grads, sink_gradient(lse.float().contiguous(), delta, sinks)
 
 
 def _gluon_backward(

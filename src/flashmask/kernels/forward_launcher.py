@@ -116,8 +116,13 @@ def forward(
     deterministic: bool = False,
     decode: DecodeConfig | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq])``.
+
+    ``sinks`` (``[Hq]``, finite): each query head's learnable sink joins its rows' softmax, in
+    the CuTe forward's epilogue where that forward runs, else by :func:`~.sinks.fold_sinks`
+    after the kernel (one more pass over ``out``).
 
     ``softcap > 0`` caps the scaled scores at ``softcap * tanh(score / softcap)`` (Gemma's logit
     soft-capping); such calls run the training forward that
@@ -141,13 +146,16 @@ def forward(
     per_query_head = startend_row_indices is not None and startend_row_indices.shape[1] > k.shape[2]
     plain = not softcap and not per_query_head and v.shape[-1] == q.shape[-1]
     if plain and routing.use_decode(q, k, skip_tiles, decode):
-        return decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode)
+        return _with_sinks(
+            decode_launcher.forward(q, k, v, startend_row_indices, causal, softmax_scale, decode),
+            sinks,
+        )
     if config is None:
         return with_fitting_config(
             lambda cfg: forward(
                 q, k, v, startend_row_indices, causal, softmax_scale,
                 skip_tiles=skip_tiles, config=cfg, deterministic=deterministic, decode=decode,
-                softcap=softcap,
+                softcap=softcap, sinks=sinks,
             ),
             # The tiles of the larger head dim (Q/K's or V's) fit both.
             q.device, max(q.shape[-1], v.shape[-1]), startend_row_indices is not None,
@@ -174,16 +182,19 @@ def forward(
         q, k, v = (tensors.tma_ready(x) for x in (q, k, v))
         return cute_launch.forward(
             q, k, v, bounds, lists, hm, causal, not causal, softmax_scale, skip_tiles, order,
-            softcap=softcap,
+            softcap=softcap, sinks=sinks,
         )  # fmt: skip
     if plan.use_gluon:
         from flashmask.kernels.gluon_kernels import forward as gluon_forward
 
         q, k, v = (tensors.tma_ready(x) for x in (q, k, v))
         key_tile, slots = routing.gluon_forward_tiles(d)
-        return gluon_forward.forward(
-            q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots,
-            order=order, softcap=softcap,
+        return _with_sinks(
+            gluon_forward.forward(
+                q, k, v, bounds, lists, hm, causal, softmax_scale, skip_tiles, key_tile, slots,
+                order=order, softcap=softcap,
+            ),
+            sinks,
         )  # fmt: skip
     if bounds is None:
         bounds = lists.counts  # never read without a mask
@@ -233,4 +244,15 @@ def forward(
         EVEN_DV=dv == block_dv,
         num_warps=config.fwd_warps,
     )  # fmt: skip
-    return out, lse
+    return _with_sinks((out, lse), sinks)
+
+
+def _with_sinks(
+    result: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel's ``(out, lse)`` with ``sinks`` folded in (in place; as is without sinks)."""
+    if sinks is not None:
+        from flashmask.kernels.sinks import fold_sinks
+
+        fold_sinks(*result, sinks)
+    return result

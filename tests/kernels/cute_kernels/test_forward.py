@@ -92,6 +92,29 @@ def test_capped_dense_variant_compiles():
     assert launch.compiled_forward(variant, torch.bfloat16) is not None
 
 
+# Learnable sinks, joined in the epilogue: the per-tile and the persistent schedules, with and
+# without a cap (gpt-oss has no cap, but the two are independent flags).
+SINKS = [
+    (FORMS[0], False, 0.0),
+    (FORMS[1], False, 0.0),
+    (FORMS[3], True, 0.0),
+    (FORMS[1], False, 30.0),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("form", "persistent", "softcap"), SINKS, ids=["full", "causal", "mask-persistent", "capped"]
+)
+def test_every_sinks_variant_compiles(
+    head_dim: int, form: tuple[bool, bool, bool], persistent: bool, softcap: float
+):
+    variant = dataclasses.replace(
+        _variant(head_dim, form, False, persistent), sinks=True, softcap=softcap
+    )
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
+
+
 def test_float16_compiles():
     variant = ForwardVariant(128, 128, launch.KV_STAGES[128], True, True, False, False, True)
     assert launch.compiled_forward(variant, torch.float16) is not None

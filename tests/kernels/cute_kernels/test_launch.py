@@ -43,7 +43,9 @@ def test_it_is_built_once_per_bounds_tensor_and_rebuilt_after_an_edit():
     assert launch.column_major_bounds(bounds.clone(), 300, 384) is not again
 
 
-def _launch_args(monkeypatch, bounds, causal, persistent=None, seqlen=300, heads=4, batch=2):
+def _launch_args(
+    monkeypatch, bounds, causal, persistent=None, seqlen=300, heads=4, batch=2, sinks=None
+):
     """What ``launch.forward`` hands the compiled kernel on the CPU (a recording stand-in for
     the kernel, the torch tensors themselves for their DLPack views; 4 "SMs", as
     ``hardware.multiprocessor_count`` gives off CUDA): ``(variant, args)``."""
@@ -63,7 +65,9 @@ def _launch_args(monkeypatch, bounds, causal, persistent=None, seqlen=300, heads
     counts = torch.ones(batch, 1, tm, dtype=torch.int32)
     lists = tiles.TileLists(torch.zeros(batch, 1, tm, tm, dtype=torch.int32), counts, counts)
     order = torch.arange(batch * heads * tm, dtype=torch.int32) if bounds is not None else None
-    launch.forward(q, k, k, bounds, lists, 1, causal, not causal, 0.1, True, order, persistent)
+    launch.forward(
+        q, k, k, bounds, lists, 1, causal, not causal, 0.1, True, order, persistent, sinks=sinks
+    )
     (call,) = seen
     return call
 
@@ -88,3 +92,17 @@ def test_causal_and_unmasked_calls_run_one_item_per_program_unless_forced(monkey
         assert variant.persistent and args[10] == 4
     variant, _ = _launch_args(monkeypatch, _bounds(name="document"), False, persistent=False)
     assert not variant.persistent
+
+
+def test_sinks_ride_after_the_stream_behind_an_unread_descale_tensor(monkeypatch):
+    """A call with sinks compiles the sinks variant and passes, after the stream, a descale
+    stand-in (read only in FP8) and the sinks as float32 ``[Hq]``; a call without passes
+    neither."""
+    sinks = torch.linspace(-1, 1, 4, dtype=torch.bfloat16)
+    variant, args = _launch_args(monkeypatch, None, True, sinks=sinks)
+    assert variant.sinks
+    scales, passed = args[-2:]
+    assert scales.shape == (1, 1, 2) and scales.dtype == torch.float32
+    assert passed.dtype == torch.float32 and torch.equal(passed, sinks.float())
+    variant, args = _launch_args(monkeypatch, None, True)
+    assert not variant.sinks and len(args) == 16

@@ -83,9 +83,11 @@ def test_a_head_dim_left_out_of_the_non_causal_table_leaves_those_masks_to_gluon
 def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch):
     seen = {}
 
-    def fake_forward(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order, softcap):
+    def fake_forward(
+        q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order, softcap, sinks
+    ):
         seen.update(q=q, bounds=bounds, lists=lists, hm=hm, causal=causal, order=order)
-        seen.update(has_upper=has_upper, scale=scale, skip=skip, softcap=softcap)
+        seen.update(has_upper=has_upper, scale=scale, skip=skip, softcap=softcap, sinks=sinks)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     fake = types.SimpleNamespace(forward=fake_forward, key_tile=lambda d: 64 if d > 128 else 128)
@@ -96,9 +98,14 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
     mask = masks.causal_document([128, 256])  # [1, 1, 384, 1]
     q = torch.randn(1, 4, 384, 256, dtype=torch.float16).transpose(1, 2)  # [B, S, H, D] view
     k = torch.randn(1, 384, 2, 256, dtype=torch.float16)
-    kernels.forward(q, k, k, mask.startend_row_indices, True, 0.0625, softcap=30.0)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, lse = kernels.forward(
+        q, k, k, mask.startend_row_indices, True, 0.0625, softcap=30.0, sinks=sinks
+    )
     assert seen["q"].is_contiguous() and torch.equal(seen["q"], q)
-    assert seen["softcap"] == 30.0
+    assert seen["softcap"] == 30.0 and seen["sinks"] is sinks
+    # The kernel joins the sinks: nothing folds them in again after it.
+    assert not out.any() and not lse.any()
     assert seen["lists"].entries.shape[-2:] == (3, 6)  # 384 / 128 query tiles, 384 / 64 keys
     assert seen["bounds"].shape == (1, 1, 4, 384) and seen["hm"] == 1
     assert (seen["causal"], seen["has_upper"], seen["scale"], seen["skip"]) == (

@@ -1045,22 +1045,21 @@ SINKS_CASES = [
 
 @pytest.mark.parametrize("case", SINKS_CASES, ids=[c.id for c in SINKS_CASES])
 def test_sinks_fold_and_gradient_match_reference(case):
-    """Learnable sinks on the kernels: the forward kernel, then the sink fold
-    (``kernels.sinks.fold_sinks``, in place), then the backward kernels with ``sinks``, which
-    return ``dsinks`` from their row term. out, lse, dq, dk and dv are within the suite's rule of
+    """Learnable sinks on the kernels: the forward with ``sinks`` (the kernel, then the sink
+    fold, ``kernels.sinks.fold_sinks``, in place; on Hopper the CuTe forward joins them in its
+    epilogue), then the backward kernels with ``sinks``, which return ``dsinks`` from their row
+    term (``kernels.sinks.sink_gradient``). out, lse, dq, dk and dv are within the suite's rule of
     the float64 reference (a plain fp16 implementation with a sink column as the low-precision
     yardstick). ``dsinks`` is a sum over rows of ``rowsum(dO * O')``, whose only error is that of
     the stored fp16 ``out``: it must equal the float64 gradient computed from the kernels' own
     ``out`` and ``lse`` to float32 accuracy."""
-    from flashmask.kernels.sinks import fold_sinks
     from flashmask.reference import fold_sinks as reference_fold
     from flashmask.reference import row_term, sink_gradient
 
     x = make_inputs(case, torch.float16)
     causal = case.causal
     sinks = torch.linspace(-1.0, 2.0, case.heads_q).to(DEVICE)
-    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale)
-    fold_sinks(out, lse, sinks)
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, causal, x.scale, sinks=sinks)
     dq, dk, dv, dsinks = kernels.backward(
         x.dout, None, x.q, x.k, x.v, out, lse, x.sri, causal, x.scale, True, sinks=sinks
     )
@@ -1103,6 +1102,30 @@ def test_sink_fold_kernel_equals_the_reference_fold():
     assert (out[:, 5:9] == 0).all()
     assert torch.equal(lse[:, 1, 5:9], torch.full_like(lse[:, 1, 5:9], float("-inf")))
     assert torch.equal(lse[:, 0, 5:9], torch.full_like(lse[:, 0, 5:9], 0.3))
+
+
+def test_sink_gradient_kernel_equals_the_reference_gradient():
+    """``kernels.sinks.sink_gradient`` (one program per head) against
+    ``reference.sink_gradient`` in float64: several batches, rows past one 1024-row block, rows
+    that see no key (``lse' = -inf``: they add nothing) and a float16 ``sinks`` (``dsinks`` takes
+    its dtype); a second call gives the same bits (a fixed summation order)."""
+    from flashmask.kernels.sinks import sink_gradient
+    from flashmask.reference import sink_gradient as reference_gradient
+
+    gen = torch.Generator().manual_seed(4)
+    lse = torch.randn(3, 2, 1100, generator=gen).to(DEVICE)
+    lse[:, :, 7:20] = float("-inf")
+    delta = torch.randn(3, 2, 1100, generator=gen).to(DEVICE)
+    for sinks in (torch.tensor([0.5, -2.0]), torch.tensor([1.0, 3.0], dtype=torch.float16)):
+        sinks = sinks.to(DEVICE)
+        dsinks = sink_gradient(lse, delta, sinks)
+        assert dsinks.dtype == sinks.dtype and dsinks.shape == (2,)
+        want = reference_gradient(lse.double(), delta.double(), sinks.double())
+        tolerance = 1e-5 if sinks.dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(dsinks.double(), want, atol=tolerance, rtol=tolerance)
+        assert torch.equal(sink_gradient(lse, delta, sinks), dsinks)
+    with pytest.raises(ValueError, match="delta must be contiguous float32"):
+        sink_gradient(lse, delta.transpose(1, 2).contiguous(), torch.zeros(2, device=DEVICE))
 
 
 # ---------------------------------------------------------------- one mask per query head

@@ -93,7 +93,10 @@ class ForwardVariant:
     Gemma's logit cap (0: none), a compile-time constant like the Gluon kernels' ``SOFTCAP``
     (a model uses one); ``fp8``: q, k and v are float8 e4m3, v given transposed with its keys
     permuted (``launch.forward_fp8``'s pre-pass), O in the compile's dtype, and the score and
-    O scales per (batch, K/V head) from a descale tensor (the FP8 forward, below)."""
+    O scales per (batch, K/V head) from a descale tensor (the FP8 forward, below); ``sinks``:
+    one learnable logit per query head (gpt-oss's, from a float32 ``[Hq]`` tensor) joins every
+    row's softmax denominator at the end of the row, so that O and lse leave the kernel
+    folded, without ``kernels.sinks.fold_sinks``' pass over O."""
 
     head_dim: int
     block_n: int
@@ -107,6 +110,7 @@ class ForwardVariant:
     head_dim_v: int | None = None
     softcap: float = 0.0
     fp8: bool = False
+    sinks: bool = False
 
     @property
     def value_dim(self) -> int:
@@ -236,13 +240,16 @@ class HopperForward:
         qk_scale: cutlass.Float32,
         stream,
         mScales: cute.Tensor | None = None,
+        mSinks: cute.Tensor | None = None,
     ):
         """``mQ [B, Sq, Hq, D]``, ``mK [B, Sk, Hk, D]``, ``mV [B, Sk, Hk, Dv]``, ``mO [B, Sq, Hq,
         Dv]`` (unit stride along the head dim; ``Dv``: the variant's ``value_dim``; FP8: ``mV``
         is V^T ``[B, Hk, D, Sk padded]``, unit stride along the keys, which are permuted within
         each group of 16 as ``fp8_layout.KEY_ORDER`` says, and ``mScales`` float32
         ``[B, Hk, 2]`` holds each (batch, K/V head)'s ``q_descale * k_descale``, which
-        multiplies ``qk_scale``, and ``v_descale``, which multiplies O; the others pass none),
+        multiplies ``qk_scale``, and ``v_descale``, which multiplies O; the others pass none,
+        or, with sinks, a tensor never read), ``mSinks`` float32 ``[Hq]`` (a ``sinks`` variant
+        only: the sinks' logits, natural log),
         ``mLse`` float32 ``[B, Hq, Sq]``, ``mBounds`` int32 column-major ``[B, Hm, Sk padded, 4]``
         (read only with a mask), ``mEntries`` int32 ``[B, Hm, Tm, Tn]``, ``mCounts`` int32
         ``[B, Hm, Tm]``, ``mOrder`` int32 ``[B * Hq * Tm]`` (read only when ordered);
@@ -345,7 +352,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
                 mNextItem, q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv,
-                heads_per_mask_head, qk_scale, mScales,
+                heads_per_mask_head, qk_scale, mScales, mSinks,
             ).launch(
                 grid=[num_programs, 1, 1],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -360,7 +367,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v,
                 tma_v_tensor, tma_o, tma_o_tensor, mLse, mBounds, mEntries, mCounts, mOrder,
                 q_smem, k_smem, v_smem, o_smem, seqlen_k, heads_per_kv, heads_per_mask_head,
-                qk_scale, mScales,
+                qk_scale, mScales, mSinks,
             ).launch(
                 grid=[num_m_tiles, mQ.shape[2], mQ.shape[0]],
                 block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -399,6 +406,7 @@ class HopperForward:
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
         mScales: cute.Tensor | None,
+        mSinks: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -431,6 +439,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
                 tidx % WARPGROUP_THREADS, warp, seqlen_k, item_qk_scale, 0, 0, out_scale,
+                self.row_sink(mSinks, h),
             )  # fmt: skip
 
     @cute.kernel
@@ -462,6 +471,7 @@ class HopperForward:
         heads_per_mask_head: cutlass.Int32,
         qk_scale: cutlass.Float32,
         mScales: cute.Tensor | None,
+        mSinks: cute.Tensor | None,
     ):
         """The persistent variant: the program's work items, its own (its index) first, then
         each next one from ``mNextItem``."""
@@ -499,6 +509,7 @@ class HopperForward:
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
                 sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe,
                 work, role - 1, tidx % WARPGROUP_THREADS, warp, seqlen_k, qk_scale, mScales,
+                mSinks,
             )  # fmt: skip
 
     def item_scales(self, mScales, qk_scale, b, kv_head):
@@ -508,6 +519,13 @@ class HopperForward:
         if cutlass.const_expr(self.v.fp8):
             return qk_scale * mScales[b, kv_head, 0], mScales[b, kv_head, 1]
         return qk_scale, None
+
+    def row_sink(self, mSinks, h):
+        """Query head ``h``'s sink in base 2 (``mSinks[h] * log2(e)``, the unit of the running
+        row max), or ``None`` in a variant without sinks."""
+        if cutlass.const_expr(self.v.sinks):
+            return mSinks[h] * LOG2E
+        return None
 
     @cute.jit
     def shared_tiles(self, q_smem, k_smem, v_smem, o_smem):
@@ -682,7 +700,7 @@ class HopperForward:
     def consume_items(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, mCounts, mOrder,
         sQ, sK, sV, sO, q_full, q_empty, items, item_ready, item_empty, k_pipe, v_pipe, work,
-        wg, thread, warp, seqlen_k, qk_scale, mScales,
+        wg, thread, warp, seqlen_k, qk_scale, mScales, mSinks,
     ):  # fmt: skip
         """Persistent consumer warpgroup ``wg``: rows ``wg * 64 ...`` of each of the program's
         query tiles, the program's own item first, then each one the producer hands over."""
@@ -726,7 +744,7 @@ class HopperForward:
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
-                seqlen_k, item_qk_scale, u, consumed, out_scale,
+                seqlen_k, item_qk_scale, u, consumed, out_scale, self.row_sink(mSinks, h),
             )  # fmt: skip
             if thread == 0:
                 # The warpgroup's O store has read its Q half: the producer may load the next
@@ -750,13 +768,14 @@ class HopperForward:
     def consume(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
         q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k,
-        qk_scale, u, consumed, out_scale=None,
+        qk_scale, u, consumed, out_scale=None, sink=None,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile. In
         the persistent variant the program's ``u``-th item, after ``consumed`` K/V tiles of its
         earlier items (:meth:`consume_items` sets the MMA fields and opens and closes the
         turns); the other variants pass ``u = consumed = 0``, unused. ``out_scale``: what O
-        is multiplied by at the end (FP8: ``v_descale``; ``None``: nothing)."""
+        is multiplied by at the end (FP8: ``v_descale``; ``None``: nothing); ``sink``: the
+        head's sink in base 2 (:meth:`row_sink`), joined to each row at the end, or ``None``."""
         qk_thr = qk_mma.get_slice(thread)
         pv_thr = pv_mma.get_slice(thread)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -881,7 +900,7 @@ class HopperForward:
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
             pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-            thread, warp, row0, seqlen_q, out_scale,
+            thread, warp, row0, seqlen_q, out_scale, sink,
         )  # fmt: skip
 
     @cute.jit
@@ -1062,11 +1081,14 @@ class HopperForward:
     @cute.jit
     def finish_rows(
         self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-        thread, warp, row0, seqlen_q, out_scale=None,
+        thread, warp, row0, seqlen_q, out_scale=None, sink=None,
     ):  # fmt: skip
         """``O / l`` of the warpgroup's 64 rows through its Q half (``sO``: the O halves' view
         of Q's slots) and one TMA store, and their lse (natural log; ``-inf`` with ``O = 0``
-        where no key is visible). ``out_scale`` (FP8: ``v_descale``) multiplies O."""
+        where no key is visible). ``out_scale`` (FP8: ``v_descale``) multiplies O. ``sink``
+        (base 2, finite) joins each row's denominator: with ``top = max(m, sink)`` the sum
+        becomes ``l * 2^(m - top) + 2^(sink - top)``, O is ``2^(m - top)`` over it and lse
+        ``top + log2`` of it (a row that sees no key: O = 0, lse = the sink)."""
         o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
         tOcO = pv_thr.partition_C(cute.make_identity_tensor(self.pv_tiler[:2]))
         tOcO_mn = cute.make_tensor(tOcO.iterator, row_col_view(tOcO.layout))
@@ -1075,16 +1097,28 @@ class HopperForward:
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             visible = total > 0.0
+            top = row_max[i]
             inv = cutlass.Float32(1.0)
-            if visible:
-                inv = 1.0 / total
+            if cutlass.const_expr(sink is not None):
+                # Where no key is visible, row_max is -inf and O is 0: the sum is the sink's
+                # alone, 2^(sink - sink) = 1, and lse the sink.
+                top = cute.arch.fmax(top, sink)
+                kept = cute.math.exp2(row_max[i] - top, fastmath=True)
+                total = total * kept + cute.math.exp2(sink - top, fastmath=True)
+                inv = kept / total
+            else:
+                if visible:
+                    inv = 1.0 / total
             if cutlass.const_expr(out_scale is not None):
                 inv = inv * out_scale
             for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                 o_mn[i, j] = o_mn[i, j] * inv
             lse = -cutlass.Float32.inf
-            if visible:
-                lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * (1.0 / LOG2E)
+            if cutlass.const_expr(sink is not None):
+                lse = (top + cute.math.log2(total, fastmath=True)) * (1.0 / LOG2E)
+            else:
+                if visible:
+                    lse = (top + cute.math.log2(total, fastmath=True)) * (1.0 / LOG2E)
             row = row0 + tOcO_mn[i, 0][0]
             if thread % 4 == 0 and row < seqlen_q:
                 mLse[b, h, row] = lse

@@ -78,7 +78,8 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
     """The compiled :class:`~.forward.HopperForward` of ``variant`` for ``torch_dtype``, O's
     dtype (for sm_90a, with or without a GPU). The inputs have O's dtype, or, in an FP8
     variant (``variant.fp8``), float8 e4m3 (V as the pre-pass's V^T) with the descale tensor
-    after the stream."""
+    after the stream; a ``variant.sinks`` variant takes the sinks (float32 ``[Hq]``) after the
+    descales (a bf16 one after a descale tensor it never reads, :func:`_unread_scales`)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -87,11 +88,14 @@ def compiled_forward(variant, torch_dtype: torch.dtype):
 
     dtype = _dtype(torch_dtype)
     extra = ()
+    if variant.fp8 or variant.sinks:
+        extra = (_symbolic(cutlass.Float32, 3, 1),)  # descales [B, Hk, 2] (read in FP8 only)
+    if variant.sinks:
+        extra = (*extra, _symbolic(cutlass.Float32, 1, 1))  # sinks [Hq]
     if variant.fp8:
         # 16-byte strides and bases (TMA's), in one-byte elements.
         fp8 = cutlass.Float8E4M3FN
         inputs = (_symbolic(fp8, 4, 16), _symbolic(fp8, 4, 16), _symbolic(fp8, 4, 16))
-        extra = (_symbolic(cutlass.Float32, 3, 1),)  # descales [B, Hk, 2]
     else:
         inputs = (_symbolic(dtype, 4, 8), _symbolic(dtype, 4, 8), _symbolic(dtype, 4, 8))
     tensors = (
@@ -148,6 +152,13 @@ def _unread_bounds(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, 1, 1, 4, dtype=torch.int32, device=device)
 
 
+@functools.cache
+def _unread_scales(device: torch.device) -> torch.Tensor:
+    """A stand-in for the FP8 descales ``[B, Hk, 2]`` ahead of a bf16 forward's sinks (the
+    kernel reads none)."""
+    return torch.ones(1, 1, 2, dtype=torch.float32, device=device)
+
+
 def _view(x: torch.Tensor, align: int):
     from cutlass.cute.runtime import from_dlpack
 
@@ -184,6 +195,7 @@ def forward(
     order: torch.Tensor | None = None,
     persistent: bool | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, Dv], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
     (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
@@ -195,20 +207,26 @@ def forward(
     one program per item. ``None`` (the default) takes it exactly for a non-causal interval
     mask (``bounds`` given, ``causal`` false); ``True``/``False`` force either on any call, so
     that a benchmark or a test can compare both on the same inputs. ``softcap > 0`` caps the
-    scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs)."""
+    scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs).
+    ``sinks`` (``[Hq]``, finite, any floating dtype): each query head's learnable sink joins
+    its rows' softmax in the kernel, so that ``(out, lse)`` are those of
+    ``kernels.sinks.fold_sinks`` after the call without sinks."""
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     variant = _variant(
         d, KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent,
-        head_dim_v=dv if dv != d else None, softcap=float(softcap),
+        head_dim_v=dv if dv != d else None, softcap=float(softcap), sinks=sinks is not None,
     )  # fmt: skip
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
+    extra = ()
+    if sinks is not None:
+        extra = (_unread_scales(q.device), sinks.to(torch.float32).contiguous())
     return _launch(
         kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent,
+        variant.persistent, *extra,
     )  # fmt: skip
 
 
@@ -261,7 +279,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a compiled forward ``kernel`` writing ``out [B, Sq, Hq, Dv]``: ``(out, lse)``, with
     the bounds in the kernel's column-major form, the persistent launch's programs and
-    counter, and ``extra`` tensors after the stream (the FP8 forward's descales)."""
+    counter, and ``extra`` tensors after the stream (the FP8 forward's descales, the sinks)."""
     import cuda.bindings.driver as cuda
 
     b, sq, hq, d = q.shape

@@ -46,3 +46,30 @@ def flashmask_sink_fold_kernel(
     mask = row_ok[:, None] & (offs_d[None, :] < head_dim_v)
     out = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, (out.to(tl.float32) * keep[:, None]).to(out.dtype), mask=mask)
+
+
+@triton.jit
+def flashmask_sink_gradient_kernel(
+    Lse, Delta, Sinks, DSinks,
+    batch, seqlen_q, num_heads_q,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``DSinks[h] = -sum over batch and rows of exp(sinks[h] - lse') * delta`` for head
+    ``program_id(0)``, from the folded ``Lse`` and the backward's row term ``Delta`` (both float32
+    ``[B, Hq, Sq]``, contiguous): the sink's probability in a row times its score's gradient
+    (``dP = 0``: the sink carries no value). A row with ``lse' = -inf`` adds nothing. One program
+    per head sums its rows in a fixed order, so the result is deterministic."""
+    h = tl.program_id(0)
+    sink = tl.load(Sinks + h).to(tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(batch):
+        base = (h + b * num_heads_q).to(tl.int64) * seqlen_q
+        for start in range(0, seqlen_q, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < seqlen_q
+            lse = tl.load(Lse + base + offs, mask=ok, other=float("-inf"))
+            delta = tl.load(Delta + base + offs, mask=ok, other=0.0)
+            seen = lse > float("-inf")
+            p = tl.where(seen, tl.exp(sink - tl.where(seen, lse, 0.0)), 0.0)
+            total += p * delta
+    tl.store(DSinks + h, (-tl.sum(total, axis=0)).to(DSinks.dtype.element_ty))
