@@ -438,8 +438,7 @@ class HopperForward:
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, role - 1,
-                tidx % WARPGROUP_THREADS, warp, seqlen_k, item_qk_scale, 0, 0, out_scale,
-                self.row_sink(mSinks, h),
+                tidx % WARPGROUP_THREADS, warp, seqlen_k, item_qk_scale, 0, 0, out_scale, mSinks,
             )  # fmt: skip
 
     @cute.kernel
@@ -744,7 +743,7 @@ class HopperForward:
             self.consume(
                 qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
                 q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp,
-                seqlen_k, item_qk_scale, u, consumed, out_scale, self.row_sink(mSinks, h),
+                seqlen_k, item_qk_scale, u, consumed, out_scale, mSinks,
             )  # fmt: skip
             if thread == 0:
                 # The warpgroup's O store has read its Q half: the producer may load the next
@@ -768,14 +767,14 @@ class HopperForward:
     def consume(
         self, qk_mma_init, qk_mma, pv_mma, tma_o, mO, mLse, mBounds, mEntries, sQ, sK, sV, sO,
         q_full, k_pipe, v_pipe, count, m_tile, h, b, mask_head, wg, thread, warp, seqlen_k,
-        qk_scale, u, consumed, out_scale=None, sink=None,
+        qk_scale, u, consumed, out_scale=None, mSinks=None,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: rows ``m_tile * 128 + wg * 64 ...`` of the query tile. In
         the persistent variant the program's ``u``-th item, after ``consumed`` K/V tiles of its
         earlier items (:meth:`consume_items` sets the MMA fields and opens and closes the
         turns); the other variants pass ``u = consumed = 0``, unused. ``out_scale``: what O
-        is multiplied by at the end (FP8: ``v_descale``; ``None``: nothing); ``sink``: the
-        head's sink in base 2 (:meth:`row_sink`), joined to each row at the end, or ``None``."""
+        is multiplied by at the end (FP8: ``v_descale``; ``None``: nothing); ``mSinks``: the
+        sinks of a ``sinks`` variant, read in the epilogue (:meth:`finish_rows`)."""
         qk_thr = qk_mma.get_slice(thread)
         pv_thr = pv_mma.get_slice(thread)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -900,7 +899,7 @@ class HopperForward:
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * WARPGROUP_THREADS)
         self.finish_rows(
             pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-            thread, warp, row0, seqlen_q, out_scale, sink,
+            thread, warp, row0, seqlen_q, out_scale, mSinks,
         )  # fmt: skip
 
     @cute.jit
@@ -1081,14 +1080,17 @@ class HopperForward:
     @cute.jit
     def finish_rows(
         self, pv_thr, acc_o, row_max, row_sum, qk_scale, tma_o, mO, mLse, sO, m_tile, h, b, wg,
-        thread, warp, row0, seqlen_q, out_scale=None, sink=None,
+        thread, warp, row0, seqlen_q, out_scale=None, mSinks=None,
     ):  # fmt: skip
         """``O / l`` of the warpgroup's 64 rows through its Q half (``sO``: the O halves' view
         of Q's slots) and one TMA store, and their lse (natural log; ``-inf`` with ``O = 0``
-        where no key is visible). ``out_scale`` (FP8: ``v_descale``) multiplies O. ``sink``
-        (base 2, finite) joins each row's denominator: with ``top = max(m, sink)`` the sum
+        where no key is visible). ``out_scale`` (FP8: ``v_descale``) multiplies O. A ``sinks``
+        variant's sink (:meth:`row_sink` of ``mSinks``, base 2, finite; loaded here, not before
+        the tile loop, where its register spilled in the persistent variant) joins each row's
+        denominator: with ``top = max(m, sink)`` the sum
         becomes ``l * 2^(m - top) + 2^(sink - top)``, O is ``2^(m - top)`` over it and lse
         ``top + log2`` of it (a row that sees no key: O = 0, lse = the sink)."""
+        sink = self.row_sink(mSinks, h)
         o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
         tOcO = pv_thr.partition_C(cute.make_identity_tensor(self.pv_tiler[:2]))
         tOcO_mn = cute.make_tensor(tOcO.iterator, row_col_view(tOcO.layout))
