@@ -281,10 +281,11 @@ def test_compiles_warp_specialised_for_sm90(sm90_reports):
 
 
 def test_capped_variants_compile_like_the_uncapped_ones(sm90_reports):
-    """With a logit cap (head dim 128 causal, masked and in query chunks, 256 and 192 masked):
-    the same products and stores, one ``tanh.approx`` per score (MUFU.TANH) beside ``P``'s
-    exponential and no other MUFU op added (the exact ``1 - 2 / (e^(2x) + 1)`` took an EX2 and
-    an RCP), the same registers, and spills that stay small."""
+    """With a logit cap (head dim 128 causal, masked and in query chunks, 256 masked): the same
+    products and stores, an exponential more per score (the cap's tanh, ``1 - 2 / (e^(2x) +
+    1)``, beside ``P``'s) with its reciprocal (``rcp.approx``; no ``tanh.approx``, whose 2^-11
+    error would show in the gradients' lse), the same registers, and spills that stay small
+    (8-16 bytes more than uncapped under Triton 3.9)."""
 
     def variant(report: dict) -> tuple:
         keys = ("head_dim", "causal", "has_mask", "dtype", "chunk", "add_dkdv")
@@ -300,10 +301,11 @@ def test_capped_variants_compile_like_the_uncapped_ones(sm90_reports):
         plain = uncapped[variant(report)]
         for key in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "registers", "shared_kb"):
             assert report[key] == plain[key], (key, report, plain)
+        added = report["MUFU.EX2"] - plain["MUFU.EX2"]
         # A thread's scores: 32 of a 128 x 64 tile (D = 128), 16 of 64 x 64 (D = 256, 192).
-        assert report["MUFU.TANH"] >= (32 if report["head_dim"] == 128 else 16), report
-        assert report["MUFU.EX2"] == plain["MUFU.EX2"], (report, plain)
-        assert report["MUFU.RCP"] == plain["MUFU.RCP"], (report, plain)
+        assert added >= (32 if report["head_dim"] == 128 else 16), (report, plain)
+        assert report["MUFU.RCP"] - plain["MUFU.RCP"] == added, (report, plain)
+        assert report["MUFU.TANH"] == 0, report
         assert report["spill_bytes"] <= plain["spill_bytes"] + 64, (report, plain)
 
 

@@ -20,8 +20,7 @@ FlashAttention-3's backward shape:
   products are issued, so that the barrier runs under them;
 * with a logit cap (``SOFTCAP > 0``) ``P^T`` comes from the capped scores (``t = tanh(s * scale /
   SOFTCAP)``, ``P = exp2(t * SOFTCAP * log2(e) - lse)``) and ``dS`` takes the cap's derivative
-  ``1 - t^2``, as in the Triton backward, with ``t`` from PTX's ``tanh.approx.f32`` as in the
-  CuTe forward (:func:`capped_tanh_approx`); dQ and dK keep their ``scale`` factor;
+  ``1 - t^2``, as in the Triton backward; dQ and dK keep their ``scale`` factor;
 * two writer warps add each scaled fp32 dQ tile, left in a ring of ``DQ_BUFFERS`` shared buffers,
   to the fp32 dQ accumulator with TMA reduce-adds (``cp.reduce.async.bulk.tensor``, one thread
   issuing each). The producer and writer warps make one warpgroup, so the consumers keep 240
@@ -55,6 +54,7 @@ from flashmask.kernels.config import GLUON_BWD_KEYS
 from flashmask.kernels.gluon_kernels import backward_launch
 from flashmask.kernels.gluon_kernels.forward import (
     LOG2E,
+    capped_tanh,
     hide_pairs,
     launched_program,
     load_column_bounds,
@@ -250,7 +250,7 @@ def transposed_probabilities(
     """``(P^T, G^T)`` from the transposed scores ``st [keys, queries]`` (dot products) and the
     rows' ``lse``, with the element mask of the keys' bounds applied on a partial tile (list
     ``entry >= 0``): ``G^T`` is ``P^T`` times the logit cap's derivative ``1 - t^2`` with
-    ``SOFTCAP > 0`` (``t``: :func:`capped_tanh_approx` of the scores), ``P^T`` itself without
+    ``SOFTCAP > 0`` (``t``: :func:`~.forward.capped_tanh` of the scores), ``P^T`` itself without
     a cap, so that ``dS^T = G^T * (dP^T - delta)``."""
     num_keys: gl.constexpr = st.type.shape[0]
     num_queries: gl.constexpr = st.type.shape[1]
@@ -265,7 +265,7 @@ def transposed_probabilities(
                 hidden, rows[None, :], keys[:, None], lts[:, None], lte[:, None], uts[:, None],
                 ute[:, None], causal_offset, HAS_MASK, HAS_UPPER, CAUSAL,
             )  # fmt: skip
-        tt = capped_tanh_approx(st, qk_scale, SOFTCAP)
+        tt = capped_tanh(st, qk_scale, SOFTCAP)
         pt = gl.where(hidden, 0.0, gl.exp2(tt * (SOFTCAP * LOG2E) - lse[None, :]))
         # The derivative folds into P^T here, so that t need not stay in registers until dP^T
         # arrives: the Triton backward's (P * (dP - delta)) * (1 - t^2) in another order, equal
@@ -280,21 +280,6 @@ def transposed_probabilities(
         )  # fmt: skip
         pt = gl.where(hidden, 0.0, pt)
     return pt, pt
-
-
-@gluon.jit
-def capped_tanh_approx(products, qk_scale, SOFTCAP: gl.constexpr):
-    """``tanh(scale * products / SOFTCAP)`` of dot products (``qk_scale = scale * log2(e)``) with
-    PTX's ``tanh.approx.f32``: one MUFU op per score where ``forward.capped_tanh``'s exact form
-    takes two (EX2 and RCP), beside ``P``'s EX2. The backward returns no lse, so the
-    approximation (2^-11 relative at most) shows only in ``P`` and the cap's derivative, within
-    the gradients' bf16 rounding in the GPU tests; the CuTe forward, which runs where this
-    backward does at long lengths, caps with the same instruction, so that both recompute the
-    same ``P``."""
-    x = products * (qk_scale / (SOFTCAP * LOG2E))
-    return gl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
-    )
 
 
 @gluon.jit
