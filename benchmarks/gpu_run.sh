@@ -11,6 +11,8 @@
 #   bench-128k  the same at 128K, in two runs of six masks: bench_hd128_128k_{a,b}_<date>.*
 #   bench-fp8   flashmask bench --dtype fp8: the FP8 forward beside the bf16 forward,
 #               FlexAttention and SDPA, 8K and 32K, head dim 128, the 12 masks: fp8_<date>.*
+#   features    flashmask bench with learnable sinks and the logit cap beside the plain call, 8K
+#               and 32K, head dim 128, the 12 masks: features_<date>.{json,md,png}
 #   mla         benchmarks/mla_backward.py: the Gluon against the Triton backward at MLA's head
 #               dims (192 / 128), the 12 masks at 8K and 32K: mla_backward_<date>.{json,md}
 #   decode      flashmask bench --decode: decode steps (batch 1/8/32, 8K-128K caches) and
@@ -29,7 +31,7 @@ set -uo pipefail
 results=${RESULTS:-benchmarks/results}
 date=${DATE:-$(date +%F)}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 mkdir -p "$results"
 
 bench() {  # bench NAME SEQLENS MASKS
@@ -58,6 +60,10 @@ for step in "$@"; do
     bench-fp8)
         python -m flashmask bench --dtype fp8 --seqlens 8192,32768 --head-dims 128 --rep-ms 100 \
             --dense-limit-gb 0.5 --out "$results/fp8_$date"
+        ;;
+    features)
+        python -m flashmask bench --impls flashmask,flashmask_sinks,flashmask_softcap \
+            --seqlens 8192,32768 --head-dims 128 --rep-ms 100 --out "$results/features_$date"
         ;;
     mla) python benchmarks/mla_backward.py --out "$results/mla_backward_$date" ;;
     decode) python -m flashmask bench --decode --out "$results/decode_$date" ;;
