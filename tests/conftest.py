@@ -9,7 +9,9 @@ Environment variables:
 
 from __future__ import annotations
 
+import importlib
 import os
+from pathlib import Path
 
 import torch  # importing torch does not import triton
 
@@ -55,3 +57,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def import_benchmark(monkeypatch):
+    """``import_benchmark(name)`` imports the script ``benchmarks/<name>.py`` as a module, with
+    the folder on ``sys.path`` for the test only (as the scripts import their siblings)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module

@@ -4,20 +4,15 @@ that it refuses to time without a GPU."""
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("cute_backward")
+def script(import_benchmark):
+    return import_benchmark("cute_backward")
 
 
 def test_render_gives_rates_and_ratios_and_marks_failures(script):

@@ -4,20 +4,15 @@ persistent variant's A/B: off, on and their ratio), and ``--render`` picking the
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("cute_forward")
+def script(import_benchmark):
+    return import_benchmark("cute_forward")
 
 
 def test_render_gives_rates_and_ratios_and_marks_failed_peers(script):

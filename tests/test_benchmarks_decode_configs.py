@@ -4,21 +4,16 @@ to time anything without CUDA."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("decode_configs")
+def script(import_benchmark):
+    return import_benchmark("decode_configs")
 
 
 CELLS = [

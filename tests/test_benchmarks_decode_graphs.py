@@ -4,22 +4,17 @@ tokens of ``model.generate``)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("decode_graphs")
+def script(import_benchmark):
+    return import_benchmark("decode_graphs")
 
 
 @pytest.fixture

@@ -5,19 +5,15 @@ published figure it is compared with shows)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("fp8_accuracy")
+def script(import_benchmark):
+    return import_benchmark("fp8_accuracy")
 
 
 def test_rotation_lowers_the_error_on_outlier_inputs(script, tmp_path):

@@ -4,19 +4,15 @@ and the gradients' differences, and its Markdown table."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("mla_backward")
+def script(import_benchmark):
+    return import_benchmark("mla_backward")
 
 
 def test_cpu_run_writes_a_row_per_mask_with_equal_gradients(script, tmp_path):
