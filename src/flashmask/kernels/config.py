@@ -33,6 +33,12 @@ GLUON_BWD256_KEYS = 64
 GLUON_BWD_VALUE_HEAD_DIMS = {192: 128}
 
 
+def gluon_backward_hd256_layout(head_dim: int) -> bool:
+    """Whether the Gluon backward at Q/K head dim ``head_dim`` is ``backward_hd256``'s layout:
+    at 256, and at the head dims whose V has its own (:data:`GLUON_BWD_VALUE_HEAD_DIMS`)."""
+    return head_dim == 256 or head_dim in GLUON_BWD_VALUE_HEAD_DIMS
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Tile shapes, warps and pipeline stages of the three kernels.
@@ -160,8 +166,9 @@ def tile_config(
     # At D = 256 the Gluon backward (``gluon_kernels.backward_hd256``): 1.43-1.69x the Triton
     # backward on the H200 on full, causal and four masks at 8K and 32K (docs/performance.md);
     # also at MLA's 192 (with V's 128: ``routing.gluon_backward_eligible``).
-    gluon = head_dim == 256 or head_dim in GLUON_BWD_VALUE_HEAD_DIMS
-    return TileConfig(128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=gluon)
+    return TileConfig(
+        128, 64, 8, 2, 64, 64, 8, 2, 64, 64, 4, 2, bwd_gluon=gluon_backward_hd256_layout(head_dim)
+    )
 
 
 def compact_tile_config(head_dim: int) -> TileConfig:

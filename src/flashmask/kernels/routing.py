@@ -21,6 +21,7 @@ from flashmask.kernels.config import (
     GLUON_FWD_TILE,
     DecodeConfig,
     TileConfig,
+    gluon_backward_hd256_layout,
 )
 
 
@@ -355,22 +356,16 @@ def forward_shapes(
     return [(config.fwd_m, config.fwd_n, True)]
 
 
-def _backward_hd256_layout(head_dim: int) -> bool:
-    """Whether the Gluon backward at Q/K head dim ``head_dim`` is ``backward_hd256``'s layout:
-    at 256, and at the head dims whose V has its own (:data:`GLUON_BWD_VALUE_HEAD_DIMS`)."""
-    return head_dim == 256 or head_dim in GLUON_BWD_VALUE_HEAD_DIMS
-
-
 def gluon_backward_keys(head_dim: int) -> int:
     """Keys per program (the key tile) of the Gluon backward at ``head_dim``."""
-    return GLUON_BWD256_KEYS if _backward_hd256_layout(head_dim) else GLUON_BWD_KEYS
+    return GLUON_BWD256_KEYS if gluon_backward_hd256_layout(head_dim) else GLUON_BWD_KEYS
 
 
 def gluon_backward_module(head_dim: int):
     """The module of the Gluon backward at ``head_dim`` (``gluon_kernels.backward_hd256`` at 256
     and at MLA's 192, else ``gluon_kernels.backward``); imports it, so only where the
     interpreter is off."""
-    if _backward_hd256_layout(head_dim):
+    if gluon_backward_hd256_layout(head_dim):
         from flashmask.kernels.gluon_kernels import backward_hd256
 
         return backward_hd256
