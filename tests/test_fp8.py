@@ -283,8 +283,8 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
     monkeypatch,
 ):
     """Where the predicate routes a call to the kernel, the dispatch prepares the CuTe forward's
-    lists (and, with a mask, its launch order) and hands absent descales as ones; sinks are
-    folded after the kernel."""
+    lists (and, with a mask, its launch order) and hands absent descales as ones, and the
+    sinks, which the kernel joins (nothing folds them after it)."""
     from flashmask.kernels import sinks as sinks_module
     from flashmask.kernels.cute_kernels import launch
 
@@ -295,8 +295,8 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
         return True
 
     def fake_forward_fp8(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order,
-                         q_descale, k_descale, v_descale, out_dtype):  # fmt: skip
-        seen.update(lists=lists, hm=hm, causal=causal, order=order, scale=scale)
+                         q_descale, k_descale, v_descale, out_dtype, sinks):  # fmt: skip
+        seen.update(lists=lists, hm=hm, causal=causal, order=order, scale=scale, sinks=sinks)
         seen.update(descales=(q_descale, k_descale, v_descale), bounds=bounds)
         b, sq, hq, d = q.shape
         return torch.zeros(b, sq, hq, d, dtype=out_dtype), torch.zeros(b, hq, sq)
@@ -321,7 +321,7 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
     q_descale, k_descale, v_descale = seen["descales"]
     assert torch.equal(k_descale, descales["k_descale"])
     assert torch.equal(q_descale, torch.ones_like(k_descale)) and torch.equal(v_descale, q_descale)
-    assert seen["folded"] is sinks
+    assert seen["sinks"] is sinks and "folded" not in seen
 
 
 # ---------------------------------------------------------------------------- quantize_fp8

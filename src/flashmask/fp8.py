@@ -207,15 +207,10 @@ def forward(
     from flashmask.kernels import routing
 
     if routing.use_cute_fp8_forward(q, k, v, softmax_scale, softcap, out_dtype):
-        out, lse = _kernel_forward(
+        return _kernel_forward(
             q, k, v, startend_row_indices, causal, softmax_scale, q_descale, k_descale,
-            v_descale, out_dtype,
+            v_descale, out_dtype, sinks,
         )  # fmt: skip
-        if sinks is not None:
-            from flashmask.kernels.sinks import fold_sinks
-
-            fold_sinks(out, lse, sinks)
-        return out, lse
     return _reference(
         q, k, v, startend_row_indices, causal, softmax_scale, softcap, sinks,
         q_descale, k_descale, v_descale, out_dtype,
@@ -233,10 +228,11 @@ def _kernel_forward(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
     out_dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CuTe FP8 forward on a routed call: the mask prepared (once per mask tensor, cached
     like every kernel's) into the CuTe forward's row-major lists and, with a mask, their launch
-    order; absent descales as ones."""
+    order; absent descales as ones; ``sinks`` (``[Hq]`` or ``None``) joined in the kernel."""
     from flashmask.kernels import forward_launcher, tensors
     from flashmask.kernels.cute_kernels import launch
 
@@ -263,7 +259,7 @@ def _kernel_forward(
         ones if q_descale is None else q_descale.contiguous(),
         ones if k_descale is None else k_descale.contiguous(),
         ones if v_descale is None else v_descale.contiguous(),
-        out_dtype,
+        out_dtype, sinks=sinks,
     )  # fmt: skip
 
 

@@ -43,10 +43,11 @@ def fp8_forward(
     skip_tiles: bool = True,
     persistent: bool | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """``(out, lse, (q, k, v) dequantised)`` of the FP8 forward on a case's inputs quantised
     per (batch, K/V head), with the lists and launch order the launcher would prepare (as
-    ``tests/gpu/test_cute.py``'s ``cute_forward``)."""
+    ``tests/gpu/test_cute.py``'s ``cute_forward``), and ``sinks`` (``[Hq]``) if given."""
     from flashmask.kernels.cute_kernels import launch
 
     b, sq, hq, d = x.q.shape
@@ -63,7 +64,7 @@ def fp8_forward(
     mask_heads = 1 if x.sri is None else x.sri.shape[1]
     out, lse = launch.forward_fp8(
         q8, k8, v8, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
-        qd, kd, vd, out_dtype, persistent=persistent,
+        qd, kd, vd, out_dtype, persistent=persistent, sinks=sinks,
     )  # fmt: skip
     return out, lse, tuple(fp8.dequantize(t, ds, hk) for t, ds in ((q8, qd), (k8, kd), (v8, vd)))
 
@@ -157,6 +158,37 @@ def test_fully_masked_rows_give_zero_and_minus_infinity():
     assert torch.isneginf(lse[:, :, :128]).all() and (out[:, :128] == 0).all()
     assert torch.isfinite(lse[:, :, 128:]).all()
     check_fp8(case, x, 0.088, out, lse, dequantised)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        *(Case(name, 1024, 1024, 8, 2, 128, True) for name in ("full", "causal", "document")),
+        *(
+            Case("random", 1000, 1100, 8, 2, d, True, causal=causal, columns=columns)
+            for causal, columns in FORMS
+            for d in (64, 256)
+        ),
+    ],
+    ids=lambda c: c.id,
+)
+def test_sinks_join_the_rows_in_the_kernel(case: Case):
+    """With sinks, out and lse are the call's without them with the sinks folded in after it
+    (``kernels.sinks.fold_sinks``, what the FP8 path did before), to O's rounding; a fully
+    masked row gives O = 0 and lse = its sink."""
+    from flashmask.kernels.sinks import fold_sinks
+
+    x = make_inputs(case)
+    sinks = torch.linspace(-2.0, 3.0, case.hq, device="cuda")
+    out, lse, _ = fp8_forward(x, 0.088, sinks=sinks)
+    want_out, want_lse, _ = fp8_forward(x, 0.088)
+    hidden = torch.isneginf(want_lse)
+    fold_sinks(want_out, want_lse, sinks)
+    floor = 4 * torch.finfo(out.dtype).eps * want_out.float().abs().amax().item()
+    assert (out.float() - want_out.float()).abs().amax() <= floor, case.id
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert (out.float().transpose(1, 2)[hidden] == 0).all(), "fully masked rows give 0"
+    torch.testing.assert_close(lse[hidden], sinks.view(1, -1, 1).expand_as(lse)[hidden])
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "share_question"])

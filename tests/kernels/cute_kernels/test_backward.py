@@ -5,6 +5,7 @@ proved on a GPU by ``tests/gpu/test_cute_backward.py``."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from flashmask.kernels.cute_kernels import backward_launch
 if importlib.util.find_spec("cutlass") is None:
     pytest.skip("needs the flashmask[cute] extra (nvidia-cutlass-dsl)", allow_module_level=True)
 
+from flashmask.kernels.cute_kernels import backward
 from flashmask.kernels.cute_kernels.backward import BackwardVariant
+from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
 
 # (causal, has_mask, has_upper): full, causal, causal with a lower interval, and non-causal
 # with both intervals (what column_bounds gives every FlashMask form).
@@ -46,3 +49,62 @@ def test_other_head_dims_are_refused_with_the_argument_named():
     q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q: the CuTe backward takes head dims"):
         backward_launch.backward(q, q, q, q, None, None, None, None, 1, False, 1.0)
+
+
+_BACKWARD = """
+import torch
+from flashmask.kernels.cute_kernels import backward_launch
+from flashmask.kernels.cute_kernels.backward import BackwardVariant
+variant = BackwardVariant(128, {causal}, False, False, False, False)
+backward_launch.compiled_backward(variant, torch.bfloat16)
+"""
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_unmasked_variants_spill_nothing(tmp_path, causal: bool):
+    """With dQ's stores through the swizzled pointer (each address computed apart) the full
+    variant spilled 56 bytes inside its tile loop (these tools); one base each, it spills
+    none."""
+    ptx = compiled_ptx(tmp_path / "dump", _BACKWARD.format(causal=causal))
+    assert spill_bytes(tmp_path, ptx) == 0
+
+
+def _dq_buffer_offset(stage: int, row: int, column: int) -> int:
+    """Byte offset of fp32 dQ element (row, column) of a buffer ``stage`` (before the
+    swizzle): 64 x 64 per buffer in 32-byte atoms of 8 columns, rows within a column block."""
+    return stage * 64 * 64 * 4 + (column // 8) * 64 * 32 + row * 32 + (column % 8) * 4
+
+
+def _swizzle_32b(address: int) -> int:
+    """The 32-byte swizzle of shared-memory byte ``address``: bit 4 XOR bit 7."""
+    return address ^ ((address & 0x80) >> 3)
+
+
+def test_each_threads_dq_stores_are_its_first_swizzled_address_plus_constants():
+    """What ``backward.swizzled_at_first`` relies on, for every thread and buffer: thread t of
+    a warpgroup holds rows 16 (t // 32) + (t % 32) // 4 + 8 h and columns 8 j + 2 (t % 4) + e
+    of the 64 x 64 fp32 dQ product (PTX's wgmma accumulator fragment), and the swizzled
+    address of each is that of its first plus the unswizzled distance. The buffers start at a
+    1024-byte boundary, so address and offset bits agree."""
+    assert backward.BLOCK_M == 64 and backward.DQ_BUFFERS == 2
+    for stage in range(2 * backward.DQ_BUFFERS):
+        for t in range(128):
+            row0 = 16 * (t // 32) + (t % 32) // 4
+            col0 = 2 * (t % 4)
+            first = _dq_buffer_offset(stage, row0, col0)
+            for h, j, e in itertools.product(range(2), range(8), range(2)):
+                offset = _dq_buffer_offset(stage, row0 + 8 * h, col0 + 8 * j + e)
+                assert _swizzle_32b(offset) == _swizzle_32b(first) + offset - first
+
+
+def test_a_warps_dq_stores_meet_no_bank_conflict():
+    """Each of a warp's 8-byte dQ stores covers 256 contiguous bytes (two wavefronts, the
+    least): its 32 lanes' column pair lands in 8 rows x 32 bytes, swizzled within them."""
+    for warp, h, j in itertools.product(range(4), range(2), range(8)):
+        addresses = sorted(
+            _swizzle_32b(
+                _dq_buffer_offset(0, 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4))
+            )
+            for lane in range(32)
+        )
+        assert addresses == list(range(addresses[0], addresses[0] + 256, 8))

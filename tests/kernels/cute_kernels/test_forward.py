@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ from flashmask.kernels.cute_kernels import launch
 if importlib.util.find_spec("cutlass") is None:
     pytest.skip("needs the flashmask[cute] extra (nvidia-cutlass-dsl)", allow_module_level=True)
 
-from flashmask.kernels.cute_kernels.forward import ForwardVariant
+from flashmask.kernels.cute_kernels.forward import EXP2_POLY, ForwardVariant
+from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
 
 # (causal, has_mask, has_upper): full, causal, causal with a lower interval, and non-causal
 # with both intervals (what column_bounds gives every FlashMask form).
@@ -125,9 +127,8 @@ def test_value_dim_is_the_head_dim_unless_v_has_its_own():
     assert _variant(192, FORMS[0], False, False).value_dim == 128
 
 
-_VARIANT_PTX = """
-import dataclasses, sys, torch
-sys.path.insert(0, {root!r})
+_VARIANT = """
+import dataclasses, torch
 from tests.kernels.cute_kernels.test_forward import FORMS, _variant
 from flashmask.kernels.cute_kernels import launch
 variant = dataclasses.replace(_variant(128, FORMS[{form}], False, {persistent}), **{fields!r})
@@ -137,48 +138,22 @@ launch.compiled_forward(variant, torch.bfloat16)
 
 def _ptx(tmp_path, form: int = 1, persistent: bool = False, **fields) -> str:
     """The PTX of the head-dim-128 forward of ``FORMS[form]`` (default: causal) with the
-    variant ``fields`` given (compiled in a process of its own, which dumps it)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = str(pathlib.Path(__file__).resolve().parents[3])
-    tmp_path.mkdir()
-    env = {**os.environ, "CUTE_DSL_KEEP_PTX": "1", "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
-    env["CUTE_DSL_DUMP_DIR"] = str(tmp_path)
-    code = _VARIANT_PTX.format(root=root, form=form, persistent=persistent, fields=fields)
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, check=True)
-    (ptx,) = pathlib.Path(tmp_path).glob("*.ptx")
-    return ptx.read_text()
+    variant ``fields`` given."""
+    return compiled_ptx(tmp_path, _VARIANT.format(form=form, persistent=persistent, fields=fields))
 
 
-def _ptx_counts(tmp_path, softcap: float) -> dict[str, int]:
-    """Instruction counts in the PTX of the causal head-dim-128 forward with ``softcap``."""
-    text = _ptx(tmp_path, softcap=softcap)
-    return {op: text.count(op) for op in ("tanh.approx.f32", "ex2.approx", "rcp.approx")}
+PTX_OPS = ("tanh.approx.f32", "ex2.approx", "rcp.approx", "max.NaN.f32")
+
+
+def _ptx_counts(tmp_path, softcap: float, fma_exp2_share: int = 0) -> dict[str, int]:
+    """Instruction counts in the PTX of the causal head-dim-128 forward with ``softcap`` (a
+    ``max.NaN.f32`` opens each exponential on the FMA pipe, ``forward.exp2_fma``)."""
+    text = _ptx(tmp_path, softcap=softcap, fma_exp2_share=fma_exp2_share)
+    return {op: text.count(op) for op in PTX_OPS}
 
 
 def _spill_bytes(tmp_path, **variant) -> int:
-    """Spill stores plus loads, in bytes, of a variant's PTX assembled for sm_90a by the
-    ``ptxas`` Triton ships."""
-    import pathlib
-    import re
-    import subprocess
-
-    from triton.backends.nvidia import compiler
-
-    # The Hopper ptxas beside the one Triton picks for newer GPUs.
-    ptxas = str(pathlib.Path(compiler.get_ptxas(90).path).with_name("ptxas"))
-    ptx_path = tmp_path / "kernel.ptx"
-    ptx_path.parent.mkdir(parents=True, exist_ok=True)
-    ptx_path.write_text(_ptx(tmp_path / "dump", **variant))
-    run = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(tmp_path / "k")],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    found = re.findall(r"(\d+) bytes spill (?:stores|loads)", run.stderr)
-    return sum(int(n) for n in found)
+    return spill_bytes(tmp_path, _ptx(tmp_path / "dump", **variant))
 
 
 def test_sinks_add_no_spills(tmp_path):
@@ -195,10 +170,56 @@ def test_sinks_add_no_spills(tmp_path):
 def test_the_cap_takes_one_tanh_per_score_and_no_reciprocal(tmp_path):
     """The cap is PTX's ``tanh.approx.f32`` (one MUFU op per score; measured 1.21-1.29x the
     plain forward where ``1 - 2 / (e^(2x) + 1)`` took 1.40-1.55x): as many tanh as the
-    softmax's exponentials per score, no extra exponential and no reciprocal."""
+    softmax's exponentials per score, no extra exponential and no reciprocal; the launcher's
+    share of those exponentials runs on the FMA pipe."""
+    share = launch.FMA_EXP2_SHARE["capped"]
     plain = _ptx_counts(tmp_path / "plain", 0.0)
-    capped = _ptx_counts(tmp_path / "capped", 30.0)
-    assert plain["tanh.approx.f32"] == 0
+    capped = _ptx_counts(tmp_path / "capped", 30.0, share)
+    assert plain["tanh.approx.f32"] == 0 and plain["max.NaN.f32"] == 0
     assert capped["tanh.approx.f32"] > 0
-    assert capped["ex2.approx"] == plain["ex2.approx"]
+    assert capped["ex2.approx"] + capped["max.NaN.f32"] == plain["ex2.approx"]
+    assert capped["max.NaN.f32"] > 0
     assert capped["rcp.approx"] == plain["rcp.approx"]
+
+
+def test_fma_exp2_share_moves_that_share_of_the_tiles_exponentials(tmp_path):
+    """Of every four score columns ``share`` take ``exp2_fma`` (``share = 4``: all of them);
+    the rows' rescaling factors and the epilogue keep the special-function unit's."""
+    counts = {share: _ptx_counts(tmp_path / str(share), 0.0, share) for share in (0, 1, 4)}
+    assert counts[0]["max.NaN.f32"] == 0
+    assert 4 * counts[1]["max.NaN.f32"] == counts[4]["max.NaN.f32"] > 0
+    for share in (1, 4):
+        assert counts[share]["ex2.approx"] + counts[share]["max.NaN.f32"] == counts[0]["ex2.approx"]
+    assert counts[4]["ex2.approx"] > 0
+
+
+def _exp2_fma_model(x: np.ndarray) -> np.ndarray:
+    """``forward.exp2_fma``'s steps on float32 numpy values, one rounding per PTX instruction
+    (an FMA rounded once, here computed in float64 then rounded)."""
+    f32 = np.float32
+    shift = f32(1.5 * 2**23)
+    t = np.where(np.isnan(x), x, np.maximum(x, f32(-127.0))).astype(f32)
+    r = (t + shift).astype(f32)
+    f = (t - (r - shift).astype(f32)).astype(f32)
+    c1, c2, c3 = (np.float64(f32(c)) for c in EXP2_POLY)
+    f64 = f.astype(np.float64)
+    p = f32(c3 * f64 + c2).astype(np.float64)
+    p = f32(p * f64 + c1).astype(np.float64)
+    p = (p * f64 + 1.0).astype(f32)
+    bits = (r.view(np.uint32).astype(np.uint64) << 23) + 0x3F800000
+    scale = (bits & 0xFFFFFFFF).astype(np.uint32).view(f32)
+    out = (p * scale).astype(f32)
+    tiny = np.abs(out) < np.finfo(f32).tiny  # mul.ftz flushes denormal results
+    return np.where(tiny, f32(0.0), out)
+
+
+def test_exp2_fma_is_within_its_error_of_exp2():
+    """Relative error at most 1.1e-4 over the softmax's range (x <= 0), exactly 0 for a
+    hidden score's -inf and below -127, exactly 1 at 0, and NaN stays NaN."""
+    x = -np.random.default_rng(0).random(1 << 20, dtype=np.float32) * 120
+    got = _exp2_fma_model(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    assert np.max(np.abs(got / want - 1)) < 1.1e-4
+    special = np.array([0.0, -np.inf, -127.0, -500.0, np.nan], dtype=np.float32)
+    got = _exp2_fma_model(special)
+    assert got[0] == 1.0 and (got[1:4] == 0.0).all() and np.isnan(got[4])

@@ -12,6 +12,7 @@ and fp16 output once. All 24 compile without spilling registers at head dims 64 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import math
@@ -314,6 +315,25 @@ def test_forward_fp8_hands_the_kernel_v_transposed_and_the_descales(monkeypatch)
     assert scales.shape == (2, 2, 2) and scales.is_contiguous()
     torch.testing.assert_close(scales[..., 0], q_descale * k_descale)
     torch.testing.assert_close(scales[..., 1], v_descale)
+
+
+def test_forward_fp8_hands_the_kernel_the_sinks_after_the_descales(monkeypatch):
+    """Sinks join the rows in the kernel (a ``sinks`` variant, float32 ``[Hq]`` after the
+    descale tensor), so nothing folds them after the call."""
+    args, kwargs = _inputs()
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16)
+    variant, _, call = _launch_args(monkeypatch, args, {**kwargs, "sinks": sinks})
+    assert variant.fp8 and variant.sinks
+    assert call[-2].shape == (2, 2, 2)
+    assert call[-1].dtype == torch.float32 and torch.equal(call[-1], sinks.float())
+    variant, _, call = _launch_args(monkeypatch, args, kwargs)
+    assert not variant.sinks and call[-1].shape == (2, 2, 2)
+
+
+@needs_cutlass
+def test_fp8_sinks_variant_compiles():
+    variant = dataclasses.replace(_variant(128, "mask", False), sinks=True)
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
 
 
 def test_forward_fp8_runs_causal_and_unmasked_calls_one_item_per_program(monkeypatch):

@@ -109,6 +109,25 @@ def halves(tensor: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(split.iterator, cute.select(split.layout, mode=order))
 
 
+@cute.jit
+def swizzled_at_first(plain: cute.Tensor, swizzle) -> cute.Tensor:
+    """A thread's partition ``plain`` of the unswizzled view of a shared buffer that is
+    ``swizzle``-d (on byte addresses), as a tensor at the swizzled address of its first element
+    with ``plain``'s (static) layout: every element at that address plus a constant.
+
+    Right where each element's offset from the first leaves the bits the swizzle reads and
+    writes alone, carries included: so for the dQ buffer, whose 32-byte swizzle XORs address
+    bit 4 with bit 7, and where a thread's elements lie 4 bytes (the pair), 256 bytes (8 rows)
+    and 2 KB (8 columns) from its first, at an 8-byte aligned address. Through the swizzled
+    pointer itself, each store's address is computed apart; the compiler keeps them all
+    across the tile loop, and they spilled."""
+    addr = plain.iterator.toint()
+    read = ((1 << swizzle.num_bits) - 1) << (swizzle.num_base + swizzle.num_shift)
+    addr = addr ^ ((addr & read) >> swizzle.num_shift)
+    first = cute.make_ptr(plain.element_type, addr, cute.AddressSpace.smem, assumed_align=8)
+    return cute.make_tensor(first, plain.layout)
+
+
 class HopperBackward:
     """The CuTe backward of one :class:`BackwardVariant`; call it through ``cute.compile``."""
 
@@ -183,10 +202,15 @@ class HopperBackward:
         ds_smem = sm90_utils.make_smem_layout_a(
             tensor_utils.LayoutEnum.COL_MAJOR, self.dq_tiler, dtype, 2
         )
-        # fp32 dQ halves (64 queries, 64 columns): two buffers per consumer warpgroup.
-        dq_smem = sm90_utils.make_smem_layout_a(
-            row_major, (BLOCK_M, 8, d // 2), cutlass.Float32, 2 * DQ_BUFFERS
+        # fp32 dQ halves (64 queries, 64 columns): two buffers per consumer warpgroup, in
+        # 32-byte swizzle atoms (8 columns). Their XOR touches only bit 4 of the address, inside
+        # a thread's first column pair, so each thread's 16 stores are one base register plus
+        # constants (with the 128-byte swizzle, 14 addresses held across the tile loop spilled
+        # in the unmasked variant); a warp's stores still cover 256 contiguous bytes each.
+        dq_atom = sm90_utils.make_smem_layout_atom(
+            warpgroup.SmemLayoutAtomKind.K_SW32, cutlass.Float32
         )
+        dq_smem = cute.tile_to_shape(dq_atom, (BLOCK_M, d // 2, 2 * DQ_BUFFERS), order=(0, 1, 2))
         kv_one = cute.slice_(kv_smem, (None, None, 0))
         q_one = cute.slice_(q_smem, (None, None, 0))
         dq_one = cute.slice_(dq_smem, (None, None, 0))
@@ -287,6 +311,7 @@ class HopperBackward:
         sdO = storage.sdO.get_tensor(q_smem.outer, swizzle=q_smem.inner)
         sdS = storage.sdS.get_tensor(ds_smem.outer, swizzle=ds_smem.inner)
         sdQ = storage.sdQ.get_tensor(dq_smem.outer, swizzle=dq_smem.inner)
+        sdQ_plain = storage.sdQ.get_tensor(dq_smem.outer)
         kv_full = storage.kv_full.data_ptr()
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
@@ -335,10 +360,10 @@ class HopperBackward:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(
                 sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dk, mdK, tma_dv, mdV,
-                mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta, kv_full, full,
-                empty, dq_full, dq_empty, n_tile, h_kv, b, role - 1, tidx % WARPGROUP_THREADS,
-                mQ.shape[0], seqlen_k, heads_per_kv, heads_per_mask_head, qk_scale,
-                softmax_scale,
+                mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ_plain, dq_smem.inner, sLse,
+                sDelta, kv_full, full, empty, dq_full, dq_empty, n_tile, h_kv, b, role - 1,
+                tidx % WARPGROUP_THREADS, mQ.shape[0], seqlen_k, heads_per_kv,
+                heads_per_mask_head, qk_scale, softmax_scale,
             )  # fmt: skip
 
     @cute.jit
@@ -398,9 +423,9 @@ class HopperBackward:
     @cute.jit
     def consume(
         self, sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_dk, mdK, tma_dv, mdV,
-        mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ, sLse, sDelta, kv_full, full, empty,
-        dq_full, dq_empty, n_tile, h_kv, b, wg, thread, seqlen_q, seqlen_k, heads_per_kv,
-        heads_per_mask_head, qk_scale, softmax_scale,
+        mBounds, mEntries, mCounts, sK, sV, sQ, sdO, sdS, sdQ_plain, dq_swizzle, sLse, sDelta,
+        kv_full, full, empty, dq_full, dq_empty, n_tile, h_kv, b, wg, thread, seqlen_q, seqlen_k,
+        heads_per_kv, heads_per_mask_head, qk_scale, softmax_scale,
     ):  # fmt: skip
         """Consumer warpgroup ``wg``: dK and dV of keys ``n_tile * 128 + wg * 64 ...``, and its
         half of D of every listed tile's dQ (left for the writer warp)."""
@@ -527,7 +552,9 @@ class HopperBackward:
                 dq_stage = wg * DQ_BUFFERS + buf
                 # The writer has read what this buffer held two tiles ago.
                 cute.arch.mbarrier_wait(dq_empty + dq_stage, ((it // DQ_BUFFERS) % 2) ^ 1)
-                tDQsC = dq_thr.partition_C(sdQ[None, None, dq_stage])
+                tDQsC = swizzled_at_first(
+                    dq_thr.partition_C(sdQ_plain[None, None, dq_stage]), dq_swizzle
+                )
                 dq_scaled = cute.make_rmem_tensor_like(acc_dq, cutlass.Float32)
                 dq_scaled.store(acc_dq.load() * softmax_scale)
                 cute.autovec_copy(dq_scaled, tDQsC)

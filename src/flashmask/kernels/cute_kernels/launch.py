@@ -36,6 +36,11 @@ KV_STAGES = {64: 4, 128: 3, 192: 2, 256: 2}
 # spill at the consumers' 240 registers, and would skip masked keys half as finely.
 FP8_KV_STAGES = {64: 8, 128: 6, 256: 5}
 FP8_HEAD_DIMS = tuple(FP8_KV_STAGES)
+# Of every four columns of a thread's score rows, how many take the softmax's exponential on
+# the FMA pipe (``forward.exp2_fma``) rather than the special-function unit, per kind of
+# forward: "capped" (a logit cap, whose tanh takes the special-function unit too), "fp8" (the
+# FP8 forward, whose products take half the bf16 time) and "plain". See docs/performance.md.
+FMA_EXP2_SHARE = {"plain": 0, "capped": 2, "fp8": 0}
 # Query rows per program of both forwards (``forward.BLOCK_M``, here without importing cutlass).
 QUERY_TILE = 128
 
@@ -218,6 +223,7 @@ def forward(
     variant = _variant(
         d, KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent,
         head_dim_v=dv if dv != d else None, softcap=float(softcap), sinks=sinks is not None,
+        fma_exp2_share=FMA_EXP2_SHARE["capped" if softcap > 0 else "plain"],
     )  # fmt: skip
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
@@ -435,6 +441,7 @@ def forward_fp8(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     persistent: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, D] out_dtype, lse float32 [B, Hq, Sq])`` of the FP8 (e4m3) CuTe
     forward, on the same lists, bounds, launch order and schedules as :func:`forward`.
@@ -453,21 +460,25 @@ def forward_fp8(
     ``bounds [B, Hm, 4, Sk]`` int32 (``None``: no interval mask), ``mask_heads`` Hm (1, Hk or
     Hq); ``order``: the lists' launch order (``preparation.program_orders``) or ``None``;
     ``skip_tiles=False``: the dense mode (every listed tile masked). ``persistent``: as
-    :func:`forward` (``None``: persistent programs exactly for a non-causal interval mask)."""
+    :func:`forward` (``None``: persistent programs exactly for a non-causal interval mask).
+    ``sinks`` (``[Hq]``, finite): as :func:`forward`'s, joined in the kernel's epilogue (a
+    fully masked row then gives O = 0 and lse = its sink)."""
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     _check_fp8_inputs(q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype)
     b, sq, hq, d = q.shape
     variant = _variant(
-        d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True
-    )
+        d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True,
+        sinks=sinks is not None, fma_exp2_share=FMA_EXP2_SHARE["fp8"],
+    )  # fmt: skip
     kernel = compiled_forward(variant, out_dtype)
     values = fp8_values_transposed(v, key_tile(d))
     # Per (batch, K/V head): the score scale's factor and O's.
     scales = torch.stack((q_descale * k_descale, v_descale), dim=-1).contiguous()
     out = torch.empty(b, sq, hq, d, dtype=out_dtype, device=q.device)
+    extra = (scales,) if sinks is None else (scales, sinks.to(torch.float32).contiguous())
     return _launch(
         kernel, q, k, values, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent, scales,
+        variant.persistent, *extra,
     )  # fmt: skip
