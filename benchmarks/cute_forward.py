@@ -85,10 +85,10 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
         (order,) = preparation.program_orders([(lists, heads, True)])
     mask_heads = 1 if sri is None else sri.shape[1]
 
-    def cute(persistent: bool | None = None, softcap: float = 0.0):
+    def cute(persistent: bool | None = None):
         return launch.forward(
             q, k, v, bounds, lists, mask_heads, causal, not causal, scale, True, order,
-            persistent=persistent, softcap=softcap,
+            persistent=persistent,
         )  # fmt: skip
 
     return q, k, v, sri, causal, scale, flop, cute
@@ -161,96 +161,6 @@ def measure_persistent_ab(head_dims: list[int], rounds: int = 2) -> tuple[dict, 
     return meta, cells
 
 
-# --exp2-share-ab: (kind of forward, share of each row's exponentials on the FMA pipe) timed.
-EXP2_SHARES = (("plain", 0), ("plain", 1), ("capped", 0), ("capped", 1), ("capped", 2),
-               ("capped", 3), ("fp8", 0), ("fp8", 1), ("fp8", 2))  # fmt: skip
-SOFTCAP = 30.0
-
-
-def measure_exp2_share_ab(head_dims: list[int], rounds: int = 2) -> tuple[dict, list[dict]]:
-    """Per mask, the CuTe forward of each kind (plain bf16, capped bf16 at :data:`SOFTCAP`,
-    FP8 on the inputs quantised per head, V^T pre-pass included) at each share of
-    :data:`EXP2_SHARES` (``launch.FMA_EXP2_SHARE`` set for the call), alternating for
-    ``rounds`` rounds on the same inputs, each keeping its best median; and the largest
-    |difference| of each output from the same kind's at share 0."""
-    import torch
-
-    from flashmask import fp8
-    from flashmask.bench import _bench
-    from flashmask.kernels.cute_kernels import launch
-
-    cells = []
-    for d, s, b, heads, name in cases(head_dims):
-        q, k, v, sri, causal, scale, flop, cute = inputs(d, s, b, heads, name)
-        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(x) for x in (q, k, v))
-        calls = {
-            "plain": lambda: cute(),
-            "capped": lambda: cute(softcap=SOFTCAP),
-            "fp8": lambda: fp8._kernel_forward(
-                q8, k8, v8, sri, causal, scale, qd, kd, vd, torch.bfloat16
-            ),
-        }
-
-        def run(kind: str, share: int, timed: bool):
-            saved = launch.FMA_EXP2_SHARE[kind]
-            launch.FMA_EXP2_SHARE[kind] = share
-            try:
-                return _bench(calls[kind], 200) if timed else calls[kind]()[0]
-            finally:
-                launch.FMA_EXP2_SHARE[kind] = saved
-
-        cell: dict = {"d": d, "s": s, "b": b, "mask": name}
-        try:
-            times: dict[str, list[float]] = {f"{k}{n}": [] for k, n in EXP2_SHARES}
-            for _ in range(rounds):
-                for kind, share in EXP2_SHARES:
-                    times[f"{kind}{share}"].append(run(kind, share, True))
-            for key, ms in times.items():
-                cell[key] = {"ms": min(ms), "tflops": flop / min(ms) / 1e9}
-            for kind, share in EXP2_SHARES:
-                if share:
-                    diff = run(kind, share, False).float() - run(kind, 0, False).float()
-                    cell[f"{kind}{share}"]["max_diff"] = diff.abs().max().item()
-        except Exception as exc:  # a failing mask costs only its row
-            cell["error"] = f"{type(exc).__name__}: {exc}"[:200]
-        print(json.dumps(cell), flush=True)
-        cells.append(cell)
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "kind": "exp2_share_ab",
-        "rounds": rounds,
-    }
-    return meta, cells
-
-
-def render_exp2_share_ab(meta: dict, cells: list[dict]) -> str:
-    """A markdown table: per mask, each kind's TFLOP/s at share 0 and its time at each other
-    share over its time at share 0 (below 1: faster)."""
-    keys = [f"{kind}{share}" for kind, share in EXP2_SHARES]
-    lines = [
-        f"# CuTe forward, exponentials on the FMA pipe ({meta.get('gpu', '?')}, "
-        f"torch {meta.get('torch', '?')})",
-        "",
-        "Forward TFLOP/s (visible pairs) at share 0 and time / share 0's time at the others "
-        f"(share n: n of every 4 score columns by `exp2_fma`), head dim 128, 32K tokens; "
-        f"capped at {SOFTCAP}; each the best median of {meta.get('rounds', '?')} rounds.",
-        "",
-        "| D | S | mask | " + " | ".join(keys) + " |",
-        "|---:|---:|---|" + "---:|" * len(keys),
-    ]
-    for c in cells:
-        row = []
-        for kind, share in EXP2_SHARES:
-            base, this = c.get(f"{kind}0", {}).get("ms"), c.get(f"{kind}{share}", {}).get("ms")
-            if share == 0:
-                row.append(f"{c[f'{kind}0']['tflops']:.0f}" if base else "—")
-            else:
-                row.append(f"{this / base:.3f}" if this and base else "—")
-        lines.append(f"| {c['d']} | {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def render_persistent_ab(meta: dict, cells: list[dict]) -> str:
     """A markdown table: the CuTe forward's TFLOP/s with the persistent variant off and on."""
     lines = [
@@ -316,29 +226,19 @@ def main() -> None:
         "--persistent-ab", action="store_true",
         help="time the CuTe forward with its persistent variant off and on instead",
     )  # fmt: skip
-    parser.add_argument(
-        "--exp2-share-ab", action="store_true",
-        help="time the plain, capped and FP8 CuTe forwards at each share of exponentials on "
-        "the FMA pipe instead",
-    )  # fmt: skip
     args = parser.parse_args()
-    renderers = {"persistent_ab": render_persistent_ab, "exp2_share_ab": render_exp2_share_ab}
     if args.render:
         data = json.loads(args.render.read_text())
-        show = renderers.get(data["meta"].get("kind"), render)
+        show = render_persistent_ab if data["meta"].get("kind") == "persistent_ab" else render
         print(show(data["meta"], data["cells"]), end="")
         return
     import torch
 
     if not torch.cuda.is_available():
         parser.error("timing the CuTe forward needs a Hopper GPU (--render works anywhere)")
-    one_dim = args.persistent_ab or args.exp2_share_ab
-    head_dims = args.head_dims or ("128" if one_dim else "128,256,64")
+    head_dims = args.head_dims or ("128" if args.persistent_ab else "128,256,64")
     head_dims = [int(x) for x in head_dims.split(",")]
-    if args.exp2_share_ab:
-        meta, cells = measure_exp2_share_ab(head_dims)
-        table = render_exp2_share_ab(meta, cells)
-    elif args.persistent_ab:
+    if args.persistent_ab:
         meta, cells = measure_persistent_ab(head_dims)
         table = render_persistent_ab(meta, cells)
     else:

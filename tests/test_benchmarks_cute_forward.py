@@ -53,22 +53,3 @@ def test_render_option_picks_the_table_of_the_run(script, tmp_path, monkeypatch,
     run.write_text(json.dumps({"meta": {}, "cells": []}))
     script.main()
     assert "| cute | routed | fm4 |" in capsys.readouterr().out
-
-
-def test_render_exp2_share_ab_gives_share_0_rates_and_time_ratios(script, tmp_path, monkeypatch):
-    cell = {"d": 128, "s": 8192, "b": 4, "mask": "causal"}
-    for kind, share in script.EXP2_SHARES:
-        cell[f"{kind}{share}"] = {"ms": 1.0 - 0.1 * share, "tflops": 500.0 / (1.0 - 0.1 * share)}
-    failed = {"d": 128, "s": 32768, "b": 1, "mask": "full", "error": "RuntimeError: no"}
-    table = script.render_exp2_share_ab({"gpu": "GPU X", "rounds": 2}, [cell, failed])
-    header, _, first, second = table.splitlines()[-4:]
-    assert header.startswith("| D | S | mask | plain0 | plain1 | capped0 |")
-    names, cells = (line.strip("| ").split(" | ") for line in (header, first))
-    values = dict(zip(names, cells, strict=True))
-    assert values["plain0"] == values["capped0"] == values["fp80"] == "500"
-    assert values["capped2"] == "0.800" and values["fp81"] == "0.900"
-    assert second.endswith("| — | — |") and "full" in second
-    run = tmp_path / "ab.json"
-    run.write_text(json.dumps({"meta": {"kind": "exp2_share_ab"}, "cells": [cell]}))
-    monkeypatch.setattr(sys, "argv", ["cute_forward.py", "--render", str(run)])
-    script.main()

@@ -211,25 +211,6 @@ def test_sinks_join_the_rows_in_the_kernel(case: Case):
     check_against_reference(case, x, scale, out, lse, sinks)
 
 
-@pytest.mark.parametrize("share", [2, 4])
-@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["plain", "capped"])
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"causal{int(f[0])}-c{f[1]}")
-def test_exponentials_on_the_fma_pipe_match_the_reference(monkeypatch, share, softcap, form):
-    """``forward.exp2_fma`` for ``share`` of every four score columns (4: all), plain and
-    capped, at ragged lengths with fully masked rows (O = 0, lse = -inf exactly)."""
-    from flashmask.kernels.cute_kernels import launch
-
-    monkeypatch.setitem(launch.FMA_EXP2_SHARE, "capped" if softcap else "plain", share)
-    causal, columns = form
-    case = Case(
-        "random", 1000, 1100, 8, 2, 128, True, causal=causal, columns=columns, softcap=softcap
-    )
-    x = make_inputs(case)
-    scale = case.d**-0.5
-    out, lse = cute_forward(x, scale, softcap=softcap)
-    check_against_reference(case, x, scale, out, lse)
-
-
 @pytest.mark.parametrize("name", ["causal", "document", "share_question"])
 def test_a_capped_call_takes_a_negative_scale(name: str):
     """With a cap the row max is over the capped scores, so any scale runs (the uncapped

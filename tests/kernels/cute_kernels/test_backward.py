@@ -70,41 +70,43 @@ def test_the_unmasked_variants_spill_nothing(tmp_path, causal: bool):
 
 
 def _dq_buffer_offset(stage: int, row: int, column: int) -> int:
-    """Byte offset of fp32 dQ element (row, column) of a buffer ``stage`` (before the
-    swizzle): 64 x 64 per buffer in 32-byte atoms of 8 columns, rows within a column block."""
-    return stage * 64 * 64 * 4 + (column // 8) * 64 * 32 + row * 32 + (column % 8) * 4
+    """Byte offset of fp32 dQ element (row, column) of buffer ``stage`` (before the swizzle):
+    64 x 64 per buffer in two 128-byte-wide atoms of 32 columns, rows 128 bytes apart."""
+    return stage * 64 * 64 * 4 + (column // 32) * 64 * 128 + row * 128 + (column % 32) * 4
 
 
-def _swizzle_32b(address: int) -> int:
-    """The 32-byte swizzle of shared-memory byte ``address``: bit 4 XOR bit 7."""
-    return address ^ ((address & 0x80) >> 3)
+def _swizzle_128b(address: int) -> int:
+    """The 128-byte swizzle of shared-memory byte ``address``: bits 4-6 XOR bits 7-9."""
+    return address ^ ((address >> 3) & 0x70)
 
 
-def test_each_threads_dq_stores_are_its_first_swizzled_address_plus_constants():
+def test_each_threads_dq_stores_are_a_swizzled_base_per_column_group_plus_constants():
     """What ``backward.swizzled_at_first`` relies on, for every thread and buffer: thread t of
     a warpgroup holds rows 16 (t // 32) + (t % 32) // 4 + 8 h and columns 8 j + 2 (t % 4) + e
-    of the 64 x 64 fp32 dQ product (PTX's wgmma accumulator fragment), and the swizzled
-    address of each is that of its first plus the unswizzled distance. The buffers start at a
-    1024-byte boundary, so address and offset bits agree."""
+    of the 64 x 64 fp32 dQ product (PTX's wgmma accumulator fragment), and in each group j
+    the swizzled address of each element is that of the group's first plus the unswizzled
+    distance. The buffers start at a 1024-byte boundary, so address and offset bits agree."""
     assert backward.BLOCK_M == 64 and backward.DQ_BUFFERS == 2
-    for stage in range(2 * backward.DQ_BUFFERS):
-        for t in range(128):
-            row0 = 16 * (t // 32) + (t % 32) // 4
-            col0 = 2 * (t % 4)
-            first = _dq_buffer_offset(stage, row0, col0)
-            for h, j, e in itertools.product(range(2), range(8), range(2)):
-                offset = _dq_buffer_offset(stage, row0 + 8 * h, col0 + 8 * j + e)
-                assert _swizzle_32b(offset) == _swizzle_32b(first) + offset - first
+    for stage, t, j in itertools.product(range(2 * backward.DQ_BUFFERS), range(128), range(8)):
+        row0 = 16 * (t // 32) + (t % 32) // 4
+        col0 = 8 * j + 2 * (t % 4)
+        first = _dq_buffer_offset(stage, row0, col0)
+        for h, e in itertools.product(range(2), range(2)):
+            offset = _dq_buffer_offset(stage, row0 + 8 * h, col0 + e)
+            assert _swizzle_128b(offset) == _swizzle_128b(first) + offset - first
 
 
 def test_a_warps_dq_stores_meet_no_bank_conflict():
-    """Each of a warp's 8-byte dQ stores covers 256 contiguous bytes (two wavefronts, the
-    least): its 32 lanes' column pair lands in 8 rows x 32 bytes, swizzled within them."""
+    """Each of a warp's 8-byte dQ stores (one row half h, one column group j) takes two
+    wavefronts, the least for 256 bytes: its 32 lanes' pairs cover every bank twice."""
     for warp, h, j in itertools.product(range(4), range(2), range(8)):
-        addresses = sorted(
-            _swizzle_32b(
+        banks = [
+            _swizzle_128b(
                 _dq_buffer_offset(0, 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4))
             )
+            // 4
+            % 32
             for lane in range(32)
-        )
-        assert addresses == list(range(addresses[0], addresses[0] + 256, 8))
+        ]
+        words = sorted(bank + half for bank in banks for half in (0, 1))
+        assert words == sorted(list(range(32)) * 2)

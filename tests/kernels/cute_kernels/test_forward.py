@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from flashmask.kernels.cute_kernels import launch
 if importlib.util.find_spec("cutlass") is None:
     pytest.skip("needs the flashmask[cute] extra (nvidia-cutlass-dsl)", allow_module_level=True)
 
-from flashmask.kernels.cute_kernels.forward import EXP2_POLY, ForwardVariant
+from flashmask.kernels.cute_kernels.forward import ForwardVariant
 from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
 
 # (causal, has_mask, has_upper): full, causal, causal with a lower interval, and non-causal
@@ -142,14 +141,10 @@ def _ptx(tmp_path, form: int = 1, persistent: bool = False, **fields) -> str:
     return compiled_ptx(tmp_path, _VARIANT.format(form=form, persistent=persistent, fields=fields))
 
 
-PTX_OPS = ("tanh.approx.f32", "ex2.approx", "rcp.approx", "max.NaN.f32")
-
-
-def _ptx_counts(tmp_path, softcap: float, fma_exp2_share: int = 0) -> dict[str, int]:
-    """Instruction counts in the PTX of the causal head-dim-128 forward with ``softcap`` (a
-    ``max.NaN.f32`` opens each exponential on the FMA pipe, ``forward.exp2_fma``)."""
-    text = _ptx(tmp_path, softcap=softcap, fma_exp2_share=fma_exp2_share)
-    return {op: text.count(op) for op in PTX_OPS}
+def _ptx_counts(tmp_path, softcap: float) -> dict[str, int]:
+    """Instruction counts in the PTX of the causal head-dim-128 forward with ``softcap``."""
+    text = _ptx(tmp_path, softcap=softcap)
+    return {op: text.count(op) for op in ("tanh.approx.f32", "ex2.approx", "rcp.approx")}
 
 
 def _spill_bytes(tmp_path, **variant) -> int:
@@ -170,56 +165,10 @@ def test_sinks_add_no_spills(tmp_path):
 def test_the_cap_takes_one_tanh_per_score_and_no_reciprocal(tmp_path):
     """The cap is PTX's ``tanh.approx.f32`` (one MUFU op per score; measured 1.21-1.29x the
     plain forward where ``1 - 2 / (e^(2x) + 1)`` took 1.40-1.55x): as many tanh as the
-    softmax's exponentials per score, no extra exponential and no reciprocal; the launcher's
-    share of those exponentials runs on the FMA pipe."""
-    share = launch.FMA_EXP2_SHARE["capped"]
+    softmax's exponentials per score, no extra exponential and no reciprocal."""
     plain = _ptx_counts(tmp_path / "plain", 0.0)
-    capped = _ptx_counts(tmp_path / "capped", 30.0, share)
-    assert plain["tanh.approx.f32"] == 0 and plain["max.NaN.f32"] == 0
+    capped = _ptx_counts(tmp_path / "capped", 30.0)
+    assert plain["tanh.approx.f32"] == 0
     assert capped["tanh.approx.f32"] > 0
-    assert capped["ex2.approx"] + capped["max.NaN.f32"] == plain["ex2.approx"]
-    assert capped["max.NaN.f32"] > 0
+    assert capped["ex2.approx"] == plain["ex2.approx"]
     assert capped["rcp.approx"] == plain["rcp.approx"]
-
-
-def test_fma_exp2_share_moves_that_share_of_the_tiles_exponentials(tmp_path):
-    """Of every four score columns ``share`` take ``exp2_fma`` (``share = 4``: all of them);
-    the rows' rescaling factors and the epilogue keep the special-function unit's."""
-    counts = {share: _ptx_counts(tmp_path / str(share), 0.0, share) for share in (0, 1, 4)}
-    assert counts[0]["max.NaN.f32"] == 0
-    assert 4 * counts[1]["max.NaN.f32"] == counts[4]["max.NaN.f32"] > 0
-    for share in (1, 4):
-        assert counts[share]["ex2.approx"] + counts[share]["max.NaN.f32"] == counts[0]["ex2.approx"]
-    assert counts[4]["ex2.approx"] > 0
-
-
-def _exp2_fma_model(x: np.ndarray) -> np.ndarray:
-    """``forward.exp2_fma``'s steps on float32 numpy values, one rounding per PTX instruction
-    (an FMA rounded once, here computed in float64 then rounded)."""
-    f32 = np.float32
-    shift = f32(1.5 * 2**23)
-    t = np.where(np.isnan(x), x, np.maximum(x, f32(-127.0))).astype(f32)
-    r = (t + shift).astype(f32)
-    f = (t - (r - shift).astype(f32)).astype(f32)
-    c1, c2, c3 = (np.float64(f32(c)) for c in EXP2_POLY)
-    f64 = f.astype(np.float64)
-    p = f32(c3 * f64 + c2).astype(np.float64)
-    p = f32(p * f64 + c1).astype(np.float64)
-    p = (p * f64 + 1.0).astype(f32)
-    bits = (r.view(np.uint32).astype(np.uint64) << 23) + 0x3F800000
-    scale = (bits & 0xFFFFFFFF).astype(np.uint32).view(f32)
-    out = (p * scale).astype(f32)
-    tiny = np.abs(out) < np.finfo(f32).tiny  # mul.ftz flushes denormal results
-    return np.where(tiny, f32(0.0), out)
-
-
-def test_exp2_fma_is_within_its_error_of_exp2():
-    """Relative error at most 1.1e-4 over the softmax's range (x <= 0), exactly 0 for a
-    hidden score's -inf and below -127, exactly 1 at 0, and NaN stays NaN."""
-    x = -np.random.default_rng(0).random(1 << 20, dtype=np.float32) * 120
-    got = _exp2_fma_model(x).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    assert np.max(np.abs(got / want - 1)) < 1.1e-4
-    special = np.array([0.0, -np.inf, -127.0, -500.0, np.nan], dtype=np.float32)
-    got = _exp2_fma_model(special)
-    assert got[0] == 1.0 and (got[1:4] == 0.0).all() and np.isnan(got[4])

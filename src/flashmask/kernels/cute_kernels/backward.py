@@ -116,11 +116,12 @@ def swizzled_at_first(plain: cute.Tensor, swizzle) -> cute.Tensor:
     with ``plain``'s (static) layout: every element at that address plus a constant.
 
     Right where each element's offset from the first leaves the bits the swizzle reads and
-    writes alone, carries included: so for the dQ buffer, whose 32-byte swizzle XORs address
-    bit 4 with bit 7, and where a thread's elements lie 4 bytes (the pair), 256 bytes (8 rows)
-    and 2 KB (8 columns) from its first, at an 8-byte aligned address. Through the swizzled
-    pointer itself, each store's address is computed apart; the compiler keeps them all
-    across the tile loop, and they spilled."""
+    writes alone, carries included: so for a group of 8 columns of a thread's dQ (the 128-byte
+    swizzle XORs address bits 4-6 with bits 7-9), whose column pair lies 4 bytes and whose
+    second row 1 KB (8 rows) from its first element, at an 8-byte aligned address. Through the
+    swizzled pointer itself, each of the 16 stores' addresses was computed apart, and the
+    compiler kept them across the tile loop, where they spilled (56 bytes) in the unmasked
+    variant."""
     addr = plain.iterator.toint()
     read = ((1 << swizzle.num_bits) - 1) << (swizzle.num_base + swizzle.num_shift)
     addr = addr ^ ((addr & read) >> swizzle.num_shift)
@@ -202,15 +203,10 @@ class HopperBackward:
         ds_smem = sm90_utils.make_smem_layout_a(
             tensor_utils.LayoutEnum.COL_MAJOR, self.dq_tiler, dtype, 2
         )
-        # fp32 dQ halves (64 queries, 64 columns): two buffers per consumer warpgroup, in
-        # 32-byte swizzle atoms (8 columns). Their XOR touches only bit 4 of the address, inside
-        # a thread's first column pair, so each thread's 16 stores are one base register plus
-        # constants (with the 128-byte swizzle, 14 addresses held across the tile loop spilled
-        # in the unmasked variant); a warp's stores still cover 256 contiguous bytes each.
-        dq_atom = sm90_utils.make_smem_layout_atom(
-            warpgroup.SmemLayoutAtomKind.K_SW32, cutlass.Float32
+        # fp32 dQ halves (64 queries, 64 columns): two buffers per consumer warpgroup.
+        dq_smem = sm90_utils.make_smem_layout_a(
+            row_major, (BLOCK_M, 8, d // 2), cutlass.Float32, 2 * DQ_BUFFERS
         )
-        dq_smem = cute.tile_to_shape(dq_atom, (BLOCK_M, d // 2, 2 * DQ_BUFFERS), order=(0, 1, 2))
         kv_one = cute.slice_(kv_smem, (None, None, 0))
         q_one = cute.slice_(q_smem, (None, None, 0))
         dq_one = cute.slice_(dq_smem, (None, None, 0))
@@ -552,12 +548,13 @@ class HopperBackward:
                 dq_stage = wg * DQ_BUFFERS + buf
                 # The writer has read what this buffer held two tiles ago.
                 cute.arch.mbarrier_wait(dq_empty + dq_stage, ((it // DQ_BUFFERS) % 2) ^ 1)
-                tDQsC = swizzled_at_first(
-                    dq_thr.partition_C(sdQ_plain[None, None, dq_stage]), dq_swizzle
-                )
+                tDQsC = dq_thr.partition_C(sdQ_plain[None, None, dq_stage])
                 dq_scaled = cute.make_rmem_tensor_like(acc_dq, cutlass.Float32)
                 dq_scaled.store(acc_dq.load() * softmax_scale)
-                cute.autovec_copy(dq_scaled, tDQsC)
+                # Per group of 8 columns (its pair on two rows), one swizzled base.
+                for j in cutlass.range_constexpr(cute.size(dq_scaled, mode=[0, 2])):
+                    group = ((None, None, j), 0, 0)
+                    cute.autovec_copy(dq_scaled[group], swizzled_at_first(tDQsC[group], dq_swizzle))
                 # Handed to the writer warp: the stores seen by the async proxy, each warp's
                 # lanes done, one arrival per warp.
                 cute.arch.fence_proxy("async.shared", space="cta")

@@ -50,7 +50,6 @@ every variant (``tests/kernels/cute_kernels``); ``tests/gpu`` proves its results
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
 import cutlass
@@ -97,9 +96,7 @@ class ForwardVariant:
     O scales per (batch, K/V head) from a descale tensor (the FP8 forward, below); ``sinks``:
     one learnable logit per query head (gpt-oss's, from a float32 ``[Hq]`` tensor) joins every
     row's softmax denominator at the end of the row, so that O and lse leave the kernel
-    folded, without ``kernels.sinks.fold_sinks``' pass over O; ``fma_exp2_share``: of every
-    four columns of a thread's row, how many take the softmax's exponential on the FMA pipe
-    (:func:`exp2_fma`) instead of the special-function unit (0-4)."""
+    folded, without ``kernels.sinks.fold_sinks``' pass over O."""
 
     head_dim: int
     block_n: int
@@ -114,7 +111,6 @@ class ForwardVariant:
     softcap: float = 0.0
     fp8: bool = False
     sinks: bool = False
-    fma_exp2_share: int = 0
 
     @property
     def value_dim(self) -> int:
@@ -166,54 +162,6 @@ def tanh_approx(x, *, loc=None, ip=None) -> cutlass.Float32:
             T.f32(),
             [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
             "tanh.approx.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-# ``exp2_fma``'s polynomial: 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], fitted for the
-# least largest relative error (1.0e-4, below bf16's half step of 2^-9 and far below e4m3's),
-# with 1 exactly at f = 0, so that a clamped -inf gives exactly 0.
-EXP2_POLY = (0.6932829, 0.24221076, 0.05500875)
-
-
-def _ptx_f32(value: float) -> str:
-    """``value`` rounded to float32, as a PTX hexadecimal float literal (``0fXXXXXXXX``)."""
-    return "0f" + struct.pack(">f", value).hex().upper()
-
-
-@dsl_user_op
-def exp2_fma(x, *, loc=None, ip=None) -> cutlass.Float32:
-    """2^x on the FMA pipe (ten FMA-pipe instructions, no MUFU op), for x <= 0 (a score less
-    its row's max): ``n = round(x)`` by the 1.5 x 2^23 shift (its integer lands in the low bits
-    of ``x + 1.5 x 2^23``), ``2^(x - n)`` by :data:`EXP2_POLY`, times ``2^n`` built in its
-    exponent bits. ``x`` is first clamped at -127, where the result is exactly 0 (a hidden
-    score's ``-inf`` included); a NaN stays NaN (``max.NaN``); below -126 results are denormal
-    and flush to 0. Where the softmax's exponentials alone fill the special-function unit (the
-    capped softmax takes a tanh there too), part of each row's run here instead."""
-    c1, c2, c3 = (_ptx_f32(c) for c in EXP2_POLY)
-    shift = _ptx_f32(1.5 * 2**23)
-    code = (
-        "{ .reg .b32 t, r, n, f, p, e;\n"
-        f"max.NaN.f32 t, $1, {_ptx_f32(-127.0)};\n"
-        f"add.rn.f32 r, t, {shift};\n"
-        f"sub.rn.f32 n, r, {shift};\n"
-        "sub.rn.f32 f, t, n;\n"
-        f"fma.rn.f32 p, f, {c3}, {c2};\n"
-        f"fma.rn.f32 p, p, f, {c1};\n"
-        f"fma.rn.f32 p, p, f, {_ptx_f32(1.0)};\n"
-        "shl.b32 e, r, 23;\n"
-        "add.s32 e, e, 1065353216;\n"  # + the bits of 1.0: 2^n
-        "mul.ftz.f32 $0, p, e; }"
-    )
-    return cutlass.Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
-            code,
             "=f,f",
             has_side_effects=False,
             is_align_stack=False,
@@ -1116,10 +1064,7 @@ class HopperForward:
             row_max[i] = m_new
             tile_sum = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                if cutlass.const_expr(j % 4 >= 4 - self.v.fma_exp2_share):
-                    s_mn[i, j] = exp2_fma(s_mn[i, j] * qk_scale - m_shift)
-                else:
-                    s_mn[i, j] = cute.math.exp2(s_mn[i, j] * qk_scale - m_shift, fastmath=True)
+                s_mn[i, j] = cute.math.exp2(s_mn[i, j] * qk_scale - m_shift, fastmath=True)
                 tile_sum += s_mn[i, j]
             row_sum[i] = row_sum[i] * alpha + tile_sum
             o_scale[i] = alpha

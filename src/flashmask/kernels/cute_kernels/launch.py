@@ -36,11 +36,6 @@ KV_STAGES = {64: 4, 128: 3, 192: 2, 256: 2}
 # spill at the consumers' 240 registers, and would skip masked keys half as finely.
 FP8_KV_STAGES = {64: 8, 128: 6, 256: 5}
 FP8_HEAD_DIMS = tuple(FP8_KV_STAGES)
-# Of every four columns of a thread's score rows, how many take the softmax's exponential on
-# the FMA pipe (``forward.exp2_fma``) rather than the special-function unit, per kind of
-# forward: "capped" (a logit cap, whose tanh takes the special-function unit too), "fp8" (the
-# FP8 forward, whose products take half the bf16 time) and "plain". See docs/performance.md.
-FMA_EXP2_SHARE = {"plain": 0, "capped": 2, "fp8": 0}
 # Query rows per program of both forwards (``forward.BLOCK_M``, here without importing cutlass).
 QUERY_TILE = 128
 
@@ -223,7 +218,6 @@ def forward(
     variant = _variant(
         d, KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent,
         head_dim_v=dv if dv != d else None, softcap=float(softcap), sinks=sinks is not None,
-        fma_exp2_share=FMA_EXP2_SHARE["capped" if softcap > 0 else "plain"],
     )  # fmt: skip
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
@@ -470,7 +464,7 @@ def forward_fp8(
     b, sq, hq, d = q.shape
     variant = _variant(
         d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True,
-        sinks=sinks is not None, fma_exp2_share=FMA_EXP2_SHARE["fp8"],
+        sinks=sinks is not None,
     )  # fmt: skip
     kernel = compiled_forward(variant, out_dtype)
     values = fp8_values_transposed(v, key_tile(d))
