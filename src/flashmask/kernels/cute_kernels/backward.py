@@ -26,7 +26,8 @@ warpgroups:
   waits on a copy. After the lists, dK (scaled) and dV leave through the K and V tiles'
   buffers and one TMA store each.
 
-The shared-memory stores of dS and dQ are vectorised (``autovec_copy``: column pairs).
+The shared-memory stores of dS and dQ are vectorised (``autovec_copy``: column pairs); each
+group of 8 dQ columns is stored from one swizzled base address (:func:`swizzled_at_first`).
 
 Q and dO serve as K-major B operands (for ``S^T`` and ``dP^T``) and, through transposed views
 of the same shared tiles, as MN-major ones (for ``dK`` and ``dV``); K likewise for ``dQ``.
