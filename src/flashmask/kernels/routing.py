@@ -250,9 +250,9 @@ def use_gluon_backward(
 
 
 # The CuTe backward (``cute_kernels.backward``) would take the Gluon backward's calls at these
-# head dims (it walks the same 64 x 128 lists). None yet: at head dim 128 it measured 0.90-1.05x
-# the Gluon backward over the 12 masks at 8K and 32K, 0.90x on full attention (H100,
-# ``benchmarks/results/cute_2026-12-06.md``).
+# head dims (it walks the same 64 x 128 lists). None yet: at head dim 128 it measured 0.93-1.05x
+# the Gluon backward over the 12 masks at 8K and 32K, level or ahead on 7 of 24 cells, 0.95x on
+# full attention at 32K (H100, 2026-12-07, ``benchmarks/results/cute_2026-12-06.md``).
 CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 
