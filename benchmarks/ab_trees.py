@@ -3,7 +3,7 @@
 A change to a kernel is judged by the same benchmark run on the tree with it (``--new``, default
 ``src``) and on the tree without it (``--old``, e.g. ``git archive REV src | tar -x -C old``).
 Runs in separate processes drift (clocks, temperature, a neighbour): on one H100 the Gluon
-backward, the same kernel in every run, moved by up to 10% between runs of the two trees. So the
+backward, the same kernel in every run, moved by up to 11% between runs of the two trees. So the
 trees take turns in ABBA order (new, old, old, new, new, old, ...) for ``--rounds`` runs each, and
 each cell is read as the median of its runs, its range beside it::
 
