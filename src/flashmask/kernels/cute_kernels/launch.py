@@ -159,6 +159,19 @@ def _unread_scales(device: torch.device) -> torch.Tensor:
     return torch.ones(1, 1, 2, dtype=torch.float32, device=device)
 
 
+def _after_stream(
+    scales: torch.Tensor | None, sinks: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The tensors a compiled forward takes after the stream, in :func:`compiled_forward`'s
+    order: the FP8 descales ``scales`` (a stand-in never read where a bf16 forward has sinks),
+    then the sinks as float32; nothing for a bf16 forward without sinks."""
+    if sinks is None:
+        return () if scales is None else (scales,)
+    if scales is None:
+        scales = _unread_scales(device)
+    return scales, sinks.to(torch.float32).contiguous()
+
+
 def _view(x: torch.Tensor, align: int):
     from cutlass.cute.runtime import from_dlpack
 
@@ -221,12 +234,9 @@ def forward(
     )  # fmt: skip
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
-    extra = ()
-    if sinks is not None:
-        extra = (_unread_scales(q.device), sinks.to(torch.float32).contiguous())
     return _launch(
         kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent, *extra,
+        variant.persistent, *_after_stream(None, sinks, q.device),
     )  # fmt: skip
 
 
@@ -471,8 +481,7 @@ def forward_fp8(
     # Per (batch, K/V head): the score scale's factor and O's.
     scales = torch.stack((q_descale * k_descale, v_descale), dim=-1).contiguous()
     out = torch.empty(b, sq, hq, d, dtype=out_dtype, device=q.device)
-    extra = (scales,) if sinks is None else (scales, sinks.to(torch.float32).contiguous())
     return _launch(
         kernel, q, k, values, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent, *extra,
+        variant.persistent, *_after_stream(scales, sinks, q.device),
     )  # fmt: skip
