@@ -65,6 +65,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flashmask.kernels.cute_kernels import fp8_layout
 
 LOG2E = math.log2(math.e)
+# How far (base 2) a tile's top score may pass its row's running max before the max rises and O
+# is rescaled: P then reaches at most 2^8 = 256 (bf16, fp16 and e4m3 hold it), and after a
+# row's first tiles most tiles leave O alone.
+RESCALE_SLACK = 8.0
 
 # Threads of a warpgroup, rows of Q per consumer warpgroup, query rows per program.
 WARPGROUP_THREADS = 128
@@ -1056,11 +1060,17 @@ class HopperForward:
             # The four threads of a quad hold a row's columns.
             tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=2))
             tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
-            m_new = cute.arch.fmax(row_max[i], tile_max * qk_scale)
+            # The row's max rises only when a score passes it by more than RESCALE_SLACK: below
+            # that, P stays under 2^RESCALE_SLACK and O keeps its scale (alpha = 1).
+            tile_top = tile_max * qk_scale
+            m_new = row_max[i]
+            alpha = cutlass.Float32(1.0)
+            if tile_top > row_max[i] + RESCALE_SLACK:
+                m_new = tile_top
+                alpha = cute.math.exp2(row_max[i] - m_new, fastmath=True)
             m_shift = m_new
             if m_new == -cutlass.Float32.inf:
                 m_shift = 0.0
-            alpha = cute.math.exp2(row_max[i] - m_shift, fastmath=True)
             row_max[i] = m_new
             tile_sum = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -1071,11 +1081,16 @@ class HopperForward:
 
     @cute.jit
     def rescale(self, acc_o, o_scale):
-        """Multiply each row of the O accumulator by its factor in ``o_scale``."""
-        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
-        for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[i, j] = o_mn[i, j] * o_scale[i]
+        """Multiply each row of the O accumulator by its factor in ``o_scale``, skipped (one
+        warp vote) where no row of the warp's threads raised its max on this tile."""
+        raised = False
+        for i in cutlass.range_constexpr(cute.size(o_scale)):
+            raised = raised or o_scale[i] != 1.0
+        if cute.arch.vote_any_sync(raised):
+            o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+            for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[i, j] = o_mn[i, j] * o_scale[i]
 
     @cute.jit
     def finish_rows(
