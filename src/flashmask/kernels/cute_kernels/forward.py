@@ -115,6 +115,7 @@ class ForwardVariant:
     softcap: float = 0.0
     fp8: bool = False
     sinks: bool = False
+    lazy_rescale: bool = True
 
     @property
     def value_dim(self) -> int:
@@ -1065,12 +1066,17 @@ class HopperForward:
             tile_top = tile_max * qk_scale
             m_new = row_max[i]
             alpha = cutlass.Float32(1.0)
-            if tile_top > row_max[i] + RESCALE_SLACK:
-                m_new = tile_top
-                alpha = cute.math.exp2(row_max[i] - m_new, fastmath=True)
+            if cutlass.const_expr(self.v.lazy_rescale):
+                if tile_top > row_max[i] + RESCALE_SLACK:
+                    m_new = tile_top
+                    alpha = cute.math.exp2(row_max[i] - m_new, fastmath=True)
+            else:
+                m_new = cute.arch.fmax(row_max[i], tile_top)
             m_shift = m_new
             if m_new == -cutlass.Float32.inf:
                 m_shift = 0.0
+            if cutlass.const_expr(not self.v.lazy_rescale):
+                alpha = cute.math.exp2(row_max[i] - m_shift, fastmath=True)
             row_max[i] = m_new
             tile_sum = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -1083,10 +1089,16 @@ class HopperForward:
     def rescale(self, acc_o, o_scale):
         """Multiply each row of the O accumulator by its factor in ``o_scale``, skipped (one
         warp vote) where no row of the warp's threads raised its max on this tile."""
-        raised = False
-        for i in cutlass.range_constexpr(cute.size(o_scale)):
-            raised = raised or o_scale[i] != 1.0
-        if cute.arch.vote_any_sync(raised):
+        if cutlass.const_expr(self.v.lazy_rescale):
+            raised = False
+            for i in cutlass.range_constexpr(cute.size(o_scale)):
+                raised = raised or o_scale[i] != 1.0
+            if cute.arch.vote_any_sync(raised):
+                o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+                for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                        o_mn[i, j] = o_mn[i, j] * o_scale[i]
+        else:
             o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
             for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
                 for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):

@@ -240,6 +240,10 @@ def forward(
     )  # fmt: skip
 
 
+# Measurement switch of the lazy-rescale A/B (cute_forward.py --lazy-rescale-ab).
+LAZY_RESCALE = True
+
+
 def _variant(
     head_dim: int,
     kv_stages: int,
@@ -259,6 +263,7 @@ def _variant(
     has_mask = bounds is not None
     if persistent is None:
         persistent = has_mask and not causal
+    fields.setdefault("lazy_rescale", LAZY_RESCALE)
     return ForwardVariant(
         head_dim=head_dim,
         block_n=key_tile(head_dim),
