@@ -85,10 +85,10 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
         (order,) = preparation.program_orders([(lists, heads, True)])
     mask_heads = 1 if sri is None else sri.shape[1]
 
-    def cute(persistent: bool | None = None, softcap: float = 0.0):
+    def cute(persistent: bool | None = None):
         return launch.forward(
             q, k, v, bounds, lists, mask_heads, causal, not causal, scale, True, order,
-            persistent=persistent, softcap=softcap,
+            persistent=persistent,
         )  # fmt: skip
 
     return q, k, v, sri, causal, scale, flop, cute
@@ -161,56 +161,6 @@ def measure_persistent_ab(head_dims: list[int], rounds: int = 2) -> tuple[dict, 
     return meta, cells
 
 
-
-def measure_lazy_rescale_ab(head_dims: list[int], rounds: int = 2) -> tuple[dict, list[dict]]:
-    """Per mask, the plain, capped (30) and FP8 CuTe forwards with ``launch.LAZY_RESCALE`` off
-    and on, alternating, each keeping its best median; max |difference| on / off per kind."""
-    import torch
-
-    from flashmask import fp8
-    from flashmask.bench import _bench
-    from flashmask.kernels.cute_kernels import launch
-
-    cells = []
-    for d, s, b, heads, name in cases(head_dims):
-        q, k, v, sri, causal, scale, flop, cute = inputs(d, s, b, heads, name)
-        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(x) for x in (q, k, v))
-        calls = {
-            "plain": lambda: cute(),
-            "capped": lambda: cute(softcap=30.0),
-            "fp8": lambda: fp8._kernel_forward(
-                q8, k8, v8, sri, causal, scale, qd, kd, vd, torch.bfloat16
-            ),
-        }
-
-        def run(kind: str, lazy: bool, timed: bool):
-            launch.LAZY_RESCALE = lazy
-            try:
-                return _bench(calls[kind], 200) if timed else calls[kind]()
-            finally:
-                launch.LAZY_RESCALE = True
-
-        cell: dict = {"d": d, "s": s, "b": b, "mask": name}
-        try:
-            for kind in calls:
-                times = {False: [], True: []}
-                for _ in range(rounds):
-                    for lazy in (False, True):
-                        times[lazy].append(run(kind, lazy, True))
-                off, on = min(times[False]), min(times[True])
-                (o1, l1), (o0, l0) = run(kind, True, False), run(kind, False, False)
-                cell[kind] = {
-                    "off_tflops": flop / off / 1e9, "on_tflops": flop / on / 1e9,
-                    "on_over_off_time": on / off,
-                    "out_diff": (o1.float() - o0.float()).abs().max().item(),
-                    "lse_diff": (l1 - l0).abs().nan_to_num(0.0).max().item(),
-                }  # fmt: skip
-        except Exception as exc:
-            cell["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        print(json.dumps(cell), flush=True)
-        cells.append(cell)
-    return {"gpu": torch.cuda.get_device_name(), "kind": "lazy_rescale_ab"}, cells
-
 def render_persistent_ab(meta: dict, cells: list[dict]) -> str:
     """A markdown table: the CuTe forward's TFLOP/s with the persistent variant off and on."""
     lines = [
@@ -276,7 +226,6 @@ def main() -> None:
         "--persistent-ab", action="store_true",
         help="time the CuTe forward with its persistent variant off and on instead",
     )  # fmt: skip
-    parser.add_argument("--lazy-rescale-ab", action="store_true")
     args = parser.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
@@ -289,10 +238,6 @@ def main() -> None:
         parser.error("timing the CuTe forward needs a Hopper GPU (--render works anywhere)")
     head_dims = args.head_dims or ("128" if args.persistent_ab else "128,256,64")
     head_dims = [int(x) for x in head_dims.split(",")]
-    if args.lazy_rescale_ab:
-        meta, cells = measure_lazy_rescale_ab(head_dims)
-        Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "cells": cells}))
-        return
     if args.persistent_ab:
         meta, cells = measure_persistent_ab(head_dims)
         table = render_persistent_ab(meta, cells)

@@ -172,3 +172,31 @@ def test_the_cap_takes_one_tanh_per_score_and_no_reciprocal(tmp_path):
     assert capped["tanh.approx.f32"] > 0
     assert capped["ex2.approx"] == plain["ex2.approx"]
     assert capped["rcp.approx"] == plain["rcp.approx"]
+
+
+def test_the_row_max_rises_lazily_where_it_was_measured_faster():
+    """``lazy_rescale``: the bf16/fp16 one-item variants and the capped persistent one; the
+    plain persistent variant (its spills grow) and FP8 (a row's top P must round to 1 in e4m3)
+    raise the max on every larger tile top."""
+    one_item = _variant(128, FORMS[2], False, False)
+    persistent = _variant(128, FORMS[3], False, True)
+    assert one_item.lazy_rescale
+    assert dataclasses.replace(one_item, softcap=30.0).lazy_rescale
+    assert not persistent.lazy_rescale
+    assert dataclasses.replace(persistent, softcap=30.0).lazy_rescale
+    assert not dataclasses.replace(one_item, fp8=True).lazy_rescale
+    assert not dataclasses.replace(persistent, softcap=30.0, fp8=True).lazy_rescale
+
+
+def test_only_the_lazy_variants_vote_on_the_rescale(tmp_path):
+    """The O rescale behind a warp vote compiles exactly where ``lazy_rescale`` says."""
+    votes = {
+        name: _ptx(tmp_path / name, form=form, persistent=persistent, **fields).count("vote.")
+        for name, form, persistent, fields in (
+            ("causal", 1, False, {}),
+            ("persistent", 3, True, {}),
+            ("capped_persistent", 3, True, {"softcap": 30.0}),
+        )
+    }
+    assert votes["causal"] > 0
+    assert votes["capped_persistent"] > votes["persistent"], votes

@@ -243,6 +243,23 @@ def test_values_transposed_permutes_keys_and_pads_with_zeros():
     assert (raw_vt[..., ~real] == 0).all()
 
 
+@pytest.mark.parametrize(
+    ("shape", "block_n", "transposed"),
+    [((2, 150, 3, 64), 128, False), ((1, 77, 2, 128), 16, True), ((1, 256, 1, 256), 64, False)],
+)
+def test_values_transposed_kernel_equals_the_copy(shape, block_n: int, transposed: bool):
+    """The Triton pre-pass (here through its interpreter) writes what the strided copy does:
+    keys permuted, zeros past Sk, any strides of V."""
+    torch.manual_seed(2)
+    v = _fp8(torch.randn(*shape))
+    if transposed:  # [B, Hk, Sk, D] storage seen as [B, Sk, Hk, D]
+        v = _fp8(torch.randn(shape[0], shape[2], shape[1], shape[3])).transpose(1, 2)
+    by_kernel = launch.fp8_values_transposed_by_kernel(v, block_n)
+    by_copy = launch.fp8_values_transposed_by_copy(v, block_n)
+    assert by_kernel.dtype == torch.float8_e4m3fn and by_kernel.is_contiguous()
+    assert torch.equal(by_kernel.view(torch.uint8), by_copy.view(torch.uint8))
+
+
 def test_values_transposed_takes_any_strides():
     v = _fp8(torch.randn(1, 3, 64, 32)).transpose(1, 2)  # [1, 64, 3, 32], not contiguous
     expected = launch.fp8_values_transposed(v.contiguous(), 64)

@@ -240,10 +240,6 @@ def forward(
     )  # fmt: skip
 
 
-# Measurement switch of the lazy-rescale A/B (cute_forward.py --lazy-rescale-ab).
-LAZY_RESCALE = True
-
-
 def _variant(
     head_dim: int,
     kv_stages: int,
@@ -263,7 +259,6 @@ def _variant(
     has_mask = bounds is not None
     if persistent is None:
         persistent = has_mask and not causal
-    fields.setdefault("lazy_rescale", LAZY_RESCALE)
     return ForwardVariant(
         head_dim=head_dim,
         block_n=key_tile(head_dim),
@@ -327,10 +322,40 @@ def fp8_values_transposed(v: torch.Tensor, block_n: int) -> torch.Tensor:
 
     ``KEY_ORDER`` is an axis swap: a group's key ``8 a + 2 t + c`` (``a`` < 2, ``t`` < 4, ``c``
     < 2) sits at k index ``4 t + 2 a + c``, so the keys viewed as ``(group, a, t, c)`` are read
-    as ``(group, t, a, c)``, and the permutation and the transposition are one strided copy (a
-    second, the padding, only where ``block_n`` does not divide Sk)."""
+    as ``(group, t, a, c)``. On a GPU one tiled kernel does both
+    (``triton_kernels.fp8_values``); elsewhere :func:`fp8_values_transposed_by_copy`."""
     if block_n % fp8_layout.KEY_GROUP:
         raise ValueError(f"block_n must be a multiple of {fp8_layout.KEY_GROUP}, got {block_n}")
+    if not v.is_cuda:
+        return fp8_values_transposed_by_copy(v, block_n)
+    return fp8_values_transposed_by_kernel(v, block_n)
+
+
+def fp8_values_transposed_by_kernel(v: torch.Tensor, block_n: int) -> torch.Tensor:
+    """:func:`fp8_values_transposed` by one Triton launch (any device Triton runs on: a GPU, or
+    the CPU through its interpreter)."""
+    from flashmask.kernels.launch import launch_kernel
+    from flashmask.kernels.triton_kernels.fp8_values import (
+        flashmask_fp8_values_transposed_kernel,
+    )
+
+    b, sk, hk, d = v.shape
+    padded = -(-sk // block_n) * block_n
+    raw = v.view(torch.uint8)
+    out = torch.empty(b, hk, d, padded, dtype=torch.uint8, device=v.device)
+    block_p, block_d = 128, 64
+    grid = (-(-padded // block_p), b * hk, -(-d // block_d))
+    launch_kernel(
+        flashmask_fp8_values_transposed_kernel, grid, raw, out, sk, padded, hk, d,
+        *raw.stride(), BLOCK_P=block_p, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out.view(torch.float8_e4m3fn)
+
+
+def fp8_values_transposed_by_copy(v: torch.Tensor, block_n: int) -> torch.Tensor:
+    """:func:`fp8_values_transposed` as one strided torch copy (the permutation and the
+    transposition at once; a second copy, the padding, only where ``block_n`` does not divide
+    Sk)."""
     b, sk, hk, d = v.shape
     padded = -(-sk // block_n) * block_n
     # Bytes: padding and copies of every dtype, the same bits.
