@@ -15,9 +15,10 @@ preparation gives a launch order. Per program, 384 threads in three warpgroups:
   on a partial tile (every tile in the dense mode) and runs the online softmax of ``S_j`` (row
   max over unscaled scores, ``p = exp2(s * scale - m)``) while its own ``P V`` and the other
   warpgroup's products run; then it waits for its ``P V``, releases ``V_{j-1}`` and rescales
-  O. After the list: the last ``P V``, ``O / l`` through the warpgroup's
-  Q half in shared memory and one TMA store, and the lse of its rows (``-inf`` and ``O = 0`` on a
-  fully masked row).
+  O (in the ``ForwardVariant.lazy_rescale`` variants the max rises only when a tile passes it
+  by more than ``RESCALE_SLACK``, and O is rescaled only where a warp's rows raised theirs).
+  After the list: the last ``P V``, ``O / l`` through the warpgroup's Q half in shared memory
+  and one TMA store, and the lse of its rows (``-inf`` and ``O = 0`` on a fully masked row).
 
 The element mask of a partial tile reads the four normalised row bounds ``(LTS, LTE, UTS, UTE)``
 of each of its key columns in one 16-byte load from the column-major bounds
