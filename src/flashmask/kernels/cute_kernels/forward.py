@@ -122,8 +122,9 @@ class ForwardVariant:
     def lazy_rescale(self) -> bool:
         """Whether a row's max rises only past ``RESCALE_SLACK`` (O rescaled on a warp vote)
         rather than on every larger tile top. Measured on an H100 (``docs/performance.md``):
-        4.5% faster on the one-item variants and 2% on the capped persistent one, but 2.7%
-        slower on the plain persistent one (its spills grow from 40/64 to 104/112 bytes); and
+        4.5% faster on the one-item variants and 2% on the capped persistent one (whose spills
+        fall from 56/80 to 16/20 bytes), but 2.7% slower on the plain persistent one (whose
+        spills grow from 40/64 to 104/112 bytes); and
         FP8 keeps the exact max, since a row's top P of up to 2^8 rounds in e4m3 (2^-4) where
         the exact max makes it 1, which tripled the error on peaked rows."""
         if self.fp8:
