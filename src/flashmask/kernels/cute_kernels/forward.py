@@ -124,9 +124,9 @@ class ForwardVariant:
         rather than on every larger tile top. Measured on an H100 (``docs/performance.md``):
         4.5% faster on the one-item variants and 2% on the capped persistent one (whose spills
         fall from 56/80 to 16/20 bytes), but 2.7% slower on the plain persistent one (whose
-        spills grow from 40/64 to 104/112 bytes); and
-        FP8 keeps the exact max, since a row's top P of up to 2^8 rounds in e4m3 (2^-4) where
-        the exact max makes it 1, which tripled the error on peaked rows."""
+        spills grow from 40/64 to 104/112 bytes). FP8 keeps the exact max: a row's top P of up
+        to 2^8 rounds in e4m3 (2^-4) where the exact max makes it 1, which tripled the error on
+        peaked rows."""
         if self.fp8:
             return False
         return not self.persistent or self.softcap != 0.0
@@ -1078,9 +1078,9 @@ class HopperForward:
             # The row's max rises only when a score passes it by more than RESCALE_SLACK: below
             # that, P stays under 2^RESCALE_SLACK and O keeps its scale (alpha = 1).
             tile_top = tile_max * qk_scale
-            m_new = row_max[i]
-            alpha = cutlass.Float32(1.0)
             if cutlass.const_expr(self.v.lazy_rescale):
+                m_new = row_max[i]
+                alpha = cutlass.Float32(1.0)
                 if tile_top > row_max[i] + RESCALE_SLACK:
                     m_new = tile_top
                     alpha = cute.math.exp2(row_max[i] - m_new, fastmath=True)
@@ -1108,15 +1108,17 @@ class HopperForward:
             for i in cutlass.range_constexpr(cute.size(o_scale)):
                 raised = raised or o_scale[i] != 1.0
             if cute.arch.vote_any_sync(raised):
-                o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
-                for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                    for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                        o_mn[i, j] = o_mn[i, j] * o_scale[i]
+                self.scale_rows(acc_o, o_scale)
         else:
-            o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
-            for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    o_mn[i, j] = o_mn[i, j] * o_scale[i]
+            self.scale_rows(acc_o, o_scale)
+
+    @cute.jit
+    def scale_rows(self, acc_o, o_scale):
+        """``acc_o``'s row ``i`` times ``o_scale[i]``, in place."""
+        o_mn = cute.make_tensor(acc_o.iterator, row_col_view(acc_o.layout))
+        for i in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[i, j] = o_mn[i, j] * o_scale[i]
 
     @cute.jit
     def finish_rows(
