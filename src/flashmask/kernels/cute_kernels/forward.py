@@ -1075,10 +1075,10 @@ class HopperForward:
             # The four threads of a quad hold a row's columns.
             tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=2))
             tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
-            # The row's max rises only when a score passes it by more than RESCALE_SLACK: below
-            # that, P stays under 2^RESCALE_SLACK and O keeps its scale (alpha = 1).
             tile_top = tile_max * qk_scale
             if cutlass.const_expr(self.v.lazy_rescale):
+                # The row's max rises only when a score passes it by more than RESCALE_SLACK:
+                # below that, P stays under 2^RESCALE_SLACK and O keeps its scale (alpha = 1).
                 m_new = row_max[i]
                 alpha = cutlass.Float32(1.0)
                 if tile_top > row_max[i] + RESCALE_SLACK:
@@ -1101,8 +1101,9 @@ class HopperForward:
 
     @cute.jit
     def rescale(self, acc_o, o_scale):
-        """Multiply each row of the O accumulator by its factor in ``o_scale``, skipped (one
-        warp vote) where no row of the warp's threads raised its max on this tile."""
+        """Multiply each row of the O accumulator by its factor in ``o_scale``; in the
+        ``lazy_rescale`` variants skipped (one warp vote) where no row of the warp's threads
+        raised its max on this tile."""
         if cutlass.const_expr(self.v.lazy_rescale):
             raised = False
             for i in cutlass.range_constexpr(cute.size(o_scale)):
