@@ -58,7 +58,7 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
 
     from flashmask import masks
     from flashmask.bench import attention_flop
-    from flashmask.kernels import preparation
+    from flashmask.kernels import preparation, tiles
     from flashmask.kernels.cute_kernels import launch
     from flashmask.mask import FlashMask
 
@@ -88,7 +88,7 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
     def cute(persistent: bool | None = None):
         return launch.forward(
             q, k, v, bounds, lists, mask_heads, causal, not causal, scale, True, order,
-            persistent=persistent,
+            persistent=persistent, edge_intervals=tiles.edge_intervals(sri, causal),
         )  # fmt: skip
 
     return q, k, v, sri, causal, scale, flop, cute

@@ -295,8 +295,10 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
         return True
 
     def fake_forward_fp8(q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order,
-                         q_descale, k_descale, v_descale, out_dtype, sinks):  # fmt: skip
+                         q_descale, k_descale, v_descale, out_dtype, sinks,
+                         edge_intervals):  # fmt: skip
         seen.update(lists=lists, hm=hm, causal=causal, order=order, scale=scale, sinks=sinks)
+        seen["edge_intervals"] = edge_intervals
         seen.update(descales=(q_descale, k_descale, v_descale), bounds=bounds)
         b, sq, hq, d = q.shape
         return torch.zeros(b, sq, hq, d, dtype=out_dtype), torch.zeros(b, hq, sq)
@@ -318,6 +320,7 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
     assert seen["asked"] == (q.shape[-1], 0.5, 0.0, torch.bfloat16)
     assert seen["lists"].entries.shape[-1] == -(-q.shape[1] // launch.key_tile(q.shape[-1]))
     assert seen["hm"] == 1 and seen["causal"] and seen["order"] is not None
+    assert seen["edge_intervals"]  # one column, causal: the two-compare mask
     q_descale, k_descale, v_descale = seen["descales"]
     assert torch.equal(k_descale, descales["k_descale"])
     assert torch.equal(q_descale, torch.ones_like(k_descale)) and torch.equal(v_descale, q_descale)

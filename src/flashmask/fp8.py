@@ -233,7 +233,7 @@ def _kernel_forward(
     """The CuTe FP8 forward on a routed call: the mask prepared (once per mask tensor, cached
     like every kernel's) into the CuTe forward's row-major lists and, with a mask, their launch
     order; absent descales as ones; ``sinks`` (``[Hq]`` or ``None``) joined in the kernel."""
-    from flashmask.kernels import forward_launcher, tensors
+    from flashmask.kernels import forward_launcher, tensors, tiles
     from flashmask.kernels.cute_kernels import launch
 
     b, sq, hq, d = q.shape
@@ -260,6 +260,7 @@ def _kernel_forward(
         ones if k_descale is None else k_descale.contiguous(),
         ones if v_descale is None else v_descale.contiguous(),
         out_dtype, sinks=sinks,
+        edge_intervals=tiles.edge_intervals(startend_row_indices, causal),
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashmask import reference
-from flashmask.kernels import preparation
+from flashmask.kernels import preparation, tiles
 from flashmask.reference import reference_forward
 from tests.gpu.conftest import HOPPER_CUTE_MARKS
 from tests.gpu.test_kernels import (
@@ -55,6 +55,7 @@ def cute_forward(
     return launch.forward(
         q, k, v, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
         persistent=persistent, softcap=softcap, sinks=sinks,
+        edge_intervals=tiles.edge_intervals(x.sri, x.causal),
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashmask import kernels
+from flashmask import kernels, masks
 from flashmask.kernels import mask_prep, preparation, tiles
 from flashmask.mask import ColumnIntervals, FlashMask, TileClass, dense_rows
 from tests.strategies import FORM_IDS, FORMS, Form, flashmasks, random_cases
@@ -569,3 +569,22 @@ def test_the_mask_preparation_kernels_compile_for_sm90():
     assert {r["SUB_N"] for r in summaries} == {0, 64} and len(summaries) == 10
     assert sum(r["kernel"] == "tile_list_kernel" for r in compiled) == 2
     assert sum(r["kernel"] == "program_order_kernel" for r in compiled) == 2
+
+
+def test_edge_intervals_are_the_forms_whose_bounds_reach_the_first_and_last_rows():
+    """``edge_intervals``: one column when causal (LTS), two when not (LTS, UTE). Exactly
+    then the normalised bounds hold LTE = Sq and UTS = 0, which the two-compare mask takes
+    for granted; a causal mask of two columns has its own LTE, a four-column one both."""
+    gen = torch.Generator().manual_seed(0)
+    for name in masks.MASK_TYPES:
+        if name in ("full", "causal"):
+            continue
+        mask = masks.example(name, 300, batch_size=2, generator=gen)
+        sri, causal = mask.startend_row_indices, mask.causal
+        bounds = tiles.column_bounds(sri, causal, 300, 300, 2, "cpu")
+        edges = bool((bounds[:, :, 1] == 300).all() and (bounds[:, :, 2] == 0).all())
+        expected = sri.shape[-1] == (1 if causal else 2)
+        assert tiles.edge_intervals(sri, causal) is expected, name
+        if expected:
+            assert edges, name
+    assert not tiles.edge_intervals(None, True)

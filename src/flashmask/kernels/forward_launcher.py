@@ -183,6 +183,7 @@ def forward(
         return cute_launch.forward(
             q, k, v, bounds, lists, hm, causal, not causal, softmax_scale, skip_tiles, order,
             softcap=softcap, sinks=sinks,
+            edge_intervals=tiles.edge_intervals(startend_row_indices, causal),
         )  # fmt: skip
     if plan.use_gluon:
         from flashmask.kernels.gluon_kernels import forward as gluon_forward

@@ -61,6 +61,16 @@ def column_bounds(
     return torch.stack(list(iv), dim=2).contiguous()
 
 
+def edge_intervals(startend_row_indices: torch.Tensor | None, causal: bool) -> bool:
+    """Whether every key column's lower masked interval runs to the last row and its upper one
+    starts at row 0: ``startend_row_indices`` ``[B, Hm, Sk, C]`` with ``C = 1`` when causal
+    (LTS alone) or ``C = 2`` when not (LTS and UTE), where the normalised bounds hold LTE = Sq
+    and UTS = 0 (``FlashMask.intervals``)."""
+    if startend_row_indices is None:
+        return False
+    return startend_row_indices.shape[-1] == (1 if causal else 2)
+
+
 def tile_classes(
     bounds: torch.Tensor,
     causal: bool,

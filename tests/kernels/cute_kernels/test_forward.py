@@ -116,6 +116,23 @@ def test_every_sinks_variant_compiles(
     assert launch.compiled_forward(variant, torch.bfloat16) is not None
 
 
+# Edge intervals (``ForwardVariant.edge_intervals``: the lower interval runs to the last row,
+# the upper one starts at row 0) where the launcher takes them: a causal mask of one column
+# (one program per query tile) and a non-causal one of two (persistent), both modes.
+EDGE = [(FORMS[2], False, False), (FORMS[3], False, True), (FORMS[3], True, True)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("form", "dense", "persistent"), EDGE, ids=["causal_mask", "mask-persistent", "mask-dense"]
+)
+def test_every_edge_interval_variant_compiles(
+    head_dim: int, form: tuple[bool, bool, bool], dense: bool, persistent: bool
+):
+    variant = dataclasses.replace(_variant(head_dim, form, dense, persistent), edge_intervals=True)
+    assert launch.compiled_forward(variant, torch.bfloat16) is not None
+
+
 def test_float16_compiles():
     variant = ForwardVariant(128, 128, launch.KV_STAGES[128], True, True, False, False, True)
     assert launch.compiled_forward(variant, torch.float16) is not None
@@ -210,3 +227,24 @@ def test_the_one_item_forwards_do_not_spill(tmp_path, form: int, softcap: float)
     and capped) holds its tile loop in registers: the lazy rescale's measured gain on these
     variants came without spills, and a spill in the loop costs more than it saves."""
     assert _spill_bytes(tmp_path, form=form, persistent=False, softcap=softcap) == 0
+
+
+@pytest.mark.parametrize("form", [2, 3], ids=FORM_IDS[2:])
+def test_edge_intervals_hide_a_row_in_half_the_compares(tmp_path, form: int):
+    """A mask whose intervals reach the first and last rows tests ``row >= LTS`` (and, not
+    causal, ``row < UTE``) where the general form tests both ends of each interval: 2 or 1
+    compares per score instead of 4 or 2 (the causal triangle's own compare aside)."""
+    general = _ptx(tmp_path / "general", form=form, persistent=form == 3).count("setp.")
+    edge = _ptx(tmp_path / "edge", form=form, persistent=form == 3, edge_intervals=True)
+    scores = 64  # per thread and tile: 2 rows x 32 columns
+    assert general - edge.count("setp.") >= scores * (2 if form == 3 else 1)
+
+
+def test_the_mask_forwards_with_edge_intervals_do_not_spill(tmp_path):
+    """The two-compare mask of the causal one-column form (one program per query tile) and of
+    the non-causal two-column form (persistent) holds the tile loop in registers."""
+    for form, persistent in ((2, False), (3, True)):
+        spills = _spill_bytes(
+            tmp_path / str(form), form=form, persistent=persistent, edge_intervals=True
+        )
+        assert spills == 0, (form, spills)

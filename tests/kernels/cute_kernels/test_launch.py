@@ -106,3 +106,21 @@ def test_sinks_ride_after_the_stream_behind_an_unread_descale_tensor(monkeypatch
     assert passed.dtype == torch.float32 and torch.equal(passed, sinks.float())
     variant, args = _launch_args(monkeypatch, None, True)
     assert not variant.sinks and len(args) == 16
+
+
+def test_a_call_compiles_the_edge_form_only_when_asked_and_only_with_a_mask(monkeypatch):
+    def variant_of(bounds, causal, **kw):
+        seen = []
+        monkeypatch.setattr(launch, "_launch", lambda *a, **k: None)
+        monkeypatch.setattr(launch, "compiled_forward", lambda v, dt: seen.append(v))
+        q = torch.zeros(1, 300, 2, 128, dtype=torch.bfloat16)
+        tm = 3
+        counts = torch.ones(1, 1, tm, dtype=torch.int32)
+        lists = tiles.TileLists(torch.zeros(1, 1, tm, tm, dtype=torch.int32), counts, counts)
+        launch.forward(q, q, q, bounds, lists, 1, causal, not causal, 0.1, True, None, **kw)
+        return seen[0]
+
+    bounds = _bounds(name="causal_document", batch=1)
+    assert variant_of(bounds, True, edge_intervals=True).edge_intervals
+    assert not variant_of(bounds, True).edge_intervals
+    assert not variant_of(None, True, edge_intervals=True).edge_intervals

@@ -84,9 +84,23 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
     seen = {}
 
     def fake_forward(
-        q, k, v, bounds, lists, hm, causal, has_upper, scale, skip, order, softcap, sinks
+        q,
+        k,
+        v,
+        bounds,
+        lists,
+        hm,
+        causal,
+        has_upper,
+        scale,
+        skip,
+        order,
+        softcap,
+        sinks,
+        edge_intervals,
     ):
         seen.update(q=q, bounds=bounds, lists=lists, hm=hm, causal=causal, order=order)
+        seen.update(edge_intervals=edge_intervals)
         seen.update(has_upper=has_upper, scale=scale, skip=skip, softcap=softcap, sinks=sinks)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
@@ -112,6 +126,7 @@ def test_launcher_hands_it_contiguous_inputs_lists_bounds_and_order(monkeypatch)
         True, False, 0.0625, True,
     )  # fmt: skip
     assert seen["order"] is not None and seen["order"].numel() == 3 * 4  # tiles x query heads
+    assert seen["edge_intervals"]  # one column, causal: the two-compare mask
 
 
 def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):

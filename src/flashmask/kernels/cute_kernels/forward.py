@@ -102,7 +102,10 @@ class ForwardVariant:
     O scales per (batch, K/V head) from a descale tensor (the FP8 forward, below); ``sinks``:
     one learnable logit per query head (gpt-oss's, from a float32 ``[Hq]`` tensor) joins every
     row's softmax denominator at the end of the row, so that O and lse leave the kernel
-    folded, without ``kernels.sinks.fold_sinks``' pass over O."""
+    folded, without ``kernels.sinks.fold_sinks``' pass over O; ``edge_intervals``: every
+    column's lower interval runs to the last row and its upper one (non-causal) starts at row
+    0 (``startend_row_indices`` of one column per key when causal, two when not: the bounds'
+    LTE is Sq and UTS is 0), so a row is hidden where ``row >= LTS`` or ``row < UTE``."""
 
     head_dim: int
     block_n: int
@@ -117,6 +120,7 @@ class ForwardVariant:
     softcap: float = 0.0
     fp8: bool = False
     sinks: bool = False
+    edge_intervals: bool = False
 
     @property
     def lazy_rescale(self) -> bool:
@@ -1004,18 +1008,26 @@ class HopperForward:
             ute = cutlass.Int32(0)
             if cutlass.const_expr(self.v.has_mask):
                 offset = ((b * mBounds.shape[1] + mask_head) * mBounds.shape[2] + col) * 4
+                # A causal mask of edge intervals reads LTS alone; the others the whole column.
+                width = 1 if self.v.edge_intervals and not self.v.has_upper else 4
                 column = cute.make_tensor(
-                    mBounds.iterator + cute.assume(offset, divby=4), cute.make_layout(4)
+                    mBounds.iterator + cute.assume(offset, divby=4), cute.make_layout(width)
                 )
-                bound = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+                bound = cute.make_rmem_tensor(cute.make_layout(width), cutlass.Int32)
                 cute.autovec_copy(column, bound)
                 lts = bound[0]
-                lte = bound[1]
-                uts = bound[2]
-                ute = bound[3]
+                if cutlass.const_expr(width == 4):
+                    lte = bound[1]
+                    uts = bound[2]
+                    ute = bound[3]
             for i in cutlass.range_constexpr(rows):
                 hidden = False
-                if cutlass.const_expr(self.v.has_mask):
+                if cutlass.const_expr(self.v.has_mask and self.v.edge_intervals):
+                    # LTE is Sq and UTS 0: two compares where the general form takes four.
+                    hidden = row[i] >= lts
+                    if cutlass.const_expr(self.v.has_upper):
+                        hidden = hidden or row[i] < ute
+                elif cutlass.const_expr(self.v.has_mask):
                     hidden = row[i] >= lts and row[i] < lte
                     if cutlass.const_expr(self.v.has_upper):
                         hidden = hidden or (row[i] >= uts and row[i] < ute)

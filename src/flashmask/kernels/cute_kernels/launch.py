@@ -209,6 +209,7 @@ def forward(
     persistent: bool | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    edge_intervals: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, Dv], lse float32 [B, Hq, Sq])`` of the CuTe forward over ``lists``
     (row-major, ``(128, key_tile(D))`` tiles) and ``bounds [B, Hm, 4, Sk]`` (``None``: no
@@ -223,7 +224,9 @@ def forward(
     scaled scores at ``softcap * tanh(score / softcap)`` (then any nonzero scale runs).
     ``sinks`` (``[Hq]``, finite, any floating dtype): each query head's learnable sink joins
     its rows' softmax in the kernel, so that ``(out, lse)`` are those of
-    ``kernels.sinks.fold_sinks`` after the call without sinks."""
+    ``kernels.sinks.fold_sinks`` after the call without sinks. ``edge_intervals``: the
+    bounds' lower intervals all run to the last row and the upper ones start at row 0
+    (``tiles.edge_intervals`` of the mask), which the element mask then tests in two compares."""
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     b, sq, hq, d = q.shape
@@ -231,6 +234,7 @@ def forward(
     variant = _variant(
         d, KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent,
         head_dim_v=dv if dv != d else None, softcap=float(softcap), sinks=sinks is not None,
+        edge_intervals=edge_intervals,
     )  # fmt: skip
     kernel = compiled_forward(variant, q.dtype)
     out = q.new_empty(b, sq, hq, dv)
@@ -257,6 +261,7 @@ def _variant(
     from flashmask.kernels.cute_kernels.forward import ForwardVariant
 
     has_mask = bounds is not None
+    fields["edge_intervals"] = has_mask and fields.get("edge_intervals", False)
     if persistent is None:
         persistent = has_mask and not causal
     return ForwardVariant(
@@ -476,6 +481,7 @@ def forward_fp8(
     *,
     persistent: bool | None = None,
     sinks: torch.Tensor | None = None,
+    edge_intervals: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, Hq, D] out_dtype, lse float32 [B, Hq, Sq])`` of the FP8 (e4m3) CuTe
     forward, on the same lists, bounds, launch order and schedules as :func:`forward`.
@@ -496,7 +502,8 @@ def forward_fp8(
     ``skip_tiles=False``: the dense mode (every listed tile masked). ``persistent``: as
     :func:`forward` (``None``: persistent programs exactly for a non-causal interval mask).
     ``sinks`` (``[Hq]``, finite): as :func:`forward`'s, joined in the kernel's epilogue (a
-    fully masked row then gives O = 0 and lse = its sink)."""
+    fully masked row then gives O = 0 and lse = its sink); ``edge_intervals``: as
+    :func:`forward`'s."""
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
@@ -504,7 +511,7 @@ def forward_fp8(
     b, sq, hq, d = q.shape
     variant = _variant(
         d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True,
-        sinks=sinks is not None,
+        sinks=sinks is not None, edge_intervals=edge_intervals,
     )  # fmt: skip
     kernel = compiled_forward(variant, out_dtype)
     values = fp8_values_transposed(v, key_tile(d))
