@@ -27,7 +27,7 @@ import torch
 
 import flashmask
 from flashmask import fp8
-from flashmask.kernels import preparation
+from flashmask.kernels import preparation, tiles
 from flashmask.reference import reference_forward
 from tests.gpu.conftest import HOPPER_CUTE_MARKS
 from tests.gpu.test_cute import forward_cases
@@ -47,7 +47,8 @@ def fp8_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """``(out, lse, (q, k, v) dequantised)`` of the FP8 forward on a case's inputs quantised
     per (batch, K/V head), with the lists and launch order the launcher would prepare (as
-    ``tests/gpu/test_cute.py``'s ``cute_forward``), and ``sinks`` (``[Hq]``) if given."""
+    ``tests/gpu/test_cute.py``'s ``cute_forward``, edge intervals included), and ``sinks``
+    (``[Hq]``) if given."""
     from flashmask.kernels.cute_kernels import launch
 
     b, sq, hq, d = x.q.shape
@@ -65,6 +66,7 @@ def fp8_forward(
     out, lse = launch.forward_fp8(
         q8, k8, v8, bounds, lists, mask_heads, x.causal, not x.causal, scale, skip_tiles, order,
         qd, kd, vd, out_dtype, persistent=persistent, sinks=sinks,
+        edge_intervals=tiles.edge_intervals(x.sri, x.causal),
     )  # fmt: skip
     return out, lse, tuple(fp8.dequantize(t, ds, hk) for t, ds in ((q8, qd), (k8, kd), (v8, vd)))
 
