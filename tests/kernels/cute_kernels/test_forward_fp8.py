@@ -54,10 +54,11 @@ def _variant(head_dim: int, form: str, dense: bool):
     from flashmask.kernels.cute_kernels.forward import ForwardVariant
 
     causal, has_mask, has_upper = FORMS[form]
+    block_n, stages = launch.fp8_tiles(head_dim, masked=has_mask)
     return ForwardVariant(
         head_dim=head_dim,
-        block_n=launch.key_tile(head_dim),
-        kv_stages=launch.FP8_KV_STAGES[head_dim],
+        block_n=block_n,
+        kv_stages=stages,
         causal=causal,
         has_mask=has_mask,
         has_upper=has_upper,
@@ -97,17 +98,45 @@ def test_fp8_variant_compiles_and_fits_shared_memory(head_dim, form, dense, monk
     assert smem <= SMEM_LIMIT
 
 
+_FP8_VARIANT = """
+import torch
+from tests.kernels.cute_kernels.test_forward_fp8 import _variant
+from flashmask.kernels.cute_kernels import launch
+launch.compiled_forward(_variant(128, {form!r}, False), torch.bfloat16)
+"""
+
+
+@needs_cutlass
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_head_dim_128_fp8_forwards_do_not_spill(tmp_path, form: str):
+    """At head dim 128 every form holds its tile loop in registers: without a mask at its
+    192-key tiles (a 64 x 192 fp32 score accumulator per warpgroup), with one at 128-key
+    tiles, where the wider tiles spilled 36 to 104 bytes (``launch.FP8_UNMASKED_TILES``)."""
+    from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
+
+    ptx = compiled_ptx(tmp_path / "dump", _FP8_VARIANT.format(form=form))
+    assert spill_bytes(tmp_path, ptx) == 0
+
+
 @needs_cutlass
 def test_fp8_variant_with_float16_output_compiles(monkeypatch):
     compiled, _ = _compile(_variant(128, "causal_mask", False), torch.float16, monkeypatch)
     assert compiled is not None
 
 
-def test_the_fp8_lists_are_the_bf16_forwards():
+def test_unmasked_fp8_calls_take_wider_key_tiles_at_head_dim_128():
+    """Without an interval mask, 192-key tiles at D = 128 spread the per-tile softmax work over
+    1.5x the keys; masked calls, and D = 64 and 256, keep the bf16 forward's tiles (and lists).
+    Every width is a whole number of 32-key k-blocks (the 8-bit ``wgmma``'s), hence of the V^T
+    key order's 16-key groups."""
     for d in launch.FP8_HEAD_DIMS:
-        assert launch.fp8_tile_shape(d) == (128, launch.key_tile(d), True)
+        assert launch.fp8_tile_shape(d, masked=True) == (128, launch.key_tile(d), True)
+        assert launch.fp8_tiles(d, masked=True) == (launch.key_tile(d), launch.FP8_KV_STAGES[d])
+    unmasked = {d: launch.fp8_tiles(d, masked=False) for d in launch.FP8_HEAD_DIMS}
+    assert unmasked == {64: (128, 8), 128: (192, 4), 256: (64, 5)}
+    assert all(n % 32 == 0 for n, _ in unmasked.values())
     with pytest.raises(ValueError, match="head_dim"):
-        launch.fp8_tile_shape(192)
+        launch.fp8_tile_shape(192, masked=False)
 
 
 @needs_cutlass
@@ -170,7 +199,7 @@ def test_key_order_is_a_permutation_of_each_group_of_16():
         fp8_layout.permuted_keys(40)
 
 
-@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, 192])
 def test_the_scatter_and_the_key_order_compose_to_the_identity(block_n: int):
     """Each accumulator value of S, rounded and stored where the kernel's store puts it, is read
     by the 8-bit A fragment as P of the same row and of the key that V^T's k index holds."""
@@ -197,7 +226,9 @@ def _fp8(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize(("keys", "block_n"), [(128, 128), (200, 128), (100, 64), (64, 64)])
+@pytest.mark.parametrize(
+    ("keys", "block_n"), [(128, 128), (200, 128), (200, 192), (100, 64), (64, 64)]
+)
 def test_p_v_through_simulated_fragments_equals_p_v(keys: int, block_n: int):
     """P V computed as the kernel's warpgroup does, from per-thread fragments (each thread's A
     bytes filled from its own accumulator values, read at the PTX ISA's k indices) against
@@ -245,7 +276,12 @@ def test_values_transposed_permutes_keys_and_pads_with_zeros():
 
 @pytest.mark.parametrize(
     ("shape", "block_n", "transposed"),
-    [((2, 150, 3, 64), 128, False), ((1, 77, 2, 128), 16, True), ((1, 256, 1, 256), 64, False)],
+    [
+        ((2, 150, 3, 64), 128, False),
+        ((1, 77, 2, 128), 16, True),
+        ((1, 200, 2, 128), 192, False),
+        ((1, 256, 1, 256), 64, False),
+    ],
 )
 def test_values_transposed_kernel_equals_the_copy(shape, block_n: int, transposed: bool):
     """The Triton pre-pass (here through its interpreter) writes what the strided copy does:
@@ -283,7 +319,7 @@ def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True):
     q = _fp8(torch.randn(batch, sq, hq, d))
     k = _fp8(torch.randn(batch, sk, hk, d))
     v = _fp8(torch.randn(batch, sk, hk, d))
-    tm, tn = -(-sq // 128), -(-sk // launch.key_tile(d))
+    tm, tn = -(-sq // 128), -(-sk // launch.fp8_tiles(d, masked=masked)[0])
     counts = torch.ones(batch, 1, tm, dtype=torch.int32)
     lists = tiles.TileLists(torch.zeros(batch, 1, tm, tn, dtype=torch.int32), counts, counts)
     bounds = torch.zeros(batch, 1, 4, sk, dtype=torch.int32) if masked else None
@@ -360,6 +396,9 @@ def test_forward_fp8_runs_causal_and_unmasked_calls_one_item_per_program(monkeyp
     variant, out_dtype, call = _launch_args(monkeypatch, args, kwargs)
     assert not variant.persistent and not variant.has_mask and not variant.ordered
     assert out_dtype == torch.float16 and call[10] == 1
+    # Unmasked at D = 128: 192-key tiles in 4 slots, V^T padded to whole 192-key tiles.
+    assert (variant.block_n, variant.kv_stages) == launch.fp8_tiles(128, masked=False)
+    assert call[2].shape[-1] == 384  # Sk = 260
     kwargs["persistent"] = True
     variant, _, call = _launch_args(monkeypatch, args, kwargs)
     assert variant.persistent and call[10] == 4  # min(items, 4 "SMs" off CUDA)
