@@ -54,7 +54,7 @@ def _variant(head_dim: int, form: str, dense: bool):
     from flashmask.kernels.cute_kernels.forward import ForwardVariant
 
     causal, has_mask, has_upper = FORMS[form]
-    block_n, stages = launch.fp8_tiles(head_dim, masked=has_mask)
+    block_n, stages = launch.fp8_tiles(head_dim, full_attention=form == "full")
     return ForwardVariant(
         head_dim=head_dim,
         block_n=block_n,
@@ -109,9 +109,10 @@ launch.compiled_forward(_variant(128, {form!r}, False), torch.bfloat16)
 @needs_cutlass
 @pytest.mark.parametrize("form", list(FORMS))
 def test_the_head_dim_128_fp8_forwards_do_not_spill(tmp_path, form: str):
-    """At head dim 128 every form holds its tile loop in registers: without a mask at its
-    192-key tiles (a 64 x 192 fp32 score accumulator per warpgroup), with one at 128-key
-    tiles, where the wider tiles spilled 36 to 104 bytes (``launch.FP8_UNMASKED_TILES``)."""
+    """At head dim 128 every form holds its tile loop in registers: full attention at its
+    192-key tiles (a 64 x 192 fp32 score accumulator per warpgroup), the others at 128-key
+    tiles, where with a mask the wider tiles spilled 36 to 104 bytes
+    (``launch.FP8_FULL_ATTENTION_TILES``)."""
     from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
 
     ptx = compiled_ptx(tmp_path / "dump", _FP8_VARIANT.format(form=form))
@@ -124,19 +125,20 @@ def test_fp8_variant_with_float16_output_compiles(monkeypatch):
     assert compiled is not None
 
 
-def test_unmasked_fp8_calls_take_wider_key_tiles_at_head_dim_128():
-    """Without an interval mask, 192-key tiles at D = 128 spread the per-tile softmax work over
-    1.5x the keys; masked calls, and D = 64 and 256, keep the bf16 forward's tiles (and lists).
-    Every width is a whole number of 32-key k-blocks (the 8-bit ``wgmma``'s), hence of the V^T
-    key order's 16-key groups."""
+def test_full_attention_fp8_calls_take_wider_key_tiles_at_head_dim_128():
+    """Full attention at D = 128 takes 192-key tiles, spreading the per-tile softmax work over
+    1.5x the keys; masked and causal calls, and D = 64 and 256, keep the bf16 forward's tiles
+    (and lists). Every width is a whole number of 32-key k-blocks (the 8-bit ``wgmma``'s),
+    hence of the V^T key order's 16-key groups."""
     for d in launch.FP8_HEAD_DIMS:
-        assert launch.fp8_tile_shape(d, masked=True) == (128, launch.key_tile(d), True)
-        assert launch.fp8_tiles(d, masked=True) == (launch.key_tile(d), launch.FP8_KV_STAGES[d])
-    unmasked = {d: launch.fp8_tiles(d, masked=False) for d in launch.FP8_HEAD_DIMS}
-    assert unmasked == {64: (128, 8), 128: (192, 4), 256: (64, 5)}
-    assert all(n % 32 == 0 for n, _ in unmasked.values())
+        narrow = (launch.key_tile(d), launch.FP8_KV_STAGES[d])
+        assert launch.fp8_tile_shape(d, full_attention=False) == (128, launch.key_tile(d), True)
+        assert launch.fp8_tiles(d, full_attention=False) == narrow
+    full = {d: launch.fp8_tiles(d, full_attention=True) for d in launch.FP8_HEAD_DIMS}
+    assert full == {64: (128, 8), 128: (192, 4), 256: (64, 5)}
+    assert all(n % 32 == 0 for n, _ in full.values())
     with pytest.raises(ValueError, match="head_dim"):
-        launch.fp8_tile_shape(192, masked=False)
+        launch.fp8_tile_shape(192, full_attention=True)
 
 
 @needs_cutlass
@@ -314,18 +316,19 @@ def test_values_transposed_reads_v_anew_on_every_call():
     assert not torch.equal(first.view(torch.uint8), second.view(torch.uint8))
 
 
-def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True):
+def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True, causal=False):
     """CPU stand-ins of ``forward_fp8``'s arguments: ``(args, kwargs)``."""
     q = _fp8(torch.randn(batch, sq, hq, d))
     k = _fp8(torch.randn(batch, sk, hk, d))
     v = _fp8(torch.randn(batch, sk, hk, d))
-    tm, tn = -(-sq // 128), -(-sk // launch.fp8_tiles(d, masked=masked)[0])
+    full_attention = not masked and not causal
+    tm, tn = -(-sq // 128), -(-sk // launch.fp8_tiles(d, full_attention=full_attention)[0])
     counts = torch.ones(batch, 1, tm, dtype=torch.int32)
     lists = tiles.TileLists(torch.zeros(batch, 1, tm, tn, dtype=torch.int32), counts, counts)
     bounds = torch.zeros(batch, 1, 4, sk, dtype=torch.int32) if masked else None
     order = torch.arange(batch * hq * tm, dtype=torch.int32) if masked else None
     descales = [torch.rand(batch, hk) + 0.5 for _ in range(3)]
-    args = [q, k, v, bounds, lists, 1, False, True, 0.1, True, order, *descales]
+    args = [q, k, v, bounds, lists, 1, causal, True, 0.1, True, order, *descales]
     return args, {"out_dtype": torch.bfloat16}
 
 
@@ -390,15 +393,17 @@ def test_fp8_sinks_variant_compiles():
 
 
 def test_forward_fp8_runs_causal_and_unmasked_calls_one_item_per_program(monkeypatch):
-    args, kwargs = _inputs(masked=False)
-    args[6] = True  # causal
-    kwargs["out_dtype"] = torch.float16
-    variant, out_dtype, call = _launch_args(monkeypatch, args, kwargs)
-    assert not variant.persistent and not variant.has_mask and not variant.ordered
-    assert out_dtype == torch.float16 and call[10] == 1
-    # Unmasked at D = 128: 192-key tiles in 4 slots, V^T padded to whole 192-key tiles.
-    assert (variant.block_n, variant.kv_stages) == launch.fp8_tiles(128, masked=False)
-    assert call[2].shape[-1] == 384  # Sk = 260
+    for causal, tile, padded in ((False, (192, 4), 384), (True, (128, 6), 256)):
+        args, kwargs = _inputs(sk=200, masked=False, causal=causal)
+        kwargs["out_dtype"] = torch.float16
+        variant, out_dtype, call = _launch_args(monkeypatch, args, kwargs)
+        assert not variant.persistent and not variant.has_mask and not variant.ordered
+        assert out_dtype == torch.float16 and call[10] == 1
+        # D = 128: full attention in 192-key tiles and 4 slots, causal in 128-key tiles; V^T
+        # padded to whole tiles of its width (Sk = 200).
+        assert (variant.block_n, variant.kv_stages) == tile
+        assert tile == launch.fp8_tiles(128, full_attention=not causal)
+        assert call[2].shape[-1] == padded
     kwargs["persistent"] = True
     variant, _, call = _launch_args(monkeypatch, args, kwargs)
     assert variant.persistent and call[10] == 4  # min(items, 4 "SMs" off CUDA)
