@@ -318,7 +318,9 @@ def test_a_routed_call_launches_the_kernel_with_prepared_lists_and_ones_for_abse
         *qkv, mask, causal=True, softmax_scale=0.5, k_descale=descales["k_descale"], sinks=sinks
     )
     assert seen["asked"] == (q.shape[-1], 0.5, 0.0, torch.bfloat16)
-    assert seen["lists"].entries.shape[-1] == -(-q.shape[1] // launch.key_tile(q.shape[-1]))
+    assert seen["lists"].entries.shape[-1] == -(
+        -q.shape[1] // launch.fp8_tiles(q.shape[-1], full_attention=False)[0]
+    )
     assert seen["hm"] == 1 and seen["causal"] and seen["order"] is not None
     assert seen["edge_intervals"]  # one column, causal: the two-compare mask
     q_descale, k_descale, v_descale = seen["descales"]

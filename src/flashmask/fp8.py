@@ -239,7 +239,7 @@ def _kernel_forward(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     masked = startend_row_indices is not None
-    shape = launch.fp8_tile_shape(d)
+    shape = launch.fp8_tile_shape(d, full_attention=not masked and not causal)
     plan = forward_launcher.ForwardPlan(
         use_gluon=False,
         shapes=[shape],

@@ -57,7 +57,14 @@ def fp8_forward(
         flashmask.quantize_fp8(t, group=t.shape[2] // hk) for t in (x.q, x.k, x.v)
     )
     bounds, (lists,) = preparation.prepare_cached(
-        x.sri, x.causal, sq, x.k.shape[1], b, x.q.device, [launch.fp8_tile_shape(d)], skip_tiles
+        x.sri,
+        x.causal,
+        sq,
+        x.k.shape[1],
+        b,
+        x.q.device,
+        [launch.fp8_tile_shape(d, full_attention=x.sri is None and not x.causal)],
+        skip_tiles,
     )
     order = None
     if x.sri is not None:
@@ -238,7 +245,13 @@ def test_descales_scale_scores_and_output():
         flashmask.quantize_fp8(t, group=t.shape[2] // hk) for t in (x.q, x.k, x.v)
     )
     bounds, (lists,) = preparation.prepare_cached(
-        x.sri, x.causal, 1024, 1024, 2, x.q.device, [launch.fp8_tile_shape(128)]
+        x.sri,
+        x.causal,
+        1024,
+        1024,
+        2,
+        x.q.device,
+        [launch.fp8_tile_shape(128, full_attention=False)],
     )
     (order,) = preparation.program_orders([(lists, 8, True)])
 
@@ -262,7 +275,7 @@ def test_rejects_bad_inputs_naming_them():
     k8 = torch.zeros(b, s, hk, d, device="cuda").to(torch.float8_e4m3fn)
     ones = torch.ones(b, hk, device="cuda")
     _, (lists,) = preparation.prepare_cached(
-        None, True, s, s, b, q8.device, [launch.fp8_tile_shape(d)]
+        None, True, s, s, b, q8.device, [launch.fp8_tile_shape(d, full_attention=False)]
     )
 
     def call(**change):

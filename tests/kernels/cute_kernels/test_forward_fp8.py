@@ -54,10 +54,11 @@ def _variant(head_dim: int, form: str, dense: bool):
     from flashmask.kernels.cute_kernels.forward import ForwardVariant
 
     causal, has_mask, has_upper = FORMS[form]
+    block_n, stages = launch.fp8_tiles(head_dim, full_attention=form == "full")
     return ForwardVariant(
         head_dim=head_dim,
-        block_n=launch.key_tile(head_dim),
-        kv_stages=launch.FP8_KV_STAGES[head_dim],
+        block_n=block_n,
+        kv_stages=stages,
         causal=causal,
         has_mask=has_mask,
         has_upper=has_upper,
@@ -97,17 +98,47 @@ def test_fp8_variant_compiles_and_fits_shared_memory(head_dim, form, dense, monk
     assert smem <= SMEM_LIMIT
 
 
+_FP8_VARIANT = """
+import torch
+from tests.kernels.cute_kernels.test_forward_fp8 import _variant
+from flashmask.kernels.cute_kernels import launch
+launch.compiled_forward(_variant(128, {form!r}, False), torch.bfloat16)
+"""
+
+
+@needs_cutlass
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_head_dim_128_fp8_forwards_do_not_spill(tmp_path, form: str):
+    """At head dim 128 every form holds its tile loop in registers: full attention at its
+    192-key tiles (a 64 x 192 fp32 score accumulator per warpgroup), the others at 128-key
+    tiles, where with a mask the wider tiles spilled 36 to 104 bytes
+    (``launch.FP8_FULL_ATTENTION_TILES``)."""
+    from tests.kernels.cute_kernels.ptx import compiled_ptx, spill_bytes
+
+    ptx = compiled_ptx(tmp_path / "dump", _FP8_VARIANT.format(form=form))
+    assert spill_bytes(tmp_path, ptx) == 0
+
+
 @needs_cutlass
 def test_fp8_variant_with_float16_output_compiles(monkeypatch):
     compiled, _ = _compile(_variant(128, "causal_mask", False), torch.float16, monkeypatch)
     assert compiled is not None
 
 
-def test_the_fp8_lists_are_the_bf16_forwards():
+def test_full_attention_fp8_calls_take_wider_key_tiles_at_head_dim_128():
+    """Full attention at D = 128 takes 192-key tiles, spreading the per-tile softmax work over
+    1.5x the keys; masked and causal calls, and D = 64 and 256, keep the bf16 forward's tiles
+    (and lists). Every width is a whole number of 32-key k-blocks (the 8-bit ``wgmma``'s),
+    hence of the V^T key order's 16-key groups."""
     for d in launch.FP8_HEAD_DIMS:
-        assert launch.fp8_tile_shape(d) == (128, launch.key_tile(d), True)
+        narrow = (launch.key_tile(d), launch.FP8_KV_STAGES[d])
+        assert launch.fp8_tile_shape(d, full_attention=False) == (128, launch.key_tile(d), True)
+        assert launch.fp8_tiles(d, full_attention=False) == narrow
+    full = {d: launch.fp8_tiles(d, full_attention=True) for d in launch.FP8_HEAD_DIMS}
+    assert full == {64: (128, 8), 128: (192, 4), 256: (64, 5)}
+    assert all(n % 32 == 0 for n, _ in full.values())
     with pytest.raises(ValueError, match="head_dim"):
-        launch.fp8_tile_shape(192)
+        launch.fp8_tile_shape(192, full_attention=True)
 
 
 @needs_cutlass
@@ -170,7 +201,7 @@ def test_key_order_is_a_permutation_of_each_group_of_16():
         fp8_layout.permuted_keys(40)
 
 
-@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, 192])
 def test_the_scatter_and_the_key_order_compose_to_the_identity(block_n: int):
     """Each accumulator value of S, rounded and stored where the kernel's store puts it, is read
     by the 8-bit A fragment as P of the same row and of the key that V^T's k index holds."""
@@ -197,7 +228,9 @@ def _fp8(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize(("keys", "block_n"), [(128, 128), (200, 128), (100, 64), (64, 64)])
+@pytest.mark.parametrize(
+    ("keys", "block_n"), [(128, 128), (200, 128), (200, 192), (100, 64), (64, 64)]
+)
 def test_p_v_through_simulated_fragments_equals_p_v(keys: int, block_n: int):
     """P V computed as the kernel's warpgroup does, from per-thread fragments (each thread's A
     bytes filled from its own accumulator values, read at the PTX ISA's k indices) against
@@ -245,7 +278,12 @@ def test_values_transposed_permutes_keys_and_pads_with_zeros():
 
 @pytest.mark.parametrize(
     ("shape", "block_n", "transposed"),
-    [((2, 150, 3, 64), 128, False), ((1, 77, 2, 128), 16, True), ((1, 256, 1, 256), 64, False)],
+    [
+        ((2, 150, 3, 64), 128, False),
+        ((1, 77, 2, 128), 16, True),
+        ((1, 200, 2, 128), 192, False),
+        ((1, 256, 1, 256), 64, False),
+    ],
 )
 def test_values_transposed_kernel_equals_the_copy(shape, block_n: int, transposed: bool):
     """The Triton pre-pass (here through its interpreter) writes what the strided copy does:
@@ -278,18 +316,19 @@ def test_values_transposed_reads_v_anew_on_every_call():
     assert not torch.equal(first.view(torch.uint8), second.view(torch.uint8))
 
 
-def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True):
+def _inputs(batch=2, sq=300, sk=260, hq=4, hk=2, d=128, masked=True, causal=False):
     """CPU stand-ins of ``forward_fp8``'s arguments: ``(args, kwargs)``."""
     q = _fp8(torch.randn(batch, sq, hq, d))
     k = _fp8(torch.randn(batch, sk, hk, d))
     v = _fp8(torch.randn(batch, sk, hk, d))
-    tm, tn = -(-sq // 128), -(-sk // launch.key_tile(d))
+    full_attention = not masked and not causal
+    tm, tn = -(-sq // 128), -(-sk // launch.fp8_tiles(d, full_attention=full_attention)[0])
     counts = torch.ones(batch, 1, tm, dtype=torch.int32)
     lists = tiles.TileLists(torch.zeros(batch, 1, tm, tn, dtype=torch.int32), counts, counts)
     bounds = torch.zeros(batch, 1, 4, sk, dtype=torch.int32) if masked else None
     order = torch.arange(batch * hq * tm, dtype=torch.int32) if masked else None
     descales = [torch.rand(batch, hk) + 0.5 for _ in range(3)]
-    args = [q, k, v, bounds, lists, 1, False, True, 0.1, True, order, *descales]
+    args = [q, k, v, bounds, lists, 1, causal, True, 0.1, True, order, *descales]
     return args, {"out_dtype": torch.bfloat16}
 
 
@@ -354,12 +393,17 @@ def test_fp8_sinks_variant_compiles():
 
 
 def test_forward_fp8_runs_causal_and_unmasked_calls_one_item_per_program(monkeypatch):
-    args, kwargs = _inputs(masked=False)
-    args[6] = True  # causal
-    kwargs["out_dtype"] = torch.float16
-    variant, out_dtype, call = _launch_args(monkeypatch, args, kwargs)
-    assert not variant.persistent and not variant.has_mask and not variant.ordered
-    assert out_dtype == torch.float16 and call[10] == 1
+    for causal, tile, padded in ((False, (192, 4), 384), (True, (128, 6), 256)):
+        args, kwargs = _inputs(sk=200, masked=False, causal=causal)
+        kwargs["out_dtype"] = torch.float16
+        variant, out_dtype, call = _launch_args(monkeypatch, args, kwargs)
+        assert not variant.persistent and not variant.has_mask and not variant.ordered
+        assert out_dtype == torch.float16 and call[10] == 1
+        # D = 128: full attention in 192-key tiles and 4 slots, causal in 128-key tiles; V^T
+        # padded to whole tiles of its width (Sk = 200).
+        assert (variant.block_n, variant.kv_stages) == tile
+        assert tile == launch.fp8_tiles(128, full_attention=not causal)
+        assert call[2].shape[-1] == padded
     kwargs["persistent"] = True
     variant, _, call = _launch_args(monkeypatch, args, kwargs)
     assert variant.persistent and call[10] == 4  # min(items, 4 "SMs" off CUDA)

@@ -24,17 +24,24 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # (MLA, V's head dim 128) the 48 KB Q tile and two 48 + 32 KB slots take 208 KB.
 KV_STAGES = {64: 4, 128: 3, 192: 2, 256: 2}
 
-# The FP8 forward's K/V ring slots per head dim, at the same key tiles (``key_tile``: 128 keys,
-# 64 at D = 256, so that both forwards read the same lists). Its K and V slots are half the
-# bytes of bf16 ones, but its 16-bit O leaves through the Q region, which is therefore O's
-# size, 128 x D x 2 bytes (the fp8 Q halves sit in its first and third quarters). D = 128:
-# 32 KB + 6 x (16 + 16 KB) = 224 KB of the 227 KB, twice the bf16 forward's ring depth in
-# tiles; D = 256: 64 KB + 5 x (16 + 16 KB) = 224 KB; D = 64: 16 KB + 8 x (8 + 8 KB) = 144 KB
-# (a 128-key tile's two products take a fraction of a microsecond at FP8 rates, so eight
-# cover a load's latency several times over). Wider tiles at D <= 128 (256 keys) would
-# double the score accumulator (64 x 256 fp32: 128 registers per thread) next to O and
-# spill at the consumers' 240 registers, and would skip masked keys half as finely.
+# The FP8 forward's K/V ring slots per head dim, at the bf16 forward's key tiles (``key_tile``:
+# 128 keys, 64 at D = 256). Its K and V slots take half the bytes of bf16 ones, but its 16-bit
+# O leaves through the Q region, which is therefore O's size, 128 x D x 2 bytes (the fp8 Q
+# halves sit in its first and third quarters). D = 128: 32 KB + 6 x (16 + 16 KB) = 224 KB of
+# the 227 KB; D = 256: 64 KB + 5 x (16 + 16 KB) = 224 KB; D = 64: 16 KB + 8 x (8 + 8 KB) =
+# 144 KB (a tile's two products take a fraction of a microsecond at FP8 rates, so eight cover
+# a load's latency several times over).
 FP8_KV_STAGES = {64: 8, 128: 6, 256: 5}
+# Full attention (no interval mask, not causal) at D = 128 takes 192-key tiles in 4 slots (32
+# KB + 4 x (24 + 24 KB) = 224 KB), as FlashAttention-3's FP8 forward takes wider tiles (224
+# keys) there: the per-tile softmax work (row max and sum, O's rescale, the turn barriers),
+# which does not shrink with 8-bit products, spreads over 1.5x the keys. On an H100 that made
+# full attention 3.2% / 2.9% faster at 8K / 32K and causal attention 2.3% slower / level (its
+# diagonal tile, masked element by element, is 1.5x wider), so causal calls keep 128-key
+# tiles. Spill-free unmasked (``ptxas -v``); with an interval mask the bounds and compares
+# beside the wider accumulator spill (36 to 104 bytes). 256 keys would hold a 64 x 256 fp32
+# score accumulator (128 registers per thread) beside O and spill 96 bytes even unmasked.
+FP8_FULL_ATTENTION_TILES = {128: (192, 4)}
 FP8_HEAD_DIMS = tuple(FP8_KV_STAGES)
 # Query rows per program of both forwards (``forward.BLOCK_M``, here without importing cutlass).
 QUERY_TILE = 128
@@ -45,13 +52,22 @@ def key_tile(head_dim: int) -> int:
     return 64 if head_dim > 192 else 128
 
 
-def fp8_tile_shape(head_dim: int) -> tuple[int, int, bool]:
-    """The tile lists :func:`forward_fp8` reads at ``head_dim``, as
-    ``preparation.prepare_cached``'s ``shapes`` entry: row-major ``(128, key_tile(D), True)``
-    (query tiles of 128 rows, each listing its key tiles)."""
+def fp8_tiles(head_dim: int, *, full_attention: bool) -> tuple[int, int]:
+    """``(keys per tile, K/V ring slots)`` of the FP8 forward at ``head_dim``;
+    ``full_attention``: the call has no interval mask and is not causal."""
     if head_dim not in FP8_KV_STAGES:
         raise ValueError(f"head_dim must be one of {FP8_HEAD_DIMS}, got {head_dim}")
-    return QUERY_TILE, key_tile(head_dim), True
+    if full_attention and head_dim in FP8_FULL_ATTENTION_TILES:
+        return FP8_FULL_ATTENTION_TILES[head_dim]
+    return key_tile(head_dim), FP8_KV_STAGES[head_dim]
+
+
+def fp8_tile_shape(head_dim: int, *, full_attention: bool) -> tuple[int, int, bool]:
+    """The tile lists :func:`forward_fp8` reads at ``head_dim`` (``full_attention``: no
+    interval mask, not causal), as ``preparation.prepare_cached``'s ``shapes`` entry:
+    row-major ``(128, keys per tile, True)`` (query tiles of 128 rows, each listing its key
+    tiles; :func:`fp8_tiles`)."""
+    return QUERY_TILE, fp8_tiles(head_dim, full_attention=full_attention)[0], True
 
 
 def _dtype(torch_dtype: torch.dtype):
@@ -240,7 +256,7 @@ def forward(
     out = q.new_empty(b, sq, hq, dv)
     return _launch(
         kernel, q, k, v, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent, *_after_stream(None, sinks, q.device),
+        variant, *_after_stream(None, sinks, q.device),
     )  # fmt: skip
 
 
@@ -253,11 +269,13 @@ def _variant(
     skip_tiles: bool,
     order: torch.Tensor | None,
     persistent: bool | None,
+    block_n: int | None = None,
     **fields,
 ):
     """The :class:`~.forward.ForwardVariant` of a launch (both forwards'): the mask's form from
     ``bounds`` and the flags, persistent programs by default exactly for a non-causal interval
-    mask (``persistent=None``), and the family's own ``fields``."""
+    mask (``persistent=None``), ``block_n`` keys per tile (``None``: :func:`key_tile`), and the
+    family's own ``fields``."""
     from flashmask.kernels.cute_kernels.forward import ForwardVariant
 
     has_mask = bounds is not None
@@ -266,7 +284,7 @@ def _variant(
         persistent = has_mask and not causal
     return ForwardVariant(
         head_dim=head_dim,
-        block_n=key_tile(head_dim),
+        block_n=key_tile(head_dim) if block_n is None else block_n,
         kv_stages=kv_stages,
         causal=causal,
         has_mask=has_mask,
@@ -289,24 +307,25 @@ def _launch(
     mask_heads: int,
     qk_scale: float,
     order: torch.Tensor | None,
-    persistent: bool,
+    variant,
     *extra: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a compiled forward ``kernel`` writing ``out [B, Sq, Hq, Dv]``: ``(out, lse)``, with
-    the bounds in the kernel's column-major form, the persistent launch's programs and
-    counter, and ``extra`` tensors after the stream (the FP8 forward's descales, the sinks)."""
+    """Run ``kernel``, compiled for :class:`~.forward.ForwardVariant` ``variant``, writing
+    ``out [B, Sq, Hq, Dv]``: ``(out, lse)``, with the bounds in the kernel's column-major form
+    (whole tiles of ``variant.block_n`` keys), the persistent launch's programs and counter,
+    and ``extra`` tensors after the stream (the FP8 forward's descales, the sinks)."""
     import cuda.bindings.driver as cuda
 
-    b, sq, hq, d = q.shape
+    b, sq, hq = q.shape[:3]
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     if order is None:
         order = lists.counts.view(-1)  # never read
     if bounds is None:
         bounds = _unread_bounds(q.device)
     else:
-        bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * key_tile(d))
+        bounds = column_major_bounds(bounds, sq, lists.entries.shape[-1] * variant.block_n)
     num_items = -(-sq // QUERY_TILE) * hq * b
-    next_item, programs = persistent_programs(num_items, q.device, persistent, order)
+    next_item, programs = persistent_programs(num_items, q.device, variant.persistent, order)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(
         _view(q, 16), _view(k, 16), _view(v, 16), _view(out, 16), _view(lse, 4),
@@ -384,6 +403,7 @@ def _check_fp8_inputs(
     order: torch.Tensor | None,
     descales: dict[str, torch.Tensor],
     out_dtype: torch.dtype,
+    causal: bool,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument :func:`forward_fp8` cannot run
     (shapes, dtypes, layouts and devices; the device last, so that the rest is checked
@@ -420,7 +440,8 @@ def _check_fp8_inputs(
             f"bounds must be int32 [B, Hm, 4, Sk] = [{b}, {mask_heads}, 4, {sk}], got "
             f"{bounds.dtype} {tuple(bounds.shape)}"
         )
-    tiles_m, tiles_n = -(-sq // QUERY_TILE), -(-sk // key_tile(d))
+    shape = fp8_tile_shape(d, full_attention=bounds is None and not causal)
+    tiles_m, tiles_n = -(-sq // QUERY_TILE), -(-sk // shape[1])
     lists_heads = mask_heads if bounds is not None else 1
     expected = (b, lists_heads, tiles_m, tiles_n)
     if (
@@ -429,7 +450,7 @@ def _check_fp8_inputs(
         or tuple(lists.counts.shape) != expected[:3]
     ):
         raise ValueError(
-            f"lists must be int32 row-major lists of {fp8_tile_shape(d)[:2]} tiles, entries "
+            f"lists must be int32 row-major lists of {shape[:2]} tiles, entries "
             f"[B, Hm, Tm, Tn] = {list(expected)}, got {tuple(lists.entries.shape)}"
         )
     if order is not None and (order.dtype != torch.int32 or order.numel() != b * hq * tiles_m):
@@ -496,7 +517,9 @@ def forward_fp8(
     after the running max) is rounded to e4m3 for ``P V`` (fp32 accumulation); O is divided by
     the row sum and multiplied by ``v_descale``. Fully masked rows give ``lse = -inf``, O = 0.
 
-    ``lists``: row-major, of ``fp8_tile_shape(D)`` tiles (``preparation.prepare_cached``);
+    ``lists``: row-major, of ``fp8_tile_shape(D, full_attention=bounds is None and not
+    causal)`` tiles (``preparation.prepare_cached``; wider key tiles for full attention at D =
+    128, :func:`fp8_tiles`);
     ``bounds [B, Hm, 4, Sk]`` int32 (``None``: no interval mask), ``mask_heads`` Hm (1, Hk or
     Hq); ``order``: the lists' launch order (``preparation.program_orders``) or ``None``;
     ``skip_tiles=False``: the dense mode (every listed tile masked). ``persistent``: as
@@ -507,18 +530,21 @@ def forward_fp8(
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    _check_fp8_inputs(q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype)
+    _check_fp8_inputs(
+        q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype, causal
+    )
     b, sq, hq, d = q.shape
+    block_n, stages = fp8_tiles(d, full_attention=bounds is None and not causal)
     variant = _variant(
-        d, FP8_KV_STAGES[d], bounds, causal, has_upper, skip_tiles, order, persistent, fp8=True,
-        sinks=sinks is not None, edge_intervals=edge_intervals,
+        d, stages, bounds, causal, has_upper, skip_tiles, order, persistent, block_n=block_n,
+        fp8=True, sinks=sinks is not None, edge_intervals=edge_intervals,
     )  # fmt: skip
     kernel = compiled_forward(variant, out_dtype)
-    values = fp8_values_transposed(v, key_tile(d))
+    values = fp8_values_transposed(v, variant.block_n)
     # Per (batch, K/V head): the score scale's factor and O's.
     scales = torch.stack((q_descale * k_descale, v_descale), dim=-1).contiguous()
     out = torch.empty(b, sq, hq, d, dtype=out_dtype, device=q.device)
     return _launch(
         kernel, q, k, values, out, bounds, lists, mask_heads, softmax_scale * LOG2E, order,
-        variant.persistent, *_after_stream(scales, sinks, q.device),
+        variant, *_after_stream(scales, sinks, q.device),
     )  # fmt: skip
