@@ -22,6 +22,16 @@ off and on (``launch.forward(..., persistent=False / True)``) on the same inputs
 on / off and the largest |difference| of the outputs:
 
     PYTHONPATH=src python benchmarks/cute_forward.py --persistent-ab --out cute_persistent_ab
+
+``--source-ab FILE`` times, the same way, this tree's CuTe forward (off) against the one of
+another ``forward.py`` (on: a lever's version of ``kernels/cute_kernels/forward.py``, e.g. from
+``git show BRANCH:src/flashmask/kernels/cute_kernels/forward.py``), loaded beside this tree's
+and compiled by this tree's launcher for the same launches (:func:`source_compiler`); in one
+process the two builds see the same clocks and inputs, where separate processes
+(``ab_trees.py``) drift by several percent. ``--softcap X`` runs both A/B modes with a logit
+cap of X:
+
+    PYTHONPATH=src python benchmarks/cute_forward.py --source-ab lever/forward.py --out lever_ab
 """
 
 from __future__ import annotations
@@ -128,47 +138,124 @@ def measure(head_dims: list[int]) -> tuple[dict, list[dict]]:
     return meta, cells
 
 
-def measure_persistent_ab(head_dims: list[int], rounds: int = 2) -> tuple[dict, list[dict]]:
-    """Per mask, the CuTe forward with the persistent variant off and on, alternating for
-    ``rounds`` rounds on the same inputs, each keeping its best median."""
+def source_compiler(path: Path):
+    """A stand-in for ``launch.compiled_forward`` that compiles the CuTe forward of another
+    ``forward.py`` at ``path``: the file is loaded as a module of its own beside this tree's,
+    each variant (this tree's ``ForwardVariant``) is rebuilt as that module's from the same
+    fields, and this tree's launcher compiles it with that module standing in for
+    ``cute_kernels.forward`` during the compile. The other file may add variant fields with
+    defaults; it must keep this tree's fields and the kernel's launch arguments."""
+    import dataclasses
+    import functools
+    import importlib
+    import importlib.util
+    import sys
+
+    from flashmask.kernels.cute_kernels import launch
+
+    # After the launcher, which sets CUTE_DSL_ARCH before cutlass is first imported.
+    ours = importlib.import_module("flashmask.kernels.cute_kernels.forward")
+    name = f"{ours.__name__}_under_test"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--source-ab: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    compile_ours = launch.compiled_forward.__wrapped__
+
+    @functools.cache
+    def compiled(variant, torch_dtype):
+        fields = {f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)}
+        theirs = module.ForwardVariant(**fields)
+        sys.modules[ours.__name__] = module
+        try:
+            return compile_ours(theirs, torch_dtype)
+        finally:
+            sys.modules[ours.__name__] = ours
+
+    return compiled
+
+
+def measure_ab(
+    head_dims: list[int], kind: str, source: Path | None = None, softcap: float = 0.0,
+    rounds: int = 2,
+) -> tuple[dict, list[dict]]:  # fmt: skip
+    """Per mask, the CuTe forward in two builds, off and on, alternating for ``rounds`` rounds
+    on the same inputs, each keeping its best median: ``kind`` ``"persistent_ab"``, the
+    persistent variant off and on; ``"source_ab"``, this tree's kernel against ``source``'s
+    (:func:`source_compiler`). ``softcap``: both builds with that logit cap."""
+    import functools
+
     import torch
 
     from flashmask.bench import _bench
+    from flashmask.kernels.cute_kernels import launch
+
+    ours_compiled, ours_forward = launch.compiled_forward, launch.forward
+    theirs_compiled = source_compiler(source) if kind == "source_ab" else ours_compiled
+    if softcap:
+        launch.forward = functools.partial(ours_forward, softcap=softcap)
+
+    def build(key, cute):
+        """The call of build ``key`` (``off``/``on``) on one mask's inputs."""
+        if kind == "persistent_ab":
+            return lambda: cute(key == "on")
+
+        def call():
+            launch.compiled_forward = theirs_compiled if key == "on" else ours_compiled
+            try:
+                return cute()
+            finally:
+                launch.compiled_forward = ours_compiled
+
+        return call
 
     cells = []
-    for d, s, b, heads, name in cases(head_dims):
-        _, _, _, _, _, _, flop, cute = inputs(d, s, b, heads, name)
-        cell: dict = {"d": d, "s": s, "b": b, "mask": name}
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        try:
-            for _ in range(rounds):
-                for key, persistent in (("off", False), ("on", True)):
-                    times[key].append(_bench(lambda p=persistent: cute(p), 200))
-            for key, ms in times.items():
-                cell[key] = {"ms": min(ms), "tflops": flop / min(ms) / 1e9}
-            diff = (cute(True)[0].float() - cute(False)[0].float()).abs().max().item()
-            cell["max_diff"] = diff
-        except Exception as exc:  # a failing mask costs only its row
-            cell["error"] = f"{type(exc).__name__}: {exc}"[:200]
-        print(json.dumps(cell), flush=True)
-        cells.append(cell)
+    try:
+        for d, s, b, heads, name in cases(head_dims):
+            _, _, _, _, _, _, flop, cute = inputs(d, s, b, heads, name)
+            cell: dict = {"d": d, "s": s, "b": b, "mask": name}
+            calls = {key: build(key, cute) for key in ("off", "on")}
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            try:
+                for _ in range(rounds):
+                    for key, fn in calls.items():
+                        times[key].append(_bench(fn, 200))
+                for key, ms in times.items():
+                    cell[key] = {"ms": min(ms), "tflops": flop / min(ms) / 1e9}
+                off, on = calls["off"](), calls["on"]()
+                cell["max_diff"] = (on[0].float() - off[0].float()).abs().max().item()
+            except Exception as exc:  # a failing mask costs only its row
+                cell["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            print(json.dumps(cell), flush=True)
+            cells.append(cell)
+    finally:
+        launch.compiled_forward, launch.forward = ours_compiled, ours_forward
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "kind": "persistent_ab",
+        "kind": kind,
         "rounds": rounds,
+        "softcap": softcap,
     }
+    if source is not None:
+        meta["source"] = str(source)
     return meta, cells
 
 
-def render_persistent_ab(meta: dict, cells: list[dict]) -> str:
-    """A markdown table: the CuTe forward's TFLOP/s with the persistent variant off and on."""
+def render_ab(meta: dict, cells: list[dict]) -> str:
+    """A markdown table of :func:`measure_ab`: the CuTe forward's TFLOP/s off and on."""
+    if meta.get("kind") == "source_ab":
+        what = f"this tree (off) against {meta.get('source', '?')} (on)"
+    else:
+        what = "persistent variant off / on"
+    cap = f"; logit cap {meta['softcap']:g}" if meta.get("softcap") else ""
     lines = [
-        f"# CuTe forward, persistent variant off / on ({meta.get('gpu', '?')}, "
-        f"torch {meta.get('torch', '?')})",
+        f"# CuTe forward, {what} ({meta.get('gpu', '?')}, torch {meta.get('torch', '?')})",
         "",
         "Forward TFLOP/s (visible pairs), bf16, 32K tokens, 2048 = heads x head dim; each the "
-        f"best median of {meta.get('rounds', '?')} alternating rounds.",
+        f"best median of {meta.get('rounds', '?')} alternating rounds{cap}.",
         "",
         "| D | S | mask | off | on | on/off | max diff |",
         "|---:|---:|---|---:|---:|---:|---:|",
@@ -218,29 +305,45 @@ def main() -> None:
     parser.add_argument("--out", default="cute_forward", help="prefix of the .json and .md")
     parser.add_argument(
         "--head-dims",
-        help="comma-separated (default 128,256,64; 128 with --persistent-ab; 192 is MLA's Q/K "
+        help="comma-separated (default 128,256,64; 128 with an A/B; 192 is MLA's Q/K "
         "head dim with V's 128)",
     )
     parser.add_argument("--render", type=Path, help="only render an earlier run's JSON")
-    parser.add_argument(
+    ab = parser.add_mutually_exclusive_group()
+    ab.add_argument(
         "--persistent-ab", action="store_true",
         help="time the CuTe forward with its persistent variant off and on instead",
     )  # fmt: skip
+    ab.add_argument(
+        "--source-ab", type=Path, metavar="FILE",
+        help="time this tree's CuTe forward against the one of another forward.py instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--softcap", type=float, default=0.0, help="a logit cap for both A/B builds (0: none)"
+    )
     args = parser.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
-        show = render_persistent_ab if data["meta"].get("kind") == "persistent_ab" else render
+        ab_kinds = ("persistent_ab", "source_ab")
+        show = render_ab if data["meta"].get("kind") in ab_kinds else render
         print(show(data["meta"], data["cells"]), end="")
         return
+    kind = "persistent_ab" if args.persistent_ab else "source_ab" if args.source_ab else None
+    if args.softcap and kind is None:
+        parser.error("--softcap: only with --persistent-ab or --source-ab")
+    if args.softcap < 0:
+        parser.error(f"--softcap must be positive (or 0 for none), got {args.softcap}")
+    if args.source_ab is not None and not args.source_ab.is_file():
+        parser.error(f"--source-ab: no such file {args.source_ab}")
     import torch
 
     if not torch.cuda.is_available():
         parser.error("timing the CuTe forward needs a Hopper GPU (--render works anywhere)")
-    head_dims = args.head_dims or ("128" if args.persistent_ab else "128,256,64")
+    head_dims = args.head_dims or ("128" if kind else "128,256,64")
     head_dims = [int(x) for x in head_dims.split(",")]
-    if args.persistent_ab:
-        meta, cells = measure_persistent_ab(head_dims)
-        table = render_persistent_ab(meta, cells)
+    if kind:
+        meta, cells = measure_ab(head_dims, kind, args.source_ab, args.softcap)
+        table = render_ab(meta, cells)
     else:
         meta, cells = measure(head_dims)
         table = render(meta, cells)

@@ -4,8 +4,12 @@ persistent variant's A/B: off, on and their ratio), and ``--render`` picking the
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +41,7 @@ AB_CELLS = [
 
 
 def test_render_persistent_ab_gives_off_on_and_their_ratio(script):
-    table = script.render_persistent_ab({"gpu": "GPU X", "torch": "2.x", "rounds": 2}, AB_CELLS)
+    table = script.render_ab({"gpu": "GPU X", "torch": "2.x", "rounds": 2}, AB_CELLS)
     assert "GPU X" in table and "best median of 2 alternating rounds" in table
     rows = [line for line in table.splitlines() if line.startswith("| 128")]
     assert rows[0] == "| 128 | 8192 | document | 400 | 432 | 1.080 | 0 |"
@@ -53,3 +57,71 @@ def test_render_option_picks_the_table_of_the_run(script, tmp_path, monkeypatch,
     run.write_text(json.dumps({"meta": {}, "cells": []}))
     script.main()
     assert "| cute | routed | fm4 |" in capsys.readouterr().out
+
+
+def test_render_ab_names_the_other_source_and_the_cap(script):
+    meta = {"gpu": "GPU X", "kind": "source_ab", "source": "lever/forward.py", "rounds": 2}
+    table = script.render_ab({**meta, "softcap": 30.0}, AB_CELLS)
+    assert "this tree (off) against lever/forward.py (on)" in table
+    assert "alternating rounds; logit cap 30." in table
+    assert "logit cap" not in script.render_ab({**meta, "softcap": 0.0}, AB_CELLS)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--softcap", "30"], "--softcap: only with --persistent-ab or --source-ab"),
+        (["--persistent-ab", "--softcap", "-1"], "--softcap must be positive"),
+        (["--source-ab", "no/such/forward.py"], "--source-ab: no such file"),
+        (["--source-ab", "f.py", "--persistent-ab"], "not allowed with argument"),
+    ],
+)
+def test_bad_ab_options_are_refused_naming_the_option(script, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["cute_forward.py", *argv])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert message in capsys.readouterr().err
+
+
+# Appended to a copy of the tree's forward.py: every compiled HopperForward records its variant.
+RECORDER = """
+
+COMPILED = []
+_compile_init = HopperForward.__init__
+
+
+def _recording_init(self, variant):
+    COMPILED.append(variant)
+    _compile_init(self, variant)
+
+
+HopperForward.__init__ = _recording_init
+"""
+
+
+def test_source_compiler_compiles_the_other_forward_with_its_own_variant(script, tmp_path):
+    """The other ``forward.py`` is compiled, for this tree's variant rebuilt as its own, and
+    this tree's module is back in place afterwards (CPU compile for sm_90a)."""
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs the flashmask[cute] extra (nvidia-cutlass-dsl)")
+    import torch
+
+    # The launcher first: it sets CUTE_DSL_ARCH before cutlass is imported.
+    from flashmask.kernels.cute_kernels import launch
+
+    forward = importlib.import_module("flashmask.kernels.cute_kernels.forward")
+
+    copy = tmp_path / "forward.py"
+    copy.write_text(Path(forward.__file__).read_text() + RECORDER)
+    compiled = script.source_compiler(copy)
+    variant = forward.ForwardVariant(
+        head_dim=128, block_n=launch.key_tile(128), kv_stages=launch.KV_STAGES[128],
+        causal=True, has_mask=False, has_upper=False, mask_full_tiles=False, ordered=False,
+    )  # fmt: skip
+    assert compiled(variant, torch.bfloat16) is not None
+    assert compiled(variant, torch.bfloat16) is compiled(variant, torch.bfloat16)  # cached
+    theirs = sys.modules["flashmask.kernels.cute_kernels.forward_under_test"]
+    (seen,) = theirs.COMPILED
+    assert type(seen) is theirs.ForwardVariant and type(seen) is not forward.ForwardVariant
+    assert dataclasses.asdict(seen) == dataclasses.asdict(variant)
+    assert sys.modules["flashmask.kernels.cute_kernels.forward"] is forward
