@@ -14,6 +14,15 @@ flushed). Every cell records the largest |difference| of CuTe's dq, dk, dv from 
     python benchmarks/cute_backward.py --render cute_backward.json   # the table again
 
 writes ``PREFIX.json`` and ``PREFIX.md``.
+
+``--source-ab FILE`` times instead, in one process, this tree's CuTe backward (off) against the
+one of another ``backward.py`` (on: a lever's, e.g. from ``git show
+BRANCH:src/flashmask/kernels/cute_kernels/backward.py``), compiled by this tree's launcher for
+the same launches (``cute_forward.source_compiler``), alternating for two rounds on the same
+inputs, each keeping its best median; the table gives both TFLOP/s, on / off and the largest
+|difference| of dq, dk, dv:
+
+    PYTHONPATH=src python benchmarks/cute_backward.py --source-ab lever/backward.py --out ab
 """
 
 from __future__ import annotations
@@ -23,53 +32,73 @@ import json
 from pathlib import Path
 
 # Run as a script, this file's folder is on sys.path, and its tests put it there.
-from cute_forward import comparison_columns
+from cute_forward import comparison_columns, render_ab, source_compiler
 
 SEQLENS = (8192, 32768)
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
 BACKWARD_FLOP = 2.5  # a backward's matmul work over its forward's
 
 
+def inputs(s: int, name: str) -> tuple[tuple, object, object, float]:
+    """Random bf16 inputs of mask ``name`` at length ``s`` (batch ``TOKENS // s``), the forward
+    run on them, and the lists and launch order prepared once: ``(args, order, sri, flop)``,
+    the backward kernels' positional arguments, their launch order (``None`` without a mask),
+    the mask's ``startend_row_indices`` (``None`` for full and causal) and the visible FLOP of
+    the forward."""
+    import torch
+
+    from flashmask import masks
+    from flashmask.bench import visible_flop
+    from flashmask.kernels import forward_launcher, preparation
+    from flashmask.kernels.backward_launcher import backward_delta
+    from flashmask.mask import FlashMask
+
+    device = torch.device("cuda")
+    d, heads, b = HEAD_DIM, HEADS, TOKENS // s
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, heads, d, device=device, dtype=torch.bfloat16)
+    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    sri, causal = None, name == "causal"
+    if name not in ("full", "causal"):
+        mask = masks.example(
+            name, s, batch_size=b, num_heads=heads if name == "random_eviction" else 1,
+            generator=gen,
+        ).to(device)  # fmt: skip
+        sri, causal = mask.startend_row_indices, mask.causal
+    flop = visible_flop(FlashMask(sri, causal) if sri is not None else None, causal, s, d, heads, b)
+    scale = d**-0.5
+    out, lse = forward_launcher.forward(q, k, v, sri, causal, scale)
+    delta = backward_delta(out, dout, None)
+    bounds, (lists,) = preparation.prepare_cached(sri, causal, s, s, b, device, [(64, 128, False)])
+    order = None if sri is None else preparation.program_order(lists, heads, False)
+    hm = 1 if sri is None else sri.shape[1]
+    args = (dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale)
+    return args, order, sri, flop
+
+
+def largest_difference(ours, theirs) -> float:
+    """The largest |difference| over the pairs of ``(dq, dk, dv)`` of two backwards."""
+    return max(
+        (a.float() - t.float()).abs().max().item() for a, t in zip(ours, theirs, strict=True)
+    )
+
+
 def measure(seqlens: list[int]) -> tuple[dict, list[dict]]:
     import torch
 
     from flashmask import masks
-    from flashmask.bench import _bench, flashmask4, visible_flop
-    from flashmask.kernels import forward_launcher, preparation
-    from flashmask.kernels.backward_launcher import backward_delta
+    from flashmask.bench import _bench, flashmask4
     from flashmask.kernels.cute_kernels import backward_launch
     from flashmask.kernels.gluon_kernels import backward as gluon_backward
-    from flashmask.mask import FlashMask
 
-    device = torch.device("cuda")
     fm4 = flashmask4()
-    d, heads = HEAD_DIM, HEADS
+    d = HEAD_DIM
     cells = []
     for s in seqlens:
         b = TOKENS // s
         for name in masks.MASK_TYPES:
-            gen = torch.Generator().manual_seed(0)
-            q = torch.randn(b, s, heads, d, device=device, dtype=torch.bfloat16)
-            k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
-            sri, causal = None, name == "causal"
-            if name not in ("full", "causal"):
-                mask = masks.example(
-                    name, s, batch_size=b, num_heads=heads if name == "random_eviction" else 1,
-                    generator=gen,
-                ).to(device)  # fmt: skip
-                sri, causal = mask.startend_row_indices, mask.causal
-            flop = visible_flop(
-                FlashMask(sri, causal) if sri is not None else None, causal, s, d, heads, b
-            )
-            scale = d**-0.5
-            out, lse = forward_launcher.forward(q, k, v, sri, causal, scale)
-            delta = backward_delta(out, dout, None)
-            bounds, (lists,) = preparation.prepare_cached(
-                sri, causal, s, s, b, device, [(64, 128, False)]
-            )
-            order = None if sri is None else preparation.program_order(lists, heads, False)
-            hm = 1 if sri is None else sri.shape[1]
-            args = (dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale)
+            args, order, sri, flop = inputs(s, name)
+            dout, q, k, v, *_, causal, _ = args
             calls = {
                 "cute": lambda args=args, order=order: backward_launch.backward(*args, order=order),
                 "gluon": lambda args=args, order=order: gluon_backward.backward(*args, order=order),
@@ -87,17 +116,62 @@ def measure(seqlens: list[int]) -> tuple[dict, list[dict]]:
                 except Exception as exc:
                     cell["fm4"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             try:
-                ours = calls["cute"]()
-                theirs = calls["gluon"]()
-                cell["max_diff"] = max(
-                    (a.float() - t.float()).abs().max().item()
-                    for a, t in zip(ours, theirs, strict=True)
-                )
+                cell["max_diff"] = largest_difference(calls["cute"](), calls["gluon"]())
             except Exception as exc:
                 cell["max_diff"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(cell), flush=True)
             cells.append(cell)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    return meta, cells
+
+
+def measure_source_ab(seqlens: list[int], source: Path, rounds: int = 2) -> tuple[dict, list[dict]]:
+    """Per mask, this tree's CuTe backward (``off``) and ``source``'s (``on``), alternating for
+    ``rounds`` rounds on the same inputs, each keeping its best median."""
+    import torch
+
+    from flashmask import masks
+    from flashmask.bench import _bench
+    from flashmask.kernels.cute_kernels import backward_launch
+
+    ours = backward_launch.compiled_backward
+    builds = {"off": ours, "on": source_compiler(source, "backward")}
+    cells = []
+    try:
+        for s in seqlens:
+            for name in masks.MASK_TYPES:
+                args, order, _, flop = inputs(s, name)
+                cell: dict = {"d": HEAD_DIM, "s": s, "b": TOKENS // s, "mask": name}
+
+                def call(key, args=args, order=order):
+                    backward_launch.compiled_backward = builds[key]
+                    try:
+                        return backward_launch.backward(*args, order=order)
+                    finally:
+                        backward_launch.compiled_backward = ours
+
+                times: dict[str, list[float]] = {"off": [], "on": []}
+                try:
+                    for _ in range(rounds):
+                        for key in times:
+                            times[key].append(_bench(lambda key=key: call(key), 200))
+                    for key, ms in times.items():
+                        cell[key] = {"ms": min(ms), "tflops": BACKWARD_FLOP * flop / min(ms) / 1e9}
+                    cell["max_diff"] = largest_difference(call("on"), call("off"))
+                except Exception as exc:  # a failing mask costs only its row
+                    cell["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(json.dumps(cell), flush=True)
+                cells.append(cell)
+    finally:
+        backward_launch.compiled_backward = ours
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kind": "source_ab",
+        "kernel": "backward",
+        "source": str(source),
+        "rounds": rounds,
+    }
     return meta, cells
 
 
@@ -143,19 +217,32 @@ def main() -> None:
     parser.add_argument("--out", default="cute_backward", help="prefix of the .json and .md")
     parser.add_argument("--seqlens", default="8192,32768", help="comma-separated")
     parser.add_argument("--render", type=Path, help="only render an earlier run's JSON")
+    parser.add_argument(
+        "--source-ab", type=Path, metavar="FILE",
+        help="time this tree's CuTe backward against the one of another backward.py instead",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
-        print(render(data["meta"], data["cells"]), end="")
+        show = render_ab if data["meta"].get("kind") == "source_ab" else render
+        print(show(data["meta"], data["cells"]), end="")
         return
+    if args.source_ab is not None and not args.source_ab.is_file():
+        parser.error(f"--source-ab: no such file {args.source_ab}")
     import torch
 
     if not torch.cuda.is_available():
         parser.error("timing the CuTe backward needs a Hopper GPU (--render works anywhere)")
-    meta, cells = measure([int(x) for x in args.seqlens.split(",")])
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    if args.source_ab is not None:
+        meta, cells = measure_source_ab(seqlens, args.source_ab)
+        table = render_ab(meta, cells)
+    else:
+        meta, cells = measure(seqlens)
+        table = render(meta, cells)
     Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
-    Path(f"{args.out}.md").write_text(render(meta, cells))
-    print(render(meta, cells), end="")
+    Path(f"{args.out}.md").write_text(table)
+    print(table, end="")
 
 
 if __name__ == "__main__":

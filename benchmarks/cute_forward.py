@@ -138,23 +138,33 @@ def measure(head_dims: list[int]) -> tuple[dict, list[dict]]:
     return meta, cells
 
 
-def source_compiler(path: Path):
-    """A stand-in for ``launch.compiled_forward`` that compiles the CuTe forward of another
-    ``forward.py`` at ``path``: the file is loaded as a module of its own beside this tree's,
-    each variant (this tree's ``ForwardVariant``) is rebuilt as that module's from the same
-    fields, and this tree's launcher compiles it with that module standing in for
-    ``cute_kernels.forward`` during the compile. The other file may add variant fields with
-    defaults; it must keep this tree's fields and the kernel's launch arguments."""
+# Per CuTe kernel: its launcher module, the launcher's cached compile function and the variant
+# class of the kernel's module (``kernels/cute_kernels/<kernel>.py``).
+KERNEL_SOURCES = {
+    "forward": ("launch", "compiled_forward", "ForwardVariant"),
+    "backward": ("backward_launch", "compiled_backward", "BackwardVariant"),
+}
+
+
+def source_compiler(path: Path, kernel: str = "forward"):
+    """A stand-in for the launcher's compile function of CuTe ``kernel`` (``forward``:
+    ``launch.compiled_forward``, ``backward``: ``backward_launch.compiled_backward``) that
+    compiles the kernel of another ``<kernel>.py`` at ``path``: the file is loaded as a module
+    of its own beside this tree's, each variant (this tree's variant class) is rebuilt as that
+    module's from the same fields, and this tree's launcher compiles it with that module
+    standing in for ``cute_kernels.<kernel>`` during the compile. The other file may add
+    variant fields with defaults; it must keep this tree's fields and the kernel's launch
+    arguments. Shared with ``cute_backward.py``."""
     import dataclasses
     import functools
     import importlib
     import importlib.util
     import sys
 
-    from flashmask.kernels.cute_kernels import launch
-
-    # After the launcher, which sets CUTE_DSL_ARCH before cutlass is first imported.
-    ours = importlib.import_module("flashmask.kernels.cute_kernels.forward")
+    launcher_name, compile_name, variant_name = KERNEL_SOURCES[kernel]
+    # The launcher first: it sets CUTE_DSL_ARCH before cutlass is first imported.
+    launcher = importlib.import_module(f"flashmask.kernels.cute_kernels.{launcher_name}")
+    ours = importlib.import_module(f"flashmask.kernels.cute_kernels.{kernel}")
     name = f"{ours.__name__}_under_test"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -162,12 +172,12 @@ def source_compiler(path: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    compile_ours = launch.compiled_forward.__wrapped__
+    compile_ours = getattr(launcher, compile_name).__wrapped__
 
     @functools.cache
     def compiled(variant, torch_dtype):
         fields = {f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)}
-        theirs = module.ForwardVariant(**fields)
+        theirs = getattr(module, variant_name)(**fields)
         sys.modules[ours.__name__] = module
         try:
             return compile_ours(theirs, torch_dtype)
@@ -245,17 +255,19 @@ def measure_ab(
 
 
 def render_ab(meta: dict, cells: list[dict]) -> str:
-    """A markdown table of :func:`measure_ab`: the CuTe forward's TFLOP/s off and on."""
+    """A markdown table of an off / on A/B (:func:`measure_ab`, or ``cute_backward.py``'s for
+    ``meta["kernel"] == "backward"``): the CuTe kernel's TFLOP/s off and on."""
+    kernel = meta.get("kernel", "forward")
     if meta.get("kind") == "source_ab":
         what = f"this tree (off) against {meta.get('source', '?')} (on)"
     else:
         what = "persistent variant off / on"
     cap = f"; logit cap {meta['softcap']:g}" if meta.get("softcap") else ""
     lines = [
-        f"# CuTe forward, {what} ({meta.get('gpu', '?')}, torch {meta.get('torch', '?')})",
+        f"# CuTe {kernel}, {what} ({meta.get('gpu', '?')}, torch {meta.get('torch', '?')})",
         "",
-        "Forward TFLOP/s (visible pairs), bf16, 32K tokens, 2048 = heads x head dim; each the "
-        f"best median of {meta.get('rounds', '?')} alternating rounds{cap}.",
+        f"{kernel.capitalize()} TFLOP/s (visible pairs), bf16, 32K tokens, 2048 = heads x head "
+        f"dim; each the best median of {meta.get('rounds', '?')} alternating rounds{cap}.",
         "",
         "| D | S | mask | off | on | on/off | max diff |",
         "|---:|---:|---|---:|---:|---:|---:|",

@@ -1,10 +1,15 @@
 """``benchmarks/cute_backward.py`` on CPU: the table it renders from a run's JSON (rates, the
-CuTe backward's ratios to the Gluon backward and FlashMask-4, dashes where one failed), and
-that it refuses to time without a GPU."""
+CuTe backward's ratios to the Gluon backward and FlashMask-4, dashes where one failed), that it
+refuses to time without a GPU, and its ``--source-ab`` mode: the off / on table, a missing
+file refused, and another ``backward.py`` compiled in its own module."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +41,45 @@ def test_it_refuses_to_time_without_a_gpu(script, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         script.main()
     assert "needs a Hopper GPU" in capsys.readouterr().err
+
+
+def test_a_source_ab_run_renders_as_the_backward_table(script, tmp_path, monkeypatch, capsys):
+    cells = [
+        {"d": 128, "s": 8192, "b": 4, "mask": "full", "off": {"ms": 1.0, "tflops": 530.0},
+         "on": {"ms": 0.95, "tflops": 557.9}, "max_diff": 0.000244140625},
+    ]  # fmt: skip
+    meta = {"kind": "source_ab", "kernel": "backward", "source": "lever/backward.py", "rounds": 2}
+    run = tmp_path / "ab.json"
+    run.write_text(json.dumps({"meta": meta, "cells": cells}))
+    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--render", str(run)])
+    script.main()
+    table = capsys.readouterr().out
+    assert "# CuTe backward, this tree (off) against lever/backward.py (on)" in table
+    assert "Backward TFLOP/s" in table
+    assert "| 128 | 8192 | full | 530 | 558 | 1.053 | 0.000244 |" in table
+
+
+def test_a_missing_source_is_refused_naming_the_option(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--source-ab", "no/such/backward.py"])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "--source-ab: no such file" in capsys.readouterr().err
+
+
+def test_the_backward_source_compiler_compiles_the_other_file(script, tmp_path):
+    """The other ``backward.py`` compiles for this tree's variant rebuilt as its own, and this
+    tree's module is back in place afterwards (CPU compile for sm_90a)."""
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs the flashmask[cute] extra (nvidia-cutlass-dsl)")
+    # The launcher first: it sets CUTE_DSL_ARCH before cutlass is imported.
+    from flashmask.kernels.cute_kernels import backward_launch  # noqa: F401
+
+    backward = importlib.import_module("flashmask.kernels.cute_kernels.backward")
+    copy = tmp_path / "backward.py"
+    copy.write_text(Path(backward.__file__).read_text() + "\nMARK = 1\n")
+    compiled = script.source_compiler(copy, "backward")
+    variant = backward.BackwardVariant(128, True, False, False, False, False)
+    assert compiled(variant, torch.bfloat16) is not None
+    theirs = sys.modules["flashmask.kernels.cute_kernels.backward_under_test"]
+    assert theirs.MARK == 1 and theirs is not backward
+    assert sys.modules["flashmask.kernels.cute_kernels.backward"] is backward
