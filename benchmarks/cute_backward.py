@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 
 # Run as a script, this file's folder is on sys.path, and its tests put it there.
-from cute_forward import comparison_columns, render_ab, source_compiler
+from cute_forward import comparison_columns, example_mask, render_ab, source_compiler
 
 SEQLENS = (8192, 32768)
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
@@ -47,7 +47,6 @@ def inputs(s: int, name: str) -> tuple[tuple, object, object, float]:
     the forward."""
     import torch
 
-    from flashmask import masks
     from flashmask.bench import visible_flop
     from flashmask.kernels import forward_launcher, preparation
     from flashmask.kernels.backward_launcher import backward_delta
@@ -55,16 +54,9 @@ def inputs(s: int, name: str) -> tuple[tuple, object, object, float]:
 
     device = torch.device("cuda")
     d, heads, b = HEAD_DIM, HEADS, TOKENS // s
-    gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, s, heads, d, device=device, dtype=torch.bfloat16)
     k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
-    sri, causal = None, name == "causal"
-    if name not in ("full", "causal"):
-        mask = masks.example(
-            name, s, batch_size=b, num_heads=heads if name == "random_eviction" else 1,
-            generator=gen,
-        ).to(device)  # fmt: skip
-        sri, causal = mask.startend_row_indices, mask.causal
+    sri, causal = example_mask(name, s, b, heads, device)
     flop = visible_flop(FlashMask(sri, causal) if sri is not None else None, causal, s, d, heads, b)
     scale = d**-0.5
     out, lse = forward_launcher.forward(q, k, v, sri, causal, scale)

@@ -60,31 +60,41 @@ def cases(head_dims: list[int]):
                 yield d, s, TOKENS // s, HIDDEN // d, name
 
 
+def example_mask(name: str, s: int, b: int, heads: int, device):
+    """``(startend_row_indices, causal)`` of mask ``name`` of ``flashmask.masks.example`` at
+    length ``s`` and batch ``b`` on ``device`` (``None`` for full and causal attention),
+    random_eviction with one mask per head, from a generator seeded 0. Shared with
+    ``cute_backward.py``."""
+    import torch
+
+    from flashmask import masks
+
+    if name in ("full", "causal"):
+        return None, name == "causal"
+    mask = masks.example(
+        name, s, batch_size=b, num_heads=heads if name == "random_eviction" else 1,
+        generator=torch.Generator().manual_seed(0),
+    ).to(device)  # fmt: skip
+    return mask.startend_row_indices, mask.causal
+
+
 def inputs(d: int, s: int, b: int, heads: int, name: str):
     """Random bf16 ``q, k, v``, the mask's ``sri`` and ``causal``, its visible FLOP, and a call
     of the CuTe forward on them (its lists, bounds and launch order prepared once, as the cache
     serves them to every layer) that takes ``persistent`` (``None``: the launcher's rule)."""
     import torch
 
-    from flashmask import masks
     from flashmask.bench import attention_flop
     from flashmask.kernels import preparation, tiles
     from flashmask.kernels.cute_kernels import launch
     from flashmask.mask import FlashMask
 
     device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
     dv = VALUE_HEAD_DIM.get(d, d)
     q = torch.randn(b, s, heads, d, device=device, dtype=torch.bfloat16)
     k = torch.randn_like(q)
     v = torch.randn(b, s, heads, dv, device=device, dtype=torch.bfloat16)
-    sri, causal = None, name == "causal"
-    if name not in ("full", "causal"):
-        mask = masks.example(
-            name, s, batch_size=b, num_heads=heads if name == "random_eviction" else 1,
-            generator=gen,
-        ).to(device)  # fmt: skip
-        sri, causal = mask.startend_row_indices, mask.causal
+    sri, causal = example_mask(name, s, b, heads, device)
     mask = FlashMask(sri, causal) if sri is not None else None
     flop = attention_flop(mask, causal, s, d, heads, b, dv)[0]
     scale = d**-0.5

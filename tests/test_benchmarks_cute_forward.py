@@ -125,3 +125,15 @@ def test_source_compiler_compiles_the_other_forward_with_its_own_variant(script,
     assert type(seen) is theirs.ForwardVariant and type(seen) is not forward.ForwardVariant
     assert dataclasses.asdict(seen) == dataclasses.asdict(variant)
     assert sys.modules["flashmask.kernels.cute_kernels.forward"] is forward
+
+
+def test_example_mask_gives_the_bounds_of_both_benchmarks(script):
+    """Full and causal attention have no bounds; random_eviction one mask per head, the other
+    masks one for all heads (the same mask in every call: the generator is seeded)."""
+    assert script.example_mask("full", 256, 2, 4, "cpu") == (None, False)
+    assert script.example_mask("causal", 256, 2, 4, "cpu") == (None, True)
+    sri, causal = script.example_mask("random_eviction", 256, 2, 4, "cpu")
+    assert sri.shape[:2] == (2, 4) and sri.shape[2] == 256
+    sri, causal = script.example_mask("document", 256, 2, 4, "cpu")
+    again, _ = script.example_mask("document", 256, 2, 4, "cpu")
+    assert sri.shape[:3] == (2, 1, 256) and not causal and sri.equal(again)
