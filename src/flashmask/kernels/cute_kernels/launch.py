@@ -403,7 +403,7 @@ def _check_fp8_inputs(
     order: torch.Tensor | None,
     descales: dict[str, torch.Tensor],
     out_dtype: torch.dtype,
-    causal: bool,
+    full_attention: bool,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument :func:`forward_fp8` cannot run
     (shapes, dtypes, layouts and devices; the device last, so that the rest is checked
@@ -440,7 +440,7 @@ def _check_fp8_inputs(
             f"bounds must be int32 [B, Hm, 4, Sk] = [{b}, {mask_heads}, 4, {sk}], got "
             f"{bounds.dtype} {tuple(bounds.shape)}"
         )
-    shape = fp8_tile_shape(d, full_attention=bounds is None and not causal)
+    shape = fp8_tile_shape(d, full_attention=full_attention)
     tiles_m, tiles_n = -(-sq // QUERY_TILE), -(-sk // shape[1])
     lists_heads = mask_heads if bounds is not None else 1
     expected = (b, lists_heads, tiles_m, tiles_n)
@@ -530,11 +530,13 @@ def forward_fp8(
     from flashmask.kernels.cute_kernels.forward import LOG2E
 
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    full_attention = bounds is None and not causal
     _check_fp8_inputs(
-        q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype, causal
-    )
+        q, k, v, bounds, lists, mask_heads, softmax_scale, order, descales, out_dtype,
+        full_attention,
+    )  # fmt: skip
     b, sq, hq, d = q.shape
-    block_n, stages = fp8_tiles(d, full_attention=bounds is None and not causal)
+    block_n, stages = fp8_tiles(d, full_attention=full_attention)
     variant = _variant(
         d, stages, bounds, causal, has_upper, skip_tiles, order, persistent, block_n=block_n,
         fp8=True, sinks=sinks is not None, edge_intervals=edge_intervals,
