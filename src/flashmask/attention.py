@@ -64,7 +64,8 @@ def flashmask_attention(
         softcap: Gemma's logit soft-capping: each scaled score ``s`` becomes
             ``softcap * tanh(s / softcap)`` before the mask and softmax (gradients through the
             cap's derivative). ``None`` or 0 (flash-attn's "off") leave the scores; on the GPU a
-            capped call runs the Triton kernels or, on Hopper, the Gluon ones (not CuTe).
+            capped call routes as an uncapped one (the MLA backward of a capped call runs the
+            Triton kernel; a capped decode step takes the training forward, not split-KV).
         q_descale: FP8 only (``query``, ``key`` and ``value`` all ``torch.float8_e4m3fn``):
             float32 ``[B, Hk]``, query head ``h`` of batch ``b`` is dequantised as
             ``query.float() * q_descale[b, h // (Hq // Hk)]`` (FlashAttention-3's convention);
@@ -83,9 +84,11 @@ def flashmask_attention(
     ``window_size``, grouped-query heads, ``Sq != Sk``, ``sinks`` and ``softcap`` as above; lse is
     float32. Forward only: a call in which one of ``query``, ``key``, ``value``, a descale or
     ``sinks`` requires grad raises ``ValueError`` (unless autograd is off, ``torch.no_grad()``).
-    Until the Hopper FP8 kernel lands, every FP8 call, on any device, runs the exact reference
-    in float32 on the dequantised inputs (:func:`flashmask.fp8.forward` dispatches). Descales
-    and ``out_dtype`` given with other dtypes raise ``ValueError``.
+    On Hopper the CuTe FP8 forward runs the calls ``kernels.routing.use_cute_fp8_forward``
+    accepts (head dims 64, 128, 256, ``Dv == D``, 16-bit ``out_dtype``, no cap); every other
+    FP8 call runs the exact reference in float32 on the dequantised inputs
+    (:func:`flashmask.fp8.forward` dispatches). Descales and ``out_dtype`` given with other
+    dtypes raise ``ValueError``.
 
     Non-finite values: on the exact reference (CPU, float32/float64), a NaN or infinity in
     ``key`` or ``value`` at a key that a query row cannot see never reaches that row's output,
@@ -96,8 +99,9 @@ def flashmask_attention(
     cannot see it (their output and ``dq``, and the ``dk`` of keys they see): zero such values
     (e.g. in padding) before the call.
 
-    CUDA fp16/bf16 inputs run the Triton kernels; everything else (CPU, float32/float64, FP8)
-    runs the exact chunked reference in :mod:`flashmask.reference`.
+    CUDA fp16/bf16 inputs run the Triton, Gluon or CuTe kernels (``flashmask.kernels.routing``
+    picks per call); everything else (CPU, float32/float64, FP8 off Hopper) runs the exact
+    chunked reference in :mod:`flashmask.reference`.
     """
     _check_qkv(query, key, value)
     fp8_inputs = fp8.is_fp8(query)

@@ -107,9 +107,9 @@ class FlashMask:
     """An attention mask stored as per-key-column intervals of masked query rows.
 
     Args:
-        startend_row_indices: int32 ``[B, Hm, Sk, C]``; ``Hm`` is 1 (shared by all heads) or the
-            number of key/value heads; ``C`` is 1 or 2 when ``causal`` else 2 or 4 (see the module
-            docstring for what each entry means).
+        startend_row_indices: int32 ``[B, Hm, Sk, C]``; ``Hm`` is 1 (shared by all heads), the
+            number of key/value heads or that of query heads; ``C`` is 1 or 2 when ``causal``
+            else 2 or 4 (see the module docstring for what each entry means).
         causal: also hide key ``j`` from rows ``i < j - (Sk - Sq)`` (bottom-right aligned).
         seqlen_q: the query length ``Sq`` the indices were written for. Reading the mask with
             another ``Sq`` (:func:`flashmask.flashmask_attention`, :meth:`to_dense`, ...) raises
@@ -172,7 +172,8 @@ class FlashMask:
 
     @property
     def num_heads(self) -> int:
-        """``Hm``: 1 for a mask shared by all heads, else the number of key/value heads."""
+        """``Hm``: 1 for a mask shared by all heads, else the number of key/value heads or of
+        query heads."""
         return self.startend_row_indices.shape[1]
 
     @property

@@ -634,7 +634,8 @@ def random_eviction(
     Args:
         seqlen: ``S``.
         start_row: the first query that evicts (``1 <= start_row <= S``; ``S`` = plain causal).
-        num_heads: mask heads ``Hm`` (1 or the number of key/value heads), each its own draw.
+        num_heads: mask heads ``Hm`` (1, the number of key/value heads or of query heads), each
+            its own draw.
         batch_size: ``B``, each sample its own draw.
         generator: a ``torch.Generator`` for reproducible draws.
 

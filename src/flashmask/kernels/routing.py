@@ -258,7 +258,7 @@ CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
     """Whether a call that :func:`use_gluon_backward` gives the Gluon backward runs the CuTe
-    backward instead: no logit cap (``softcap``: the CuTe kernels have none), ``D`` in
+    backward instead: no logit cap (``softcap``: the CuTe backward has none), ``D`` in
     :data:`CUTE_BWD_HEAD_DIMS` and the ``cute`` extra installed."""
     return not softcap and q.shape[-1] in CUTE_BWD_HEAD_DIMS and cute_available()
 
@@ -291,8 +291,7 @@ def use_cute_fp8_forward(
     Hopper GPU (not the interpreter), the ``cute`` extra, float8_e4m3fn q, k and v, ``D`` in
     :data:`CUTE_FP8_HEAD_DIMS` for q and k and the same head dim for v (``Dv == D``),
     ``out_dtype`` in :data:`CUTE_FP8_OUT_DTYPES`, a positive scale (its row max is taken over
-    unscaled scores) and no logit cap (``softcap``; the CuTe kernels have none). False while
-    :data:`CUTE_FP8_HEAD_DIMS` is empty."""
+    unscaled scores) and no logit cap (``softcap``; the FP8 variant has none)."""
     d = q.shape[-1]
     if d not in CUTE_FP8_HEAD_DIMS or softmax_scale <= 0 or softcap:
         return False
