@@ -41,7 +41,7 @@ import argparse
 import json
 from pathlib import Path
 
-CASES = ((128, (8192, 32768)), (256, (8192,)), (64, (8192,)), (192, (8192, 32768)))
+CASES = ((128, (8192, 32768)), (256, (8192,)), (64, (8192, 32768)), (192, (8192, 32768)))
 TOKENS, HIDDEN = 32768, 2048
 # V's head dim where it is not Q/K's: 192 is multi-head latent attention's (DeepSeek-V2/V3),
 # whose V has 128.
