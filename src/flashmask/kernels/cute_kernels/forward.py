@@ -1113,16 +1113,15 @@ class HopperForward:
 
     @cute.jit
     def rescale(self, acc_o, o_scale):
-        """Multiply each row of the O accumulator by its factor in ``o_scale``; in the
-        ``lazy_rescale`` variants skipped (one warp vote) where no row of the warp's threads
-        raised its max on this tile."""
-        if cutlass.const_expr(self.v.lazy_rescale):
-            raised = False
-            for i in cutlass.range_constexpr(cute.size(o_scale)):
-                raised = raised or o_scale[i] != 1.0
-            if cute.arch.vote_any_sync(raised):
-                self.scale_rows(acc_o, o_scale)
-        else:
+        """Multiply each row of the O accumulator by its factor in ``o_scale``, skipped (one
+        warp vote) where no row of the warp's threads raised its max on this tile: every factor
+        is then exactly 1 (``exp2(0)``, with the exact max as in the ``lazy_rescale``
+        variants), so the skip changes no bit of O. After a row's first tiles its max rarely
+        rises."""
+        raised = False
+        for i in cutlass.range_constexpr(cute.size(o_scale)):
+            raised = raised or o_scale[i] != 1.0
+        if cute.arch.vote_any_sync(raised):
             self.scale_rows(acc_o, o_scale)
 
     @cute.jit
