@@ -136,12 +136,14 @@ def test_impls_the_bench_cannot_run_are_refused(monkeypatch, capsys, impls, mess
 
 
 def test_the_feature_rows_are_known_implementations(capsys):
-    """flashmask_sinks and flashmask_softcap pass the --impls check (and then need a GPU)."""
+    """flashmask_sinks, flashmask_softcap and flashmask_deterministic pass the --impls check
+    (and then need a GPU)."""
     from flashmask import bench
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the call would run the benchmark")
-    assert bench.main(["--impls", "flashmask,flashmask_sinks,flashmask_softcap"]) == 2
+    impls = "flashmask,flashmask_sinks,flashmask_softcap,flashmask_deterministic"
+    assert bench.main(["--impls", impls]) == 2
     err = capsys.readouterr().err
     assert "unknown implementation" not in err and "needs a CUDA GPU" in err
 

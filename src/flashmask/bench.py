@@ -41,10 +41,14 @@ from flashmask.mask import FlashMask
 __all__ = ["main", "visible_flop", "visible_pairs"]
 
 
-# The implementations `flashmask bench --impls` knows: flashmask_sinks and flashmask_softcap are
-# flashmask with learnable sinks (one random logit per head, their gradient included) and with a
-# logit cap of SOFTCAP, timed beside the plain flashmask row to price each feature.
-IMPLS = ("flashmask", "flex", "sdpa", "fm4", "flashmask_sinks", "flashmask_softcap")
+# The implementations `flashmask bench --impls` knows: flashmask_sinks, flashmask_softcap and
+# flashmask_deterministic are flashmask with learnable sinks (one random logit per head, their
+# gradient included), with a logit cap of SOFTCAP and with deterministic=True (a bit-reproducible
+# backward), timed beside the plain flashmask row to price each feature.
+IMPLS = (
+    "flashmask", "flex", "sdpa", "fm4", "flashmask_sinks", "flashmask_softcap",
+    "flashmask_deterministic",
+)  # fmt: skip
 SOFTCAP = 30.0
 # --dtype: the inputs of every row are bf16; fp8 adds the FP8 forward's row (FP8_IMPL).
 DTYPES = ("bf16", "fp8")
@@ -425,7 +429,8 @@ def run_case(
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def run_flashmask(impl: str = "flashmask", **features) -> None:
-        """One flashmask row; ``features``: ``sinks`` or ``softcap`` for the feature rows."""
+        """One flashmask row; ``features``: ``sinks``, ``softcap`` or ``deterministic`` for the
+        feature rows."""
         from flashmask.kernels import clear_prepared, device_shared_memory, tile_config
         from flashmask.kernels.forward_launcher import plan_forward, prepare_plan
 
@@ -437,7 +442,7 @@ def run_case(
         # of the kernels they route to: Triton's or, on Hopper, Gluon's): the forward's lists
         # and the backward's in one call, then the launch orders in one launch.
         plan = plan_forward(
-            q, k, v, sri, causal, head_dim**-0.5, False, cfg,
+            q, k, v, sri, causal, head_dim**-0.5, features.get("deterministic", False), cfg,
             softcap=features.get("softcap", 0.0),
         )  # fmt: skip
         sinks = features.get("sinks")
@@ -562,6 +567,9 @@ def run_case(
         "fm4": run_fm4,
         "flashmask_sinks": run_sinks,
         "flashmask_softcap": lambda: run_flashmask("flashmask_softcap", softcap=SOFTCAP),
+        "flashmask_deterministic": lambda: run_flashmask(
+            "flashmask_deterministic", deterministic=True
+        ),
         FP8_IMPL: run_fp8,
     }
     wanted = [*impls, FP8_IMPL] if dtype_name == "fp8" else impls
@@ -818,9 +826,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated implementations to time: flashmask, flex, sdpa (sdpa includes "
         "SDPA with a dense mask where it fits --dense-limit-gb), fm4 (FlashMask-4 through "
-        "fm4_torch, when importable), flashmask_sinks and flashmask_softcap (flashmask with "
-        "learnable sinks / a logit cap of 30, to price them) (flashmask,flex,sdpa, and fm4 when "
-        "importable)",
+        "fm4_torch, when importable), flashmask_sinks, flashmask_softcap and "
+        "flashmask_deterministic (flashmask with learnable sinks / a logit cap of 30 / "
+        "deterministic=True, to price them) (flashmask,flex,sdpa, and fm4 when importable)",
     )
     parser.add_argument(
         "--dtype",
