@@ -446,4 +446,5 @@ def backward_list_shapes(
     and logit cap ``softcap``, like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config, softcap)
-    return backward_shapes(use_gluon, q.shape[-1], config)
+    cute = use_cute_deterministic_backward(q, k, v, dout, deterministic, softcap)
+    return backward_shapes(use_gluon or cute, q.shape[-1], config)

@@ -152,6 +152,25 @@ def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):
     assert noncausal.use_gluon and not noncausal.use_cute
 
 
+def test_a_deterministic_plan_prepares_the_lists_the_cute_backward_reads(monkeypatch):
+    """With the deterministic CuTe backward routed, the forward's plan (and the backward's own
+    list shapes) hold the Gluon backward's 64 x 128 column-major lists, not the Triton passes'."""
+    from flashmask.kernels import forward_launcher
+
+    _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+    q, k, v = _qkv(head_dim=128)
+    sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
+    config = dataclasses.replace(kernels.tile_config(128, has_mask=True), fwd_gluon=True)
+    gluon_lists = routing.backward_shapes(True, 128, config)
+    plan = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, True, config)
+    assert all(shape in plan.shapes for shape in gluon_lists)
+    assert routing.backward_list_shapes(q, k, v, q, sri, True, config) == gluon_lists
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_HEAD_DIMS", ())
+    triton_lists = routing.backward_shapes(False, 128, config)
+    assert routing.backward_list_shapes(q, k, v, q, sri, True, config) == triton_lists
+
+
 def test_a_logit_cap_routes_the_forward_as_the_uncapped_call(monkeypatch):
     """The CuTe forward takes the cap: a capped call runs it wherever the uncapped call would,
     and also with a negative scale (its row max is then over the capped scores), which the
