@@ -657,6 +657,8 @@ class HopperBackward:
                         while seen != ticket:
                             seen = load_acquire(turn)
                     cute.arch.sync_warp()
+                    # The adds (async proxy) after the acquire that saw the turn come.
+                    cute.arch.fence_proxy("async.global")
                 for wg in cutlass.range_constexpr(2):
                     stage = wg * DQ_BUFFERS + buf
                     cute.arch.mbarrier_wait(dq_full + stage, phase)
