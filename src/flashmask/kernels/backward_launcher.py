@@ -161,7 +161,9 @@ def _gluon_backward(
         # backward in query chunks zeros one per chunk.
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = backward_delta(out, dout, dlse, dq_accumulator)
-    order = None if bounds is None else preparation.program_order(lists, k.shape[2], False)
+    # The deterministic variant launches in its own order.
+    heaviest_first = bounds is not None and not deterministic
+    order = preparation.program_order(lists, k.shape[2], False) if heaviest_first else None
     grads = module.backward(
         dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, mask_heads, causal,
         softmax_scale, order=order, dq_accumulator=dq_accumulator, **options,

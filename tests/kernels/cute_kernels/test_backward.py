@@ -102,6 +102,27 @@ def test_each_dq_add_waits_for_the_higher_key_tiles_listing_its_query_tile(name,
                 assert tickets[b, h, n, j] == higher
 
 
+def test_the_deterministic_plan_is_computed_by_mask_heads_and_kept_with_its_lists(monkeypatch):
+    """In steps of a few mask heads (here one per step: a per-head mask over a batch of 2) it
+    gives what the two functions give on the whole lists, and a second call (another layer)
+    gets the same tensors back."""
+    from flashmask import masks
+    from flashmask.kernels import preparation
+
+    mask = masks.random_eviction(512, 100, num_heads=3, batch_size=2)
+    sri = mask.startend_row_indices
+    _, (lists,) = preparation.prepare_cached(
+        sri, mask.causal, 512, 512, 2, sri.device, [(64, 128, False)]
+    )
+    monkeypatch.setattr(backward_launch, "PLAN_CHUNK_ENTRIES", 1)
+    walk, tickets = backward_launch.deterministic_plan(lists)
+    expected = backward_launch.deterministic_lists(lists)
+    assert torch.equal(walk.entries, expected.entries)
+    assert torch.equal(tickets, backward_launch.dq_tickets(expected))
+    again = backward_launch.deterministic_plan(lists)
+    assert again[0].entries is walk.entries and again[1] is tickets
+
+
 def test_the_deterministic_launch_runs_each_heads_key_tiles_from_the_last_down():
     order = backward_launch.descending_key_tiles(2, 3, 4, torch.device("cpu"))
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(24))

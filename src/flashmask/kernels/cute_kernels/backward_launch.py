@@ -9,6 +9,7 @@ import functools
 import torch
 
 # launch sets CUTE_DSL_ARCH before anything imports cutlass.
+from flashmask._tensor_cache import TensorKeyedCache
 from flashmask.kernels.cute_kernels import launch
 from flashmask.kernels.tiles import TileLists
 
@@ -97,6 +98,44 @@ def descending_key_tiles(batch: int, kv_heads: int, key_tiles: int, device) -> t
     return items.view(batch, kv_heads, key_tiles).flip(-1).reshape(-1).contiguous()
 
 
+# Entries of the lists' [B * Hm, Tn, Tm] rows each step of :func:`deterministic_plan` takes at
+# most: its int64 temporaries stay near 8 bytes times this (the lists of one mask head at 128K
+# tokens have 2M entries).
+PLAN_CHUNK_ENTRIES = 1 << 22
+# Deterministic plans kept, keyed by the prepared lists they come from (which the preparation
+# cache keeps alive while their mask is): one per mask in use, as the lists themselves.
+_PLANS: TensorKeyedCache[tuple[TileLists, torch.Tensor]] = TensorKeyedCache(16)
+
+
+def deterministic_plan(lists: TileLists) -> tuple[TileLists, torch.Tensor]:
+    """``(deterministic_lists(lists), dq_tickets of them)``, computed in steps of whole mask
+    heads of at most :data:`PLAN_CHUNK_ENTRIES` entries (bounded temporaries at long lengths)
+    and kept while ``lists`` lives: every layer's backward of one mask reuses them."""
+
+    def compute() -> tuple[TileLists, torch.Tensor]:
+        entries, counts = lists.entries, lists.counts
+        rows = entries.shape[0] * entries.shape[1]
+        per_row = entries.shape[2] * entries.shape[3]
+        step = max(1, PLAN_CHUNK_ENTRIES // per_row)
+        flat = TileLists(
+            entries.reshape(1, rows, *entries.shape[2:]),
+            counts.reshape(1, rows, -1),
+            lists.num_partial.reshape(1, rows, -1),
+        )
+        walked, tickets = [], []
+        for start in range(0, rows, step):
+            part = TileLists(*(t[:, start : start + step] for t in flat))
+            part = deterministic_lists(part)
+            walked.append(part.entries)
+            tickets.append(dq_tickets(part))
+        sorted_lists = TileLists(
+            torch.cat(walked, 1).view(entries.shape), counts, lists.num_partial
+        )
+        return sorted_lists, torch.cat(tickets, 1).view(entries.shape)
+
+    return _PLANS.get(lists.entries, "deterministic", compute)
+
+
 def one_launch(q: torch.Tensor, k: torch.Tensor, masked: bool, causal: bool) -> bool:
     """Always: :func:`backward` runs all of ``q``'s rows in one launch (as the Gluon modules'
     ``one_launch`` answers for theirs), so one dQ accumulator spans them."""
@@ -162,11 +201,10 @@ def backward(
     if deterministic:
         # A program waits only for higher key tiles of its head, launched before it: no wait
         # is on a program not yet running.
-        lists = deterministic_lists(lists)
+        lists, tickets = deterministic_plan(lists)
         order = descending_key_tiles(k.shape[0], k.shape[2], lists.entries.shape[-2], q.device)
         turns = torch.zeros(q.shape[0], q.shape[2], lists.entries.shape[-1], dtype=torch.int32,
                             device=q.device)  # fmt: skip
-        tickets = dq_tickets(lists)
     if order is None:
         order = lists.counts.view(-1)  # never read
     if bounds is None:
