@@ -29,7 +29,8 @@ another ``forward.py`` (on: a lever's version of ``kernels/cute_kernels/forward.
 and compiled by this tree's launcher for the same launches (:func:`source_compiler`); in one
 process the two builds see the same clocks and inputs, where separate processes
 (``ab_trees.py``) drift by several percent. ``--softcap X`` runs both A/B modes with a logit
-cap of X:
+cap of X; ``--fp8`` runs them on the FP8 forward (``launch.forward_fp8``: the same random inputs
+quantised per head by ``flashmask.quantize_fp8``, bf16 output, its own tile lists):
 
     PYTHONPATH=src python benchmarks/cute_forward.py --source-ab lever/forward.py --out lever_ab
 """
@@ -78,10 +79,11 @@ def example_mask(name: str, s: int, b: int, heads: int, device):
     return mask.startend_row_indices, mask.causal
 
 
-def inputs(d: int, s: int, b: int, heads: int, name: str):
+def inputs(d: int, s: int, b: int, heads: int, name: str, fp8: bool = False):
     """Random bf16 ``q, k, v``, the mask's ``sri`` and ``causal``, its visible FLOP, and a call
     of the CuTe forward on them (its lists, bounds and launch order prepared once, as the cache
-    serves them to every layer) that takes ``persistent`` (``None``: the launcher's rule)."""
+    serves them to every layer) that takes ``persistent`` (``None``: the launcher's rule);
+    ``fp8``: the call is the FP8 forward's on the inputs quantised per head, with its tiles."""
     import torch
 
     from flashmask.bench import attention_flop
@@ -99,17 +101,34 @@ def inputs(d: int, s: int, b: int, heads: int, name: str):
     flop = attention_flop(mask, causal, s, d, heads, b, dv)[0]
     scale = d**-0.5
     shape = (128, launch.key_tile(d), True)
+    if fp8:
+        shape = launch.fp8_tile_shape(d, full_attention=sri is None and not causal)
     bounds, (lists,) = preparation.prepare_cached(sri, causal, s, s, b, device, [shape])
     order = None
     if sri is not None:
         (order,) = preparation.program_orders([(lists, heads, True)])
     mask_heads = 1 if sri is None else sri.shape[1]
 
+    edge = tiles.edge_intervals(sri, causal)
+
     def cute(persistent: bool | None = None):
         return launch.forward(
             q, k, v, bounds, lists, mask_heads, causal, not causal, scale, True, order,
-            persistent=persistent, edge_intervals=tiles.edge_intervals(sri, causal),
+            persistent=persistent, edge_intervals=edge,
         )  # fmt: skip
+
+    if fp8:
+        from flashmask import quantize_fp8
+
+        # Descales per (batch, K/V head), the queries' shared by each head's group.
+        q8, q_descale = quantize_fp8(q, group=heads // k.shape[2])
+        (k8, k_descale), (v8, v_descale) = (quantize_fp8(x) for x in (k, v))
+
+        def cute(persistent: bool | None = None):
+            return launch.forward_fp8(
+                q8, k8, v8, bounds, lists, mask_heads, causal, not causal, scale, True, order,
+                q_descale, k_descale, v_descale, persistent=persistent, edge_intervals=edge,
+            )  # fmt: skip
 
     return q, k, v, sri, causal, scale, flop, cute
 
@@ -199,12 +218,13 @@ def source_compiler(path: Path, kernel: str = "forward"):
 
 def measure_ab(
     head_dims: list[int], kind: str, source: Path | None = None, softcap: float = 0.0,
-    rounds: int = 2,
+    rounds: int = 2, fp8: bool = False,
 ) -> tuple[dict, list[dict]]:  # fmt: skip
     """Per mask, the CuTe forward in two builds, off and on, alternating for ``rounds`` rounds
     on the same inputs, each keeping its best median: ``kind`` ``"persistent_ab"``, the
     persistent variant off and on; ``"source_ab"``, this tree's kernel against ``source``'s
-    (:func:`source_compiler`). ``softcap``: both builds with that logit cap."""
+    (:func:`source_compiler`). ``softcap``: both builds with that logit cap; ``fp8``: the FP8
+    forward (:func:`inputs`)."""
     import functools
 
     import torch
@@ -234,7 +254,7 @@ def measure_ab(
     cells = []
     try:
         for d, s, b, heads, name in cases(head_dims):
-            _, _, _, _, _, _, flop, cute = inputs(d, s, b, heads, name)
+            _, _, _, _, _, _, flop, cute = inputs(d, s, b, heads, name, fp8)
             cell: dict = {"d": d, "s": s, "b": b, "mask": name}
             calls = {key: build(key, cute) for key in ("off", "on")}
             times: dict[str, list[float]] = {"off": [], "on": []}
@@ -258,6 +278,7 @@ def measure_ab(
         "kind": kind,
         "rounds": rounds,
         "softcap": softcap,
+        "fp8": fp8,
     }
     if source is not None:
         meta["source"] = str(source)
@@ -273,11 +294,12 @@ def render_ab(meta: dict, cells: list[dict]) -> str:
     else:
         what = "persistent variant off / on"
     cap = f"; logit cap {meta['softcap']:g}" if meta.get("softcap") else ""
+    dtype = "FP8 (e4m3, per-head descales; bf16 out)" if meta.get("fp8") else "bf16"
     lines = [
         f"# CuTe {kernel}, {what} ({meta.get('gpu', '?')}, torch {meta.get('torch', '?')})",
         "",
-        f"{kernel.capitalize()} TFLOP/s (visible pairs), bf16, 32K tokens, 2048 = heads x head "
-        f"dim; each the best median of {meta.get('rounds', '?')} alternating rounds{cap}.",
+        f"{kernel.capitalize()} TFLOP/s (visible pairs), {dtype}, 32K tokens, 2048 = heads x "
+        f"head dim; each the best median of {meta.get('rounds', '?')} alternating rounds{cap}.",
         "",
         "| D | S | mask | off | on | on/off | max diff |",
         "|---:|---:|---|---:|---:|---:|---:|",
@@ -343,6 +365,9 @@ def main() -> None:
     parser.add_argument(
         "--softcap", type=float, default=0.0, help="a logit cap for both A/B builds (0: none)"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="run the A/B on the FP8 forward (quantised inputs)"
+    )
     args = parser.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
@@ -353,6 +378,10 @@ def main() -> None:
     kind = "persistent_ab" if args.persistent_ab else "source_ab" if args.source_ab else None
     if args.softcap and kind is None:
         parser.error("--softcap: only with --persistent-ab or --source-ab")
+    if args.fp8 and kind is None:
+        parser.error("--fp8: only with --persistent-ab or --source-ab")
+    if args.fp8 and args.softcap:
+        parser.error("--fp8: the FP8 forward takes no logit cap (--softcap)")
     if args.softcap < 0:
         parser.error(f"--softcap must be positive (or 0 for none), got {args.softcap}")
     if args.source_ab is not None and not args.source_ab.is_file():
@@ -364,7 +393,7 @@ def main() -> None:
     head_dims = args.head_dims or ("128" if kind else "128,256,64")
     head_dims = [int(x) for x in head_dims.split(",")]
     if kind:
-        meta, cells = measure_ab(head_dims, kind, args.source_ab, args.softcap)
+        meta, cells = measure_ab(head_dims, kind, args.source_ab, args.softcap, fp8=args.fp8)
         table = render_ab(meta, cells)
     else:
         meta, cells = measure(head_dims)

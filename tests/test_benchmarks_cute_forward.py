@@ -65,6 +65,10 @@ def test_render_ab_names_the_other_source_and_the_cap(script):
     assert "this tree (off) against lever/forward.py (on)" in table
     assert "alternating rounds; logit cap 30." in table
     assert "logit cap" not in script.render_ab({**meta, "softcap": 0.0}, AB_CELLS)
+    assert ", bf16, 32K tokens" in table
+    assert ", FP8 (e4m3, per-head descales; bf16 out), 32K" in script.render_ab(
+        {**meta, "fp8": True}, AB_CELLS
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,6 +78,8 @@ def test_render_ab_names_the_other_source_and_the_cap(script):
         (["--persistent-ab", "--softcap", "-1"], "--softcap must be positive"),
         (["--source-ab", "no/such/forward.py"], "--source-ab: no such file"),
         (["--source-ab", "f.py", "--persistent-ab"], "not allowed with argument"),
+        (["--fp8"], "--fp8: only with --persistent-ab or --source-ab"),
+        (["--persistent-ab", "--fp8", "--softcap", "30"], "--fp8: the FP8 forward takes no"),
     ],
 )
 def test_bad_ab_options_are_refused_naming_the_option(script, monkeypatch, capsys, argv, message):
