@@ -259,7 +259,7 @@ CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 # The CuTe backward's deterministic variant (``BackwardVariant.deterministic``: each query tile's
 # dQ added over its key tiles in ascending order) takes the deterministic calls at these head
 # dims, where the Triton passes ran them.
-CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (128,)
+CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (64, 128)
 
 
 def use_cute_deterministic_backward(

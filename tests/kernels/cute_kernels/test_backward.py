@@ -45,9 +45,10 @@ def test_float16_compiles():
     assert backward_launch.compiled_backward(variant, torch.float16) is not None
 
 
-def test_the_deterministic_variants_compile():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_deterministic_variants_compile(head_dim: int):
     for causal, has_mask, has_upper in FORMS:
-        variant = BackwardVariant(128, causal, has_mask, has_upper, False, True, True)
+        variant = BackwardVariant(head_dim, causal, has_mask, has_upper, False, True, True)
         assert backward_launch.compiled_backward(variant, torch.bfloat16) is not None
 
 
@@ -134,7 +135,7 @@ def test_the_deterministic_launch_runs_each_heads_key_tiles_from_the_last_down()
 
 
 def test_other_head_dims_are_refused_with_the_argument_named():
-    q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 128, 1, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q: the CuTe backward takes head dims"):
         backward_launch.backward(q, q, q, q, None, None, None, None, 1, False, 1.0)
 

@@ -242,7 +242,11 @@ def test_deterministic_calls_take_the_cute_backward_at_its_head_dims(monkeypatch
     assert routing.use_cute_deterministic_backward(q, k, v, dout, False)  # torch's flag
     assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, 30.0)  # no cap
     q64, k64, v64 = _qkv(head_dim=64)
-    assert not routing.use_cute_deterministic_backward(q64, k64, v64, torch.zeros_like(q64), True)
+    assert routing.use_cute_deterministic_backward(q64, k64, v64, torch.zeros_like(q64), True)
+    q256, k256, v256 = _qkv(head_dim=256)  # beyond the kernel's shared memory
+    assert not routing.use_cute_deterministic_backward(
+        q256, k256, v256, torch.zeros_like(q256), True
+    )
     q_odd, k_odd, v_odd = _qkv(seqlen=8000, head_dim=128)  # lengths the Gluon backward refuses
     assert not routing.use_cute_deterministic_backward(
         q_odd, k_odd, v_odd, torch.zeros_like(q_odd), True
