@@ -292,6 +292,10 @@ def kernel_paths(x: Inputs, scale: float, deterministic: bool, softcap: float = 
         x.q, x.k, x.v, x.dout, deterministic, True, masked, config, softcap
     )
     bwd_name = ("cute" if routing.use_cute_backward(x.q, softcap) else "gluon") if bwd else "triton"
+    if not bwd and routing.use_cute_deterministic_backward(
+        x.q, x.k, x.v, x.dout, deterministic, softcap
+    ):
+        bwd_name = "cute-deterministic"
     return f"fwd={fwd} bwd={bwd_name}"
 
 

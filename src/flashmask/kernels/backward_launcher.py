@@ -75,9 +75,11 @@ def backward(
 
     With ``deterministic=False`` on Hopper, where ``config.bwd_gluon`` and
     :func:`~.routing.use_gluon_backward` allow, one warp-specialised Gluon pass computes dK, dV
-    and dQ (dQ through fp32 reduce-adds: not bit-reproducible). Otherwise the Triton kernels:
-    a key-stationary dK/dV pass and a query-stationary dQ pass (bit-reproducible). Without
-    ``config`` the tiles are chosen as in :func:`~.forward_launcher.forward`.
+    and dQ (dQ through fp32 reduce-adds: not bit-reproducible). Deterministic, where
+    :func:`~.routing.use_cute_deterministic_backward` allows, the CuTe backward's variant that
+    adds each query tile's dQ in a fixed order (bit-reproducible). Otherwise the Triton
+    kernels: a key-stationary dK/dV pass and a query-stationary dQ pass (bit-reproducible).
+    Without ``config`` the tiles are chosen as in :func:`~.forward_launcher.forward`.
     """
     if config is None:
         return with_fitting_config(
@@ -93,16 +95,20 @@ def backward(
     use_gluon = routing.use_gluon_backward(
         q, k, v, dout, deterministic, skip_tiles, masked, config, softcap
     )
-    shapes = routing.backward_shapes(use_gluon, d, config)
+    cute_deterministic = not use_gluon and routing.use_cute_deterministic_backward(
+        q, k, v, dout, deterministic, softcap
+    )
+    shapes = routing.backward_shapes(use_gluon or cute_deterministic, d, config)
     bounds, lists = preparation.prepare_cached(
         startend_row_indices, causal, q.shape[1], k.shape[1], q.shape[0], q.device, shapes,
         skip_tiles,
     )  # fmt: skip
     hm = 1 if startend_row_indices is None else startend_row_indices.shape[1]
-    if use_gluon:
+    if use_gluon or cute_deterministic:
         grads, delta = _gluon_backward(
-            dout, dlse, q, k, v, out, lse, bounds, lists[0], hm, causal, softmax_scale, softcap
-        )
+            dout, dlse, q, k, v, out, lse, bounds, lists[0], hm, causal, softmax_scale, softcap,
+            deterministic=cute_deterministic,
+        )  # fmt: skip
     else:
         grads, delta = _triton_backward(
             dout, dlse, q, k, v, out, lse, bounds, lists, hm, causal, softmax_scale, skip_tiles,
@@ -129,18 +135,25 @@ def _gluon_backward(
     causal: bool,
     softmax_scale: float,
     softcap: float = 0.0,
+    *,
+    deterministic: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """One warp-specialised pass (``routing.gluon_backward_module``, or the CuTe backward where
-    ``routing.use_cute_backward`` holds) computing dK, dV and, into an fp32 accumulator through
-    TMA reduce-adds, dQ: ``((dq, dk, dv), delta)`` with the row term it used. ``softcap``: the
-    forward's logit cap (the Gluon kernels' alone; 0.0: none)."""
+    ``routing.use_cute_backward`` holds or ``deterministic`` asks for it) computing dK, dV and,
+    into an fp32 accumulator through TMA reduce-adds, dQ: ``((dq, dk, dv), delta)`` with the row
+    term it used. ``softcap``: the forward's logit cap (the Gluon kernels' alone; 0.0: none).
+    ``deterministic``: the CuTe backward's variant that adds each query tile's dQ in a fixed
+    order (``routing.use_cute_deterministic_backward`` chose it)."""
     q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
-    capped: dict[str, float] = {}  # the cap, for the Gluon kernels (the CuTe one takes none)
-    if routing.use_cute_backward(q, softcap):
+    # The cap, for the Gluon kernels; the CuTe one takes none, and the order flag.
+    options: dict[str, float | bool] = {}
+    if deterministic or routing.use_cute_backward(q, softcap):
         from flashmask.kernels.cute_kernels import backward_launch as module
+
+        options = {"deterministic": deterministic}
     else:
         module = routing.gluon_backward_module(q.shape[-1])
-        capped = {"softcap": softcap}
+        options = {"softcap": softcap}
     dq_accumulator = None
     if module.one_launch(q, k, bounds is not None, causal) and v.shape[-1] == q.shape[-1]:
         # Zeroed by the row-term kernel (one launch fewer than ``torch.zeros``), which walks O's
@@ -148,10 +161,12 @@ def _gluon_backward(
         # backward in query chunks zeros one per chunk.
         dq_accumulator = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     delta = backward_delta(out, dout, dlse, dq_accumulator)
-    order = None if bounds is None else preparation.program_order(lists, k.shape[2], False)
+    # The deterministic variant launches in its own order.
+    heaviest_first = bounds is not None and not deterministic
+    order = preparation.program_order(lists, k.shape[2], False) if heaviest_first else None
     grads = module.backward(
         dout, q, k, v, lse.float().contiguous(), delta, bounds, lists, mask_heads, causal,
-        softmax_scale, order=order, dq_accumulator=dq_accumulator, **capped,
+        softmax_scale, order=order, dq_accumulator=dq_accumulator, **options,
     )  # fmt: skip
     return grads, delta
 

@@ -64,8 +64,14 @@ def plan_forward(
     gluon_backward = backward_follows and routing.use_gluon_backward(
         q, k, v, q, deterministic, True, masked, config, softcap
     )
+    # The CuTe backward's deterministic variant reads the Gluon backward's lists (its own
+    # launch order).
+    gluon_lists = gluon_backward or (
+        backward_follows
+        and routing.use_cute_deterministic_backward(q, k, v, q, deterministic, softcap)
+    )
     if backward_follows:
-        backward_shapes = routing.backward_shapes(gluon_backward, q.shape[-1], config)
+        backward_shapes = routing.backward_shapes(gluon_lists, q.shape[-1], config)
         shapes += [shape for shape in backward_shapes if shape not in shapes]
     # The launch orders, with a mask only: without one the grid's own order stays (full
     # attention's lists are all alike, and causal's already launch longest first per head;

@@ -256,6 +256,37 @@ def use_gluon_backward(
 CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 
+# The CuTe backward's deterministic variant (``BackwardVariant.deterministic``: each query tile's
+# dQ added over its key tiles in ascending order) takes the deterministic calls at these head
+# dims, where the Triton passes ran them.
+CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (64, 128)
+
+
+def use_cute_deterministic_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    deterministic: bool,
+    softcap: float = 0.0,
+) -> bool:
+    """Whether a deterministic backward (``deterministic=True`` or
+    ``torch.use_deterministic_algorithms(True)``) runs the CuTe backward's deterministic variant:
+    the inputs the Gluon backward would take (:func:`gluon_backward_eligible`), ``D`` in
+    :data:`CUTE_DETERMINISTIC_BWD_HEAD_DIMS`, no logit cap (the CuTe backward has none) and the
+    ``cute`` extra installed."""
+    if not (deterministic or torch.are_deterministic_algorithms_enabled()) or softcap:
+        return False
+    if q.shape[-1] not in CUTE_DETERMINISTIC_BWD_HEAD_DIMS:
+        return False
+    capability = hardware.gpu_capability(q)
+    return (
+        capability is not None
+        and gluon_backward_eligible(q, k, v, dout, capability)
+        and cute_available()
+    )
+
+
 def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
     """Whether a call that :func:`use_gluon_backward` gives the Gluon backward runs the CuTe
     backward instead: no logit cap (``softcap``: the CuTe backward has none), ``D`` in
@@ -415,4 +446,5 @@ def backward_list_shapes(
     and logit cap ``softcap``, like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config, softcap)
-    return backward_shapes(use_gluon, q.shape[-1], config)
+    cute = use_cute_deterministic_backward(q, k, v, dout, deterministic, softcap)
+    return backward_shapes(use_gluon or cute, q.shape[-1], config)

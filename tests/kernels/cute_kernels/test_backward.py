@@ -45,8 +45,97 @@ def test_float16_compiles():
     assert backward_launch.compiled_backward(variant, torch.float16) is not None
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_deterministic_variants_compile(head_dim: int):
+    for causal, has_mask, has_upper in FORMS:
+        variant = BackwardVariant(head_dim, causal, has_mask, has_upper, False, True, True)
+        assert backward_launch.compiled_backward(variant, torch.bfloat16) is not None
+
+
+def _lists(name: str, seqlen: int, skip_tiles: bool = True):
+    """The CuTe backward's lists (column-major, 64 x 128 tiles) of example mask ``name``."""
+    from flashmask import masks
+    from flashmask.kernels import preparation
+
+    mask = masks.example(name, seqlen)
+    shapes = ((64, 128, False),)
+    sri = mask.startend_row_indices
+    _, lists = preparation.prepare_cached(
+        sri, mask.causal, seqlen, seqlen, sri.shape[0], sri.device, shapes, skip_tiles
+    )
+    return lists[0]
+
+
+def _tiles_of(lists, b: int, h: int, n: int) -> list[int]:
+    """Key tile ``n``'s listed query tiles, in list order."""
+    entries = lists.entries[b, h, n, : lists.counts[b, h, n]].tolist()
+    return [e if e >= 0 else -e - 1 for e in entries]
+
+
+@pytest.mark.parametrize("skip_tiles", [True, False], ids=["skip", "dense"])
+@pytest.mark.parametrize("name", ["causal_document", "share_question", "random_eviction"])
+def test_the_deterministic_walk_lists_the_same_tiles_in_ascending_order(name, skip_tiles):
+    lists = _lists(name, 1024, skip_tiles)
+    walk = backward_launch.deterministic_lists(lists)
+    assert torch.equal(walk.counts, lists.counts)
+    batch, heads, key_tiles, _ = lists.entries.shape
+    for b, h, n in itertools.product(range(batch), range(heads), range(key_tiles)):
+        listed = lists.entries[b, h, n, : lists.counts[b, h, n]]
+        walked = walk.entries[b, h, n, : lists.counts[b, h, n]]
+        assert sorted(walked.tolist()) == sorted(listed.tolist())  # same entries, same classes
+        assert _tiles_of(walk, b, h, n) == sorted(_tiles_of(lists, b, h, n))
+
+
+@pytest.mark.parametrize("skip_tiles", [True, False], ids=["skip", "dense"])
+@pytest.mark.parametrize("name", ["causal_document", "share_question", "random_eviction"])
+def test_each_dq_add_waits_for_the_higher_key_tiles_listing_its_query_tile(name, skip_tiles):
+    """A deterministic backward adds key tile n's dQ into query tile m after the adds of every
+    higher key tile whose list holds m: its ticket counts exactly those."""
+    lists = backward_launch.deterministic_lists(_lists(name, 1024, skip_tiles))
+    tickets = backward_launch.dq_tickets(lists)
+    assert tickets.shape == lists.entries.shape and tickets.dtype == torch.int32
+    batch, heads, key_tiles, _ = lists.entries.shape
+    for b, h in itertools.product(range(batch), range(heads)):
+        listed = [set(_tiles_of(lists, b, h, n)) for n in range(key_tiles)]
+        for n in range(key_tiles):
+            for j, m in enumerate(_tiles_of(lists, b, h, n)):
+                higher = sum(m in listed[above] for above in range(n + 1, key_tiles))
+                assert tickets[b, h, n, j] == higher
+
+
+def test_the_deterministic_plan_is_computed_by_mask_heads_and_kept_with_its_lists(monkeypatch):
+    """In steps of a few mask heads (here one per step: a per-head mask over a batch of 2) it
+    gives what the two functions give on the whole lists, and a second call (another layer)
+    gets the same tensors back."""
+    from flashmask import masks
+    from flashmask.kernels import preparation
+
+    mask = masks.random_eviction(512, 100, num_heads=3, batch_size=2)
+    sri = mask.startend_row_indices
+    _, (lists,) = preparation.prepare_cached(
+        sri, mask.causal, 512, 512, 2, sri.device, [(64, 128, False)]
+    )
+    monkeypatch.setattr(backward_launch, "PLAN_CHUNK_ENTRIES", 1)
+    walk, tickets = backward_launch.deterministic_plan(lists)
+    expected = backward_launch.deterministic_lists(lists)
+    assert torch.equal(walk.entries, expected.entries)
+    assert torch.equal(tickets, backward_launch.dq_tickets(expected))
+    again = backward_launch.deterministic_plan(lists)
+    assert again[0].entries is walk.entries and again[1] is tickets
+
+
+def test_the_deterministic_launch_runs_each_heads_key_tiles_from_the_last_down():
+    order = backward_launch.descending_key_tiles(2, 3, 4, torch.device("cpu"))
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(24))
+    # Program i of the launch runs natural item order[i] = n + 4 (h + 3 b).
+    launched = [(item % 4, item // 4 % 3, item // 12) for item in order.tolist()]
+    assert launched[:5] == [(3, 0, 0), (2, 0, 0), (1, 0, 0), (0, 0, 0), (3, 1, 0)]
+    for (n, h, b), (n2, h2, b2) in itertools.pairwise(launched):
+        assert (b, h) < (b2, h2) or ((b, h) == (b2, h2) and n2 == n - 1)
+
+
 def test_other_head_dims_are_refused_with_the_argument_named():
-    q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 128, 1, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q: the CuTe backward takes head dims"):
         backward_launch.backward(q, q, q, q, None, None, None, None, 1, False, 1.0)
 

@@ -152,6 +152,25 @@ def test_the_plan_follows_the_routing_table_at_head_dim_128(monkeypatch):
     assert noncausal.use_gluon and not noncausal.use_cute
 
 
+def test_a_deterministic_plan_prepares_the_lists_the_cute_backward_reads(monkeypatch):
+    """With the deterministic CuTe backward routed, the forward's plan (and the backward's own
+    list shapes) hold the Gluon backward's 64 x 128 column-major lists, not the Triton passes'."""
+    from flashmask.kernels import forward_launcher
+
+    _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "gluon_available", lambda: True)
+    q, k, v = _qkv(head_dim=128)
+    sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
+    config = dataclasses.replace(kernels.tile_config(128, has_mask=True), fwd_gluon=True)
+    gluon_lists = routing.backward_shapes(True, 128, config)
+    plan = forward_launcher.plan_forward(q, k, v, sri, False, 0.1, True, config)
+    assert all(shape in plan.shapes for shape in gluon_lists)
+    assert routing.backward_list_shapes(q, k, v, q, sri, True, config) == gluon_lists
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_HEAD_DIMS", ())
+    triton_lists = routing.backward_shapes(False, 128, config)
+    assert routing.backward_list_shapes(q, k, v, q, sri, True, config) == triton_lists
+
+
 def test_a_logit_cap_routes_the_forward_as_the_uncapped_call(monkeypatch):
     """The CuTe forward takes the cap: a capped call runs it wherever the uncapped call would,
     and also with a negative scale (its row max is then over the capped scores), which the
@@ -189,9 +208,9 @@ def test_a_routed_call_goes_to_the_cute_backward_with_the_gluon_lists_and_order(
     seen = {}
 
     def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, *, order,
-                      dq_accumulator):  # fmt: skip
+                      dq_accumulator, deterministic):  # fmt: skip
         seen.update(q=q, delta=delta, bounds=bounds, lists=lists, hm=hm, causal=causal)
-        seen.update(order=order, dq_accumulator=dq_accumulator)
+        seen.update(order=order, dq_accumulator=dq_accumulator, deterministic=deterministic)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
@@ -210,6 +229,53 @@ def test_a_routed_call_goes_to_the_cute_backward_with_the_gluon_lists_and_order(
     # Zeroed by the row-term kernel, which computed delta = rowsum(dO * O) beside it.
     assert torch.equal(seen["dq_accumulator"], torch.zeros_like(q))
     torch.testing.assert_close(seen["delta"], (q * out).sum(-1).transpose(1, 2))
+    assert not seen["deterministic"]
+
+
+def test_deterministic_calls_take_the_cute_backward_at_its_head_dims(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    q, k, v = _qkv(head_dim=128)
+    dout = torch.zeros_like(q)
+    assert routing.use_cute_deterministic_backward(q, k, v, dout, True)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, False)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert routing.use_cute_deterministic_backward(q, k, v, dout, False)  # torch's flag
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, 30.0)  # no cap
+    q64, k64, v64 = _qkv(head_dim=64)
+    assert routing.use_cute_deterministic_backward(q64, k64, v64, torch.zeros_like(q64), True)
+    q256, k256, v256 = _qkv(head_dim=256)  # beyond the kernel's shared memory
+    assert not routing.use_cute_deterministic_backward(
+        q256, k256, v256, torch.zeros_like(q256), True
+    )
+    q_odd, k_odd, v_odd = _qkv(seqlen=8000, head_dim=128)  # lengths the Gluon backward refuses
+    assert not routing.use_cute_deterministic_backward(
+        q_odd, k_odd, v_odd, torch.zeros_like(q_odd), True
+    )
+    _as_if_on(monkeypatch, HOPPER, cute=False)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True)
+    _as_if_on(monkeypatch, None)  # CPU
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True)
+
+
+def test_a_deterministic_call_goes_to_the_cute_backward_asking_for_the_fixed_order(monkeypatch):
+    seen = {}
+
+    def fake_backward(dout, q, k, v, lse, delta, bounds, lists, hm, causal, scale, *, order,
+                      dq_accumulator, deterministic):  # fmt: skip
+        seen.update(lists=lists, deterministic=deterministic)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    fake = types.SimpleNamespace(backward=fake_backward, one_launch=lambda *args: True)
+    monkeypatch.setitem(sys.modules, "flashmask.kernels.cute_kernels.backward_launch", fake)
+    monkeypatch.setattr(cute_kernels, "backward_launch", fake, raising=False)
+    monkeypatch.setattr(routing, "use_cute_deterministic_backward", lambda *args: True)
+    mask = masks.causal_document([128, 256])
+    q = torch.randn(1, 384, 4, 128)
+    k = torch.randn(1, 384, 2, 128)
+    out, lse = torch.randn_like(q), torch.randn(1, 4, 384)
+    kernels.backward(q, None, q, k, k, out, lse, mask.startend_row_indices, True, 0.1, True)
+    assert seen["deterministic"]
+    assert seen["lists"].entries.shape[-2:] == (3, 6)  # the Gluon backward's 64 x 128 lists
 
 
 def test_a_capped_call_goes_to_the_gluon_backward_where_the_cute_one_is_routed(monkeypatch):

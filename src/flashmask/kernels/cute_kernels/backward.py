@@ -48,7 +48,9 @@ import cutlass.cute as cute
 import cutlass.memory as memory
 import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flashmask.kernels.cute_kernels.forward import (
     LOG2E,
@@ -84,7 +86,8 @@ class BackwardVariant:
 
     ``head_dim``: D (128); ``causal``, ``has_mask``, ``has_upper``: the mask's form;
     ``mask_full_tiles``: the dense mode (every tile masked); ``ordered``: the grid follows a
-    launch order."""
+    launch order; ``deterministic``: each query tile's dQ is added in a fixed order (its key
+    tiles' programs from the highest down, ``backward_launch.dq_tickets``)."""
 
     head_dim: int
     causal: bool
@@ -92,6 +95,7 @@ class BackwardVariant:
     has_upper: bool
     mask_full_tiles: bool
     ordered: bool
+    deterministic: bool = False
 
 
 def transposed(tensor: cute.Tensor) -> cute.Tensor:
@@ -130,6 +134,36 @@ def swizzled_at_first(plain: cute.Tensor, swizzle) -> cute.Tensor:
     return cute.make_tensor(first, plain.layout)
 
 
+@dsl_user_op
+def load_acquire(ptr, *, loc=None, ip=None) -> cutlass.Int32:
+    """The int32 at global ``ptr``, read with acquire semantics at GPU scope."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.toint(loc=loc, ip=ip).ir_value()],
+            "ld.global.acquire.gpu.b32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def release_increment(ptr, *, loc=None, ip=None) -> None:
+    """Add 1 to the int32 at global ``ptr`` with release semantics at GPU scope."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
+        "red.release.gpu.global.add.s32 [$0], 1;",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 class HopperBackward:
     """The CuTe backward of one :class:`BackwardVariant`; call it through ``cute.compile``."""
 
@@ -158,6 +192,8 @@ class HopperBackward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
+        mTurns: cute.Tensor,
+        mTickets: cute.Tensor,
         seqlen_k: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         heads_per_mask_head: cutlass.Int32,
@@ -170,7 +206,10 @@ class HopperBackward:
         Sq]``, ``mdQ`` the zeroed float32 accumulator ``[B, Sq, Hq, D]``, ``mBounds`` int32
         column-major ``[B, Hm, Sk padded, 4]`` (read only with a mask), ``mEntries`` int32
         ``[B, Hm, Tn, Tm]``, ``mCounts`` int32 ``[B, Hm, Tn]``, ``mOrder`` int32 ``[B * Hk *
-        Tn]`` (read only when ordered); ``qk_scale`` = softmax scale x log2(e) > 0."""
+        Tn]`` (read only when ordered); deterministic only: ``mTurns`` int32 ``[B, Hq, Tm]``
+        zeroed, one counter per query tile of the dQ adds done, and ``mTickets`` int32 ``[B,
+        Hm, Tn, Tm]``, beside each list entry the count its add waits for (:func:`~.backward_launch
+        .dq_tickets`); ``qk_scale`` = softmax scale x log2(e) > 0."""
         dtype = mQ.element_type
         d = self.v.head_dim
 
@@ -249,8 +288,8 @@ class HopperBackward:
             sdp_mma_init, sdp_mma, dkv_mma, dq_mma_init, dq_mma, tma_k, tma_k_tensor, tma_v,
             tma_v_tensor, tma_q, tma_q_tensor, tma_do, tma_do_tensor, tma_dq, tma_dq_tensor,
             tma_dk, tma_dk_tensor, tma_dv, tma_dv_tensor, mLse, mDelta, mBounds, mEntries,
-            mCounts, mOrder, kv_smem, q_smem, ds_smem, dq_smem, seqlen_k, heads_per_kv,
-            heads_per_mask_head, qk_scale, softmax_scale,
+            mCounts, mOrder, mTurns, mTickets, kv_smem, q_smem, ds_smem, dq_smem, seqlen_k,
+            heads_per_kv, heads_per_mask_head, qk_scale, softmax_scale,
         ).launch(
             grid=[num_n_tiles, mK.shape[2], mK.shape[0]],
             block=[3 * WARPGROUP_THREADS, 1, 1],
@@ -287,6 +326,8 @@ class HopperBackward:
         mEntries: cute.Tensor,
         mCounts: cute.Tensor,
         mOrder: cute.Tensor,
+        mTurns: cute.Tensor,
+        mTickets: cute.Tensor,
         kv_smem: cute.ComposedLayout,
         q_smem: cute.ComposedLayout,
         ds_smem: cute.ComposedLayout,
@@ -350,8 +391,8 @@ class HopperBackward:
                 )  # fmt: skip
             if warp == 1:
                 self.write_dq(
-                    tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, n_tile, h_kv, b,
-                    heads_per_kv, heads_per_mask_head,
+                    tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, mTurns, mTickets,
+                    n_tile, h_kv, b, heads_per_kv, heads_per_mask_head,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -582,13 +623,16 @@ class HopperBackward:
 
     @cute.jit
     def write_dq(
-        self, tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, n_tile, h_kv, b,
-        heads_per_kv, heads_per_mask_head,
+        self, tma_dq, mdQ, sdQ, dq_full, dq_empty, mEntries, mCounts, mTurns, mTickets, n_tile,
+        h_kv, b, heads_per_kv, heads_per_mask_head,
     ):  # fmt: skip
         """The dQ writer warp: walks the consumers' tile sequence and adds each tile's two dQ
         halves, left in the consumers' buffers, to the fp32 accumulator with one TMA reduce-add
-        each (the copy elects one lane of the warp)."""
+        each (the copy elects one lane of the warp). Deterministic, a tile's adds wait for its
+        turn: until the query tile's counter in ``mTurns`` reaches the entry's ticket (the adds
+        of every higher key tile listing it are done), and then advance it."""
         d = self.v.head_dim
+        lane = cute.arch.lane_idx()
         it = cutlass.Int32(0)
         for g in cutlass.range(heads_per_kv, unroll=1):
             h = h_kv * heads_per_kv + g
@@ -605,6 +649,16 @@ class HopperBackward:
                 m_tile = listed_tile(entry)
                 buf = it % DQ_BUFFERS
                 phase = (it // DQ_BUFFERS) % 2
+                turn = mTurns[b, h, None].iterator + m_tile
+                if cutlass.const_expr(self.v.deterministic):
+                    if lane == 0:
+                        ticket = mTickets[b, mask_head, n_tile, j]
+                        seen = load_acquire(turn)
+                        while seen != ticket:
+                            seen = load_acquire(turn)
+                    cute.arch.sync_warp()
+                    # The adds (async proxy) after the acquire that saw the turn come.
+                    cute.arch.fence_proxy("async.global")
                 for wg in cutlass.range_constexpr(2):
                     stage = wg * DQ_BUFFERS + buf
                     cute.arch.mbarrier_wait(dq_full + stage, phase)
@@ -614,9 +668,17 @@ class HopperBackward:
                 # lane waits, so the electing lane's wait is in before the arrivals.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
+                if lane == 0:
                     for wg in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_arrive(dq_empty + wg * DQ_BUFFERS + buf)
+                if cutlass.const_expr(self.v.deterministic):
+                    # The adds are done, and ordered before the counter's release, which the
+                    # next key tile's acquire pairs with.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        release_increment(turn)
                 it += 1
 
     @cute.jit
