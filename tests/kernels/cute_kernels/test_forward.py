@@ -205,8 +205,10 @@ def test_the_row_max_rises_lazily_where_it_was_measured_faster():
     assert not dataclasses.replace(persistent, softcap=30.0, fp8=True).lazy_rescale
 
 
-def test_only_the_lazy_variants_vote_on_the_rescale(tmp_path):
-    """The O rescale behind a warp vote compiles exactly where ``lazy_rescale`` says."""
+def test_every_variant_skips_the_rescale_on_a_warp_vote(tmp_path):
+    """The O rescale sits behind a warp vote in the lazy variants (one-item, capped persistent)
+    and in the exact-max ones (plain persistent) alike: where no row of a warp raised its max,
+    the factors are exactly 1 and the 64 multiplies per thread are skipped."""
     votes = {
         name: _ptx(tmp_path / name, form=form, persistent=persistent, **fields).count("vote.")
         for name, form, persistent, fields in (
@@ -215,8 +217,7 @@ def test_only_the_lazy_variants_vote_on_the_rescale(tmp_path):
             ("capped_persistent", 3, True, {"softcap": 30.0}),
         )
     }
-    assert votes["causal"] > 0
-    assert votes["capped_persistent"] > votes["persistent"], votes
+    assert all(count > 0 for count in votes.values()), votes
 
 
 @pytest.mark.parametrize(
