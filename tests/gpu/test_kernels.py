@@ -210,6 +210,19 @@ def _gluon_cases() -> list[Case]:
 
 ACCURACY_CASES = _mask_cases() + _shape_cases()
 GLUON_CASES = _gluon_cases()
+# The deterministic cases the CuTe backward's deterministic variant takes once its routing limits
+# (head dim 128, 8K keys, no mask) are lifted: head dims 64 and 128, lengths of whole 128-row
+# tiles, no logit cap, V's head dim Q's.
+CUTE_DETERMINISTIC_CASES = [
+    c
+    for c in ACCURACY_CASES
+    if c.deterministic
+    and c.d in (64, 128)
+    and not c.dv
+    and not c.softcap
+    and c.sq % 128 == 0
+    and c.sk % 128 == 0
+]
 
 
 def random_indices(
@@ -293,7 +306,7 @@ def kernel_paths(x: Inputs, scale: float, deterministic: bool, softcap: float = 
     )
     bwd_name = ("cute" if routing.use_cute_backward(x.q, softcap) else "gluon") if bwd else "triton"
     if not bwd and routing.use_cute_deterministic_backward(
-        x.q, x.k, x.v, x.dout, deterministic, softcap
+        x.q, x.k, x.v, x.dout, deterministic, masked, softcap
     ):
         bwd_name = "cute-deterministic"
     return f"fwd={fwd} bwd={bwd_name}"
@@ -432,6 +445,30 @@ def test_gluon_kernels_on_short_masks_match_the_reference(
     fwd_gluon = kernels.tile_config(case.d, has_mask=True).fwd_gluon
     assert paths == f"fwd={'gluon' if fwd_gluon else 'triton'} bwd=gluon", paths
     check_accuracy(case, record_property)
+
+
+@pytest.mark.parametrize("case", CUTE_DETERMINISTIC_CASES, ids=lambda c: c.id)
+def test_the_cute_deterministic_backward_on_short_masks_matches_the_reference(
+    case: Case, record_property, monkeypatch
+) -> None:
+    """With the routing's limits lifted (any length, masks, head dims 64 and 128), the CuTe
+    backward's deterministic variant runs these cases within the same rule, and a repeated
+    backward equals the first bit for bit."""
+    capability = torch.cuda.get_device_capability()
+    if capability[0] != 9 or not routing.cute_available():
+        pytest.skip(f"the CuTe kernels run on Hopper (sm_90) with flashmask[cute]; {capability}")
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_MIN_SEQLEN", 0)
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_MASKED", True)
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_HEAD_DIMS", (64, 128))
+    x = make_inputs(case)
+    paths = kernel_paths(x, case.d**-0.5, case.deterministic, case.softcap)
+    assert paths.endswith("bwd=cute-deterministic"), paths
+    check_accuracy(case, record_property)
+    scale = case.d**-0.5
+    out, lse = kernels.forward(x.q, x.k, x.v, x.sri, x.causal, scale)
+    first = kernels.backward(x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, True)
+    again = kernels.backward(x.dout, None, x.q, x.k, x.v, out, lse, x.sri, x.causal, scale, True)
+    assert _equal(first, again)
 
 
 def _bit_exact_cases() -> list[tuple[str, float | None]]:

@@ -96,7 +96,7 @@ def backward(
         q, k, v, dout, deterministic, skip_tiles, masked, config, softcap
     )
     cute_deterministic = not use_gluon and routing.use_cute_deterministic_backward(
-        q, k, v, dout, deterministic, softcap
+        q, k, v, dout, deterministic, masked, softcap
     )
     shapes = routing.backward_shapes(use_gluon or cute_deterministic, d, config)
     bounds, lists = preparation.prepare_cached(

@@ -68,7 +68,7 @@ def plan_forward(
     # launch order).
     gluon_lists = gluon_backward or (
         backward_follows
-        and routing.use_cute_deterministic_backward(q, k, v, q, deterministic, softcap)
+        and routing.use_cute_deterministic_backward(q, k, v, q, deterministic, masked, softcap)
     )
     if backward_follows:
         backward_shapes = routing.backward_shapes(gluon_lists, q.shape[-1], config)

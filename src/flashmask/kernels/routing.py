@@ -159,10 +159,16 @@ def use_gluon_forward(
 # * head dims 192 (Q/K) and 128 (V), multi-head latent attention: 1.52-2.06x the Triton forward
 #   (the only other kernel with V's own head dim) on all 12 masks at 8K and 32K (H100,
 #   ``benchmarks/results/cute_2026-12-06.md``).
+# * head dim 64 with a mask from 32K keys: 1.05-1.37x the Triton forward on ten of the 12 masks
+#   at 32K, share_question 0.99x; at 8K 0.82-0.91x on sliding_window, share_question and
+#   global_sliding_window. Without a mask 1.00-1.02x the Gluon forward, which keeps those calls
+#   (H100, 2026-12-07, ``benchmarks/results/cute_2026-12-06.md``).
 # The table keeps the form: a head dim routed later may not take non-causal masks.
-CUTE_FWD_HEAD_DIMS = (128, 192, 256)
-CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (128, 192, 256)
+CUTE_FWD_HEAD_DIMS = (64, 128, 192, 256)
+CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (64, 128, 192, 256)
 CUTE_FWD_MIN_SEQLEN = 8192
+# Head dims the CuTe forward takes only with a mask (``startend_row_indices``), from these keys.
+CUTE_FWD_MASKED_ONLY: dict[int, int] = {64: 32768}
 # V's head dim per Q/K head dim (the same where absent): the kernel takes Dv <= D.
 CUTE_FWD_VALUE_HEAD_DIMS = {192: 128}
 
@@ -190,7 +196,8 @@ def use_cute_forward(
     dtype, ``D`` in :data:`CUTE_FWD_HEAD_DIMS` for q and k (with a non-causal mask, in
     :data:`CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS`) and V's head dim that of
     :data:`CUTE_FWD_VALUE_HEAD_DIMS` (``D`` where absent), at least :data:`CUTE_FWD_MIN_SEQLEN`
-    keys and a positive scale (its row max is taken over unscaled scores) or a logit cap
+    keys (at a head dim of :data:`CUTE_FWD_MASKED_ONLY`, a mask and the keys it names) and a
+    positive scale (its row max is taken over unscaled scores) or a logit cap
     (``softcap > 0``: the row max of the capped scores, whatever the scale). ``masked``: the
     call has a ``startend_row_indices``; ``causal``: the causal flag. Any lengths: its TMA loads
     read past a sequence as zeros and its stores clip."""
@@ -200,6 +207,8 @@ def use_cute_forward(
     if d not in CUTE_FWD_HEAD_DIMS or k.shape[1] < CUTE_FWD_MIN_SEQLEN:
         return False
     if masked and not causal and d not in CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS:
+        return False
+    if d in CUTE_FWD_MASKED_ONLY and not (masked and k.shape[1] >= CUTE_FWD_MASKED_ONLY[d]):
         return False
     capability = hardware.gpu_capability(q)
     return (
@@ -257,9 +266,18 @@ CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 
 
 # The CuTe backward's deterministic variant (``BackwardVariant.deterministic``: each query tile's
-# dQ added over its key tiles in ascending order) takes the deterministic calls at these head
-# dims, where the Triton passes ran them.
-CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (64, 128)
+# dQ added over its key tiles from the highest down, in turn) takes the deterministic calls
+# without a mask from 8K keys at head dim 128, where the Triton passes ran them: 1.16-1.27x
+# their backward on full, causal at 8K and 32K (H100, 2026-12-07, ``flashmask bench --impls
+# flashmask_deterministic``, ``benchmarks/results/cute_2026-12-06.md``). With a mask the turns
+# serialise short lists: 1.02-1.26x on the dense masks (qk_sparse, random_eviction,
+# prefix_lm_causal) but 0.31-0.67x on sliding_window, share_question and global_sliding_window,
+# so masked calls keep the Triton passes. Head dim 64 compiles and passes the GPU check but was
+# not timed.
+CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (128,)
+CUTE_DETERMINISTIC_BWD_MIN_SEQLEN = 8192
+# Whether calls with a mask (``startend_row_indices``) take it too.
+CUTE_DETERMINISTIC_BWD_MASKED = False
 
 
 def use_cute_deterministic_backward(
@@ -268,16 +286,23 @@ def use_cute_deterministic_backward(
     v: torch.Tensor,
     dout: torch.Tensor,
     deterministic: bool,
+    masked: bool,
     softcap: float = 0.0,
 ) -> bool:
     """Whether a deterministic backward (``deterministic=True`` or
     ``torch.use_deterministic_algorithms(True)``) runs the CuTe backward's deterministic variant:
     the inputs the Gluon backward would take (:func:`gluon_backward_eligible`), ``D`` in
-    :data:`CUTE_DETERMINISTIC_BWD_HEAD_DIMS`, no logit cap (the CuTe backward has none) and the
+    :data:`CUTE_DETERMINISTIC_BWD_HEAD_DIMS`, at least :data:`CUTE_DETERMINISTIC_BWD_MIN_SEQLEN`
+    keys, no mask (``masked``: the call has a ``startend_row_indices``) unless
+    :data:`CUTE_DETERMINISTIC_BWD_MASKED`, no logit cap (the CuTe backward has none) and the
     ``cute`` extra installed."""
     if not (deterministic or torch.are_deterministic_algorithms_enabled()) or softcap:
         return False
     if q.shape[-1] not in CUTE_DETERMINISTIC_BWD_HEAD_DIMS:
+        return False
+    if k.shape[1] < CUTE_DETERMINISTIC_BWD_MIN_SEQLEN or (
+        masked and not CUTE_DETERMINISTIC_BWD_MASKED
+    ):
         return False
     capability = hardware.gpu_capability(q)
     return (
@@ -446,5 +471,5 @@ def backward_list_shapes(
     and logit cap ``softcap``, like :func:`forward_list_shapes`."""
     masked = startend_row_indices is not None
     use_gluon = use_gluon_backward(q, k, v, dout, deterministic, True, masked, config, softcap)
-    cute = use_cute_deterministic_backward(q, k, v, dout, deterministic, softcap)
+    cute = use_cute_deterministic_backward(q, k, v, dout, deterministic, masked, softcap)
     return backward_shapes(use_gluon or cute, q.shape[-1], config)

@@ -36,7 +36,7 @@ def test_it_takes_head_dim_256_from_8k_keys_on_hopper_with_the_extra(monkeypatch
         assert routing.use_cute_forward(*_qkv(), 0.1, masked, causal)
     assert routing.use_cute_forward(*_qkv(dtype=torch.float16), 0.1, False, False)
     assert not routing.use_cute_forward(*_qkv(seqlen=4096), 0.1, False, False)  # from 8K only
-    assert not routing.use_cute_forward(*_qkv(head_dim=64), 0.1, False, False)  # not measured
+    assert not routing.use_cute_forward(*_qkv(head_dim=64), 0.1, False, False)  # Gluon's
     assert not routing.use_cute_forward(*_qkv(dtype=torch.float32), 0.1, False, False)
     assert not routing.use_cute_forward(*_qkv(), 0.0, False, False)  # row max of unscaled scores
     assert not routing.use_cute_forward(*_qkv(), -0.1, False, False)
@@ -48,6 +48,16 @@ def test_it_takes_head_dim_256_from_8k_keys_on_hopper_with_the_extra(monkeypatch
     assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
     _as_if_on(monkeypatch, HOPPER, cute=False)  # without the cute extra
     assert not routing.use_cute_forward(*_qkv(), 0.1, False, False)
+
+
+def test_at_head_dim_64_it_takes_masked_calls_from_32k_keys_only(monkeypatch):
+    _as_if_on(monkeypatch, HOPPER)
+    long, short = _qkv(seqlen=32768, head_dim=64), _qkv(seqlen=16384, head_dim=64)
+    assert routing.use_cute_forward(*long, 0.1, masked=True, causal=True)  # causal masks
+    assert routing.use_cute_forward(*long, 0.1, masked=True, causal=False)  # upper intervals
+    assert not routing.use_cute_forward(*long, 0.1, masked=False, causal=False)  # full: Gluon
+    assert not routing.use_cute_forward(*long, 0.1, masked=False, causal=True)  # causal: Gluon
+    assert not routing.use_cute_forward(*short, 0.1, masked=True, causal=True)  # 8K: Triton
 
 
 def test_at_head_dim_128_it_takes_every_mask_form_from_8k_keys(monkeypatch):
@@ -158,6 +168,7 @@ def test_a_deterministic_plan_prepares_the_lists_the_cute_backward_reads(monkeyp
     from flashmask.kernels import forward_launcher
 
     _as_if_on(monkeypatch, HOPPER)
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_MASKED", True)  # a masked call
     monkeypatch.setattr(routing, "gluon_available", lambda: True)
     q, k, v = _qkv(head_dim=128)
     sri = torch.zeros(1, 1, 8192, 2, dtype=torch.int32, device="meta")
@@ -236,25 +247,30 @@ def test_deterministic_calls_take_the_cute_backward_at_its_head_dims(monkeypatch
     _as_if_on(monkeypatch, HOPPER)
     q, k, v = _qkv(head_dim=128)
     dout = torch.zeros_like(q)
-    assert routing.use_cute_deterministic_backward(q, k, v, dout, True)
-    assert not routing.use_cute_deterministic_backward(q, k, v, dout, False)
+    unmasked = False
+    assert routing.use_cute_deterministic_backward(q, k, v, dout, True, unmasked)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, False, unmasked)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, True)  # a mask
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert routing.use_cute_deterministic_backward(q, k, v, dout, False)  # torch's flag
-    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, 30.0)  # no cap
-    q64, k64, v64 = _qkv(head_dim=64)
-    assert routing.use_cute_deterministic_backward(q64, k64, v64, torch.zeros_like(q64), True)
+    assert routing.use_cute_deterministic_backward(q, k, v, dout, False, unmasked)  # torch's
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, unmasked, 30.0)
+    q4k, k4k, v4k = _qkv(seqlen=4096, head_dim=128)  # from 8K keys
+    assert not routing.use_cute_deterministic_backward(q4k, k4k, v4k, q4k, True, unmasked)
+    q64, k64, v64 = _qkv(head_dim=64)  # compiled, not timed
+    assert not routing.use_cute_deterministic_backward(q64, k64, v64, q64, True, unmasked)
     q256, k256, v256 = _qkv(head_dim=256)  # beyond the kernel's shared memory
-    assert not routing.use_cute_deterministic_backward(
-        q256, k256, v256, torch.zeros_like(q256), True
-    )
-    q_odd, k_odd, v_odd = _qkv(seqlen=8000, head_dim=128)  # lengths the Gluon backward refuses
-    assert not routing.use_cute_deterministic_backward(
-        q_odd, k_odd, v_odd, torch.zeros_like(q_odd), True
-    )
+    assert not routing.use_cute_deterministic_backward(q256, k256, v256, q256, True, unmasked)
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(routing, "CUTE_DETERMINISTIC_BWD_MASKED", True)
+    assert routing.use_cute_deterministic_backward(q64, k64, v64, q64, True, unmasked)
+    assert routing.use_cute_deterministic_backward(q, k, v, dout, True, True)
+    # What the Gluon backward refuses, the variant refuses too, whatever the table says.
+    q_odd, k_odd, v_odd = _qkv(seqlen=8256, head_dim=128)  # not a multiple of 128
+    assert not routing.use_cute_deterministic_backward(q_odd, k_odd, v_odd, q_odd, True, False)
     _as_if_on(monkeypatch, HOPPER, cute=False)
-    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, unmasked)
     _as_if_on(monkeypatch, None)  # CPU
-    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True)
+    assert not routing.use_cute_deterministic_backward(q, k, v, dout, True, unmasked)
 
 
 def test_a_deterministic_call_goes_to_the_cute_backward_asking_for_the_fixed_order(monkeypatch):
