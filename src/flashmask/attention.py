@@ -54,7 +54,8 @@ def flashmask_attention(
         return_softmax_lse: also return the natural-log sum of exponentials of the scaled,
             masked scores, float32 ``[B, Hq, Sq]`` (float64 for float64 inputs), ``-inf`` for
             fully masked rows. It is differentiable.
-        deterministic: make the backward bit-reproducible (no atomics in the GPU kernels).
+        deterministic: make the backward bit-reproducible (the GPU kernels add each dQ in a
+            fixed order instead of racing floating-point atomics).
         sinks: learnable attention sinks (gpt-oss's), a floating tensor ``[Hq]`` of finite
             logits in the units of the scaled scores: query head ``h``'s sink joins every row's
             softmax denominator as ``exp(sinks[h])`` and carries no value, so each row's output
