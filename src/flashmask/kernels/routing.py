@@ -159,10 +159,11 @@ def use_gluon_forward(
 # * head dims 192 (Q/K) and 128 (V), multi-head latent attention: 1.52-2.06x the Triton forward
 #   (the only other kernel with V's own head dim) on all 12 masks at 8K and 32K (H100,
 #   ``benchmarks/results/cute_2026-12-06.md``).
-# * head dim 64 with a mask from 32K keys: 1.05-1.37x the Triton forward on ten of the 12 masks
-#   at 32K, share_question 0.99x; at 8K 0.82-0.91x on sliding_window, share_question and
-#   global_sliding_window. Without a mask 1.00-1.02x the Gluon forward, which keeps those calls
-#   (H100, 2026-12-07, ``benchmarks/results/cute_2026-12-06.md``).
+# * head dim 64 with a mask from 32K keys: 1.05-1.37x the Triton forward on nine of the ten
+#   masked masks at 32K, share_question 0.99x; at 8K 0.82-0.91x on sliding_window,
+#   share_question and global_sliding_window (1.01-1.24x on the other seven). Without a mask
+#   1.00-1.02x the Gluon forward, which keeps those calls (H100, 2026-12-07,
+#   ``benchmarks/results/cute_2026-12-06.md``).
 # The table keeps the form: a head dim routed later may not take non-causal masks.
 CUTE_FWD_HEAD_DIMS = (64, 128, 192, 256)
 CUTE_FWD_NONCAUSAL_MASK_HEAD_DIMS = (64, 128, 192, 256)
@@ -271,8 +272,9 @@ CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 # their backward on full, causal at 8K and 32K (H100, 2026-12-07, ``flashmask bench --impls
 # flashmask_deterministic``, ``benchmarks/results/cute_2026-12-06.md``). With a mask the turns
 # serialise short lists: 1.02-1.26x on the dense masks (qk_sparse, random_eviction,
-# prefix_lm_causal) but 0.31-0.67x on sliding_window, share_question and global_sliding_window,
-# so masked calls keep the Triton passes. Head dim 64 compiles and passes the GPU check but was
+# prefix_lm_causal) but 0.31x / 0.35x / 0.67x on sliding_window, share_question and
+# global_sliding_window at 8K and 0.61x on share_question at 32K, so masked calls keep the Triton
+# passes. Head dim 64 compiles and passes the GPU check but was
 # not timed.
 CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (128,)
 CUTE_DETERMINISTIC_BWD_MIN_SEQLEN = 8192
