@@ -145,8 +145,8 @@ def _gluon_backward(
     ``deterministic``: the CuTe backward's variant that adds each query tile's dQ in a fixed
     order (``routing.use_cute_deterministic_backward`` chose it)."""
     q, k, v, dout = (tensors.tma_ready(x) for x in (q, k, v, dout))
-    # The cap, for the Gluon kernels; the CuTe one takes none, and the order flag.
-    options: dict[str, float | bool] = {}
+    # The CuTe backward takes the order flag and no cap; the Gluon kernels take the cap.
+    options: dict[str, float | bool]
     if deterministic or routing.use_cute_backward(q, softcap):
         from flashmask.kernels.cute_kernels import backward_launch as module
 

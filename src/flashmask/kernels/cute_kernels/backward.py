@@ -649,8 +649,9 @@ class HopperBackward:
                 m_tile = listed_tile(entry)
                 buf = it % DQ_BUFFERS
                 phase = (it // DQ_BUFFERS) % 2
-                turn = mTurns[b, h, None].iterator + m_tile
                 if cutlass.const_expr(self.v.deterministic):
+                    # This query tile's counter (a trace-time branch: also read below).
+                    turn = mTurns[b, h, None].iterator + m_tile
                     if lane == 0:
                         ticket = mTickets[b, mask_head, n_tile, j]
                         seen = load_acquire(turn)

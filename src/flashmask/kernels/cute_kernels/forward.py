@@ -15,8 +15,8 @@ preparation gives a launch order. Per program, 384 threads in three warpgroups:
   on a partial tile (every tile in the dense mode) and runs the online softmax of ``S_j`` (row
   max over unscaled scores, ``p = exp2(s * scale - m)``) while its own ``P V`` and the other
   warpgroup's products run; then it waits for its ``P V``, releases ``V_{j-1}`` and rescales
-  O (in the ``ForwardVariant.lazy_rescale`` variants the max rises only when a tile passes it
-  by more than ``RESCALE_SLACK``, and O is rescaled only where a warp's rows raised theirs).
+  O where a warp's rows raised their max (one vote; in the ``ForwardVariant.lazy_rescale``
+  variants the max rises only when a tile passes it by more than ``RESCALE_SLACK``).
   After the list: the last ``P V``, ``O / l`` through the warpgroup's Q half in shared memory
   and one TMA store, and the lse of its rows (``-inf`` and ``O = 0`` on a fully masked row).
 
@@ -124,8 +124,8 @@ class ForwardVariant:
 
     @property
     def lazy_rescale(self) -> bool:
-        """Whether a row's max rises only past ``RESCALE_SLACK`` (O rescaled on a warp vote)
-        rather than on every larger tile top. Measured on an H100 (``docs/performance.md``):
+        """Whether a row's max rises only past ``RESCALE_SLACK`` rather than on every larger
+        tile top. Measured on an H100 (``docs/performance.md``):
         4.5% faster on the one-item variants and 2% on the capped persistent one (whose spills
         fall from 56/80 to 16/20 bytes), but 2.7% slower on the plain persistent one (whose
         spills grow from 40/64 to 104/112 bytes). FP8 keeps the exact max: a row's top P of up
