@@ -23,6 +23,15 @@ inputs, each keeping its best median; the table gives both TFLOP/s, on / off and
 |difference| of dq, dk, dv:
 
     PYTHONPATH=src python benchmarks/cute_backward.py --source-ab lever/backward.py --out ab
+
+``--deterministic`` times instead the CuTe backward's deterministic variant (``cute det``: each
+query tile's dQ added in a fixed order, launched in its own order) against the same kernel
+without it (``cute``), both alone on the same inputs, alternating for two rounds, each keeping
+its best median; per cell whether two deterministic runs gave the same bits and the largest
+|difference| from the non-deterministic gradients. Two trees' deterministic launch orders
+compare through ``ab_trees.py`` with ``--metric cute_det.tflops``:
+
+    PYTHONPATH=src python benchmarks/cute_backward.py --deterministic --out det
 """
 
 from __future__ import annotations
@@ -167,6 +176,75 @@ def measure_source_ab(seqlens: list[int], source: Path, rounds: int = 2) -> tupl
     return meta, cells
 
 
+def measure_deterministic(seqlens: list[int], rounds: int = 2) -> tuple[dict, list[dict]]:
+    """Per mask, the CuTe backward (``cute``) and its deterministic variant (``cute_det``),
+    alternating for ``rounds`` rounds on the same inputs, each keeping its best median;
+    ``repeats``: two deterministic runs gave the same dq, dk and dv bits; ``max_diff``: their
+    largest |difference| from the non-deterministic gradients."""
+    import torch
+
+    from flashmask import masks
+    from flashmask.bench import _bench
+    from flashmask.kernels.cute_kernels import backward_launch
+
+    cells = []
+    for s in seqlens:
+        for name in masks.MASK_TYPES:
+            args, order, _, flop = inputs(s, name)
+            cell: dict = {"d": HEAD_DIM, "s": s, "b": TOKENS // s, "mask": name}
+            calls = {
+                "cute": lambda args=args, order=order: backward_launch.backward(*args, order=order),
+                "cute_det": lambda args=args: backward_launch.backward(*args, deterministic=True),
+            }
+            times: dict[str, list[float]] = {impl: [] for impl in calls}
+            try:
+                for _ in range(rounds):
+                    for impl, fn in calls.items():
+                        times[impl].append(_bench(fn, 200))
+                for impl, ms in times.items():
+                    cell[impl] = {"ms": min(ms), "tflops": BACKWARD_FLOP * flop / min(ms) / 1e9}
+                first, second = calls["cute_det"](), calls["cute_det"]()
+                cell["repeats"] = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+                cell["max_diff"] = largest_difference(first, calls["cute"]())
+            except Exception as exc:  # a failing mask costs only its row
+                cell["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(cell), flush=True)
+            cells.append(cell)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kind": "deterministic",
+        "rounds": rounds,
+    }
+    return meta, cells
+
+
+def render_deterministic(meta: dict, cells: list[dict]) -> str:
+    """A markdown table of a :func:`measure_deterministic` run: both TFLOP/s, the deterministic
+    variant's speed over the plain kernel's, whether it repeated bit for bit, and its largest
+    difference from the plain gradients."""
+    lines = [
+        f"# CuTe backward, deterministic variant against the plain kernel "
+        f"({meta.get('gpu', '?')}, torch {meta.get('torch', '?')})",
+        "",
+        f"Backward TFLOP/s (visible pairs), bf16, hd{HEAD_DIM}, {TOKENS // 1024}K tokens, "
+        f"{HEADS} heads; each the best median of {meta.get('rounds', '?')} alternating rounds.",
+        "",
+        "| S | mask | cute | cute det | det/cute | repeats | max diff |",
+        "|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for c in cells:
+        plain, det = (c.get(impl, {}).get("tflops") for impl in ("cute", "cute_det"))
+        row = [f"{x:.0f}" if x else "—" for x in (plain, det)]
+        row.append(f"{det / plain:.2f}" if det and plain else "—")
+        repeats = c.get("repeats")
+        row.append("—" if repeats is None else "yes" if repeats else "**no**")
+        diff = c.get("max_diff")
+        row.append(f"{diff:.3g}" if isinstance(diff, float) else "error")
+        lines.append(f"| {c['s']} | {c['mask']} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _fm4_backward(fm4, q, k, v, dout, sri, causal, flop) -> dict:
     """FlashMask-4's backward time: forward + backward through autograd minus the forward."""
     from flashmask.bench import _bench
@@ -209,14 +287,20 @@ def main() -> None:
     parser.add_argument("--out", default="cute_backward", help="prefix of the .json and .md")
     parser.add_argument("--seqlens", default="8192,32768", help="comma-separated")
     parser.add_argument("--render", type=Path, help="only render an earlier run's JSON")
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--source-ab", type=Path, metavar="FILE",
         help="time this tree's CuTe backward against the one of another backward.py instead",
+    )  # fmt: skip
+    mode.add_argument(
+        "--deterministic", action="store_true",
+        help="time the CuTe backward's deterministic variant against the plain kernel instead",
     )  # fmt: skip
     args = parser.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
-        show = render_ab if data["meta"].get("kind") == "source_ab" else render
+        shows = {"source_ab": render_ab, "deterministic": render_deterministic}
+        show = shows.get(data["meta"].get("kind"), render)
         print(show(data["meta"], data["cells"]), end="")
         return
     if args.source_ab is not None and not args.source_ab.is_file():
@@ -229,6 +313,9 @@ def main() -> None:
     if args.source_ab is not None:
         meta, cells = measure_source_ab(seqlens, args.source_ab)
         table = render_ab(meta, cells)
+    elif args.deterministic:
+        meta, cells = measure_deterministic(seqlens)
+        table = render_deterministic(meta, cells)
     else:
         meta, cells = measure(seqlens)
         table = render(meta, cells)

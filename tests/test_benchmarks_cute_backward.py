@@ -1,7 +1,8 @@
 """``benchmarks/cute_backward.py`` on CPU: the table it renders from a run's JSON (rates, the
 CuTe backward's ratios to the Gluon backward and FlashMask-4, dashes where one failed), that it
-refuses to time without a GPU, and its ``--source-ab`` mode: the off / on table, a missing
-file refused, and another ``backward.py`` compiled in its own module."""
+refuses to time without a GPU, its ``--source-ab`` mode (the off / on table, a missing file
+refused, another ``backward.py`` compiled in its own module) and its ``--deterministic`` table
+(the variant's rate beside the plain kernel's, a run that did not repeat marked)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,35 @@ def test_a_source_ab_run_renders_as_the_backward_table(script, tmp_path, monkeyp
     assert "# CuTe backward, this tree (off) against lever/backward.py (on)" in table
     assert "Backward TFLOP/s" in table
     assert "| 128 | 8192 | full | 530 | 558 | 1.053 | 0.000244 |" in table
+
+
+def test_a_deterministic_run_renders_both_rates_and_whether_it_repeated(
+    script, tmp_path, monkeypatch, capsys
+):
+    cells = [
+        {"d": 128, "s": 8192, "b": 4, "mask": "full", "cute": {"ms": 1.0, "tflops": 500.0},
+         "cute_det": {"ms": 1.1, "tflops": 450.0}, "repeats": True, "max_diff": 0.000244140625},
+        {"d": 128, "s": 8192, "b": 4, "mask": "causal", "cute": {"ms": 1.0, "tflops": 480.0},
+         "cute_det": {"ms": 1.2, "tflops": 400.0}, "repeats": False, "max_diff": 0.00048828125},
+        {"d": 128, "s": 32768, "b": 1, "mask": "document", "error": "RuntimeError: no"},
+    ]  # fmt: skip
+    run = tmp_path / "det.json"
+    run.write_text(json.dumps({"meta": {"kind": "deterministic", "rounds": 2}, "cells": cells}))
+    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--render", str(run)])
+    script.main()
+    table = capsys.readouterr().out
+    assert "deterministic variant against the plain kernel" in table
+    assert "| 8192 | full | 500 | 450 | 0.90 | yes | 0.000244 |" in table
+    assert "| 8192 | causal | 480 | 400 | 0.83 | **no** | 0.000488 |" in table
+    assert "| 32768 | document | — | — | — | — | error |" in table
+
+
+def test_the_deterministic_mode_and_a_source_ab_exclude_each_other(script, monkeypatch, capsys):
+    argv = ["cute_backward.py", "--deterministic", "--source-ab", "lever/backward.py"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_a_missing_source_is_refused_naming_the_option(script, monkeypatch, capsys):
