@@ -251,12 +251,16 @@ def use_gluon_backward(
         return False
     if masked and k.shape[1] < GLUON_BWD_MIN_MASKED_SEQLEN.get(q.shape[-1], 0):
         return False
+    return _one_pass_backward_inputs(q, k, v, dout) and gluon_available()
+
+
+def _one_pass_backward_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
+) -> bool:
+    """Whether the one-pass backwards (Gluon's and CuTe's, which share their inputs' rules and
+    tile lists) take these inputs on their GPU (:func:`gluon_backward_eligible`)."""
     capability = hardware.gpu_capability(q)
-    return (
-        capability is not None
-        and gluon_backward_eligible(q, k, v, dout, capability)
-        and gluon_available()
-    )
+    return capability is not None and gluon_backward_eligible(q, k, v, dout, capability)
 
 
 # The CuTe backward (``cute_kernels.backward``) would take the Gluon backward's calls at these
@@ -306,12 +310,7 @@ def use_cute_deterministic_backward(
         masked and not CUTE_DETERMINISTIC_BWD_MASKED
     ):
         return False
-    capability = hardware.gpu_capability(q)
-    return (
-        capability is not None
-        and gluon_backward_eligible(q, k, v, dout, capability)
-        and cute_available()
-    )
+    return _one_pass_backward_inputs(q, k, v, dout) and cute_available()
 
 
 def use_cute_backward(q: torch.Tensor, softcap: float = 0.0) -> bool:
