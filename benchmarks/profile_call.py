@@ -2,7 +2,10 @@
 
 ``--fp8`` profiles the FP8 forward instead (forward only: the inputs quantised once with
 ``flashmask.quantize_fp8``, per head, so that the table shows the call's own kernels, the V^T
-pre-pass among them).
+pre-pass among them). ``--impl fm4`` profiles FlashMask-4's call on the same inputs instead
+(``fm4_torch``, as ``flashmask bench``'s fm4 column imports it), so that its kernels' times sit
+beside ours kernel by kernel: its block-list builder, forward, backward pre- and postprocessing
+and backward against our preparation, forward, row terms, backward and dQ conversion.
 
 Warms the call up (compiles its kernels), then runs it ``--repeats`` times under
 ``torch.profiler`` and prints the GPU time per kernel (``--trace PATH`` also writes a Chrome
@@ -16,6 +19,7 @@ mask). Run from the repository root::
 
     PYTHONPATH=src python benchmarks/profile_call.py --mask causal_document --seqlen 8192
     PYTHONPATH=src python benchmarks/profile_call.py --mask full --seqlen 32768 --ncu
+    PYTHONPATH=src python benchmarks/profile_call.py --mask causal --seqlen 8192 --impl fm4
 """
 
 from __future__ import annotations
@@ -30,8 +34,14 @@ from flashmask import flashmask_attention, masks, quantize_fp8
 from flashmask.mask import FlashMask
 
 NVTX_RANGE = "flashmask"
-# The attention kernels (Triton: flashmask_*; Gluon: gluon_*) and the mask preparation's.
-NCU_KERNELS = "regex:flashmask_|gluon_|summarize_kernel|tile_list_kernel|program_order_kernel"
+# The attention kernels (Triton: flashmask_*; Gluon: gluon_*; CuTe DSL: kernel_cutlass_kernel_
+# and our module's path) and the mask preparation's. FlashMask-4's call is profiled whole (its
+# NVTX range holds only its own kernels).
+NCU_KERNELS = (
+    "regex:flashmask_|gluon_|kernel_cutlass_kernel_flashmask|summarize_kernel|tile_list_kernel"
+    "|program_order_kernel"
+)
+IMPLS = ("flashmask", "fm4")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +53,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048, help="heads x head dim")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: all)")
     p.add_argument("--deterministic", action="store_true", help="the bit-reproducible backward")
+    p.add_argument(
+        "--impl", choices=IMPLS, default="flashmask",
+        help="whose call: flashmask's, or FlashMask-4's through fm4_torch (flashmask)",
+    )  # fmt: skip
     p.add_argument("--fp8", action="store_true", help="the FP8 (e4m3) forward alone")
     p.add_argument(
         "--prepare-each-call",
@@ -61,16 +75,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--mask must be one of {', '.join(masks.MASK_TYPES)}, hash_sparse")
     if args.hidden % args.head_dim or args.seqlen < 1:
         p.error("--hidden must be a multiple of --head-dim and --seqlen positive")
+    if args.impl == "fm4" and (args.fp8 or args.deterministic or args.kv_heads):
+        p.error("--impl fm4 times FlashMask-4's bf16 call: no --fp8, --deterministic, --kv-heads")
     return args
 
 
 def ncu_command(args: argparse.Namespace, argv: list[str]) -> str:
     """The Nsight Compute command that profiles one warmed-up call of this configuration."""
     rerun = [a for a in argv if a != "--ncu"] + ["--under-ncu"]
+    kernels = ["-k", NCU_KERNELS] if args.impl == "flashmask" else []
     return shlex.join(
-        ["ncu", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "-k", NCU_KERNELS, "--set",
-         "full", "-o", f"flashmask_{args.mask}_{args.seqlen}", "python",
-         "benchmarks/profile_call.py", *rerun]
+        ["ncu", "--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", *kernels, "--set", "full", "-o",
+         f"{args.impl}_{args.mask}_{args.seqlen}", "python", "benchmarks/profile_call.py",
+         *rerun]
     )  # fmt: skip
 
 
@@ -82,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("profile_call.py needs a CUDA GPU (--ncu prints the command without one)")
+    fm4_attention = None
+    if args.impl == "fm4":
+        from flashmask.bench import flashmask4
+
+        fm4_attention = flashmask4()
+        if fm4_attention is None:
+            raise SystemExit("--impl fm4: fm4_torch and its CuTe DSL wheels are not importable")
     batch = max(1, args.tokens // args.seqlen)
     heads = args.hidden // args.head_dim
     kv_heads = args.kv_heads or heads
@@ -110,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.fp8:
             flashmask_attention(q8, k8, v8, m, causal=causal, **descales)
             return
-        out = flashmask_attention(q, k, v, m, causal=causal, deterministic=args.deterministic)
+        if fm4_attention is not None:
+            sri = None if m is None else m.startend_row_indices
+            out = fm4_attention(q, k, v, sri, causal=causal if m is None else m.causal)
+        else:
+            out = flashmask_attention(q, k, v, m, causal=causal, deterministic=args.deterministic)
         torch.autograd.grad(out, (q, k, v), dout)
 
     for _ in range(args.warmup):
@@ -129,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     kind = "fp8, forward" if args.fp8 else "bf16, forward+backward"
     print(
-        f"{args.mask}, B={batch} S={args.seqlen} H={heads}:{kv_heads} D={args.head_dim}, {kind}, "
-        f"{args.repeats} calls:"
+        f"{args.impl}: {args.mask}, B={batch} S={args.seqlen} H={heads}:{kv_heads} "
+        f"D={args.head_dim}, {kind}, {args.repeats} calls:"
     )
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=args.rows))
     if args.trace:
