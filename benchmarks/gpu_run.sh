@@ -23,6 +23,10 @@
 #               (MODEL=gpt_oss or deepseek_v3: that model style, into e2e_<model>_<date>/)
 #   cp          benchmarks/cp_gpu.py on every GPU of the machine (torchrun): cp_gpu_<date>/
 #   sass        benchmarks/sass_report.py (compiles for sm_90, needs no GPU): sass_report_<date>.*
+#   cute-det    benchmarks/cute_backward.py --deterministic, the CuTe backward's deterministic
+#               variant against the plain kernel (needs flashmask[cute]): cute_det_<date>.*
+#   profile     benchmarks/profile_call.py on causal 8K and full 32K, our call and, where
+#               fm4_torch imports, FlashMask-4's, kernel by kernel: profile_<date>.log
 #
 # Environment: RESULTS (output folder), DATE (the stamp, default YYYY-MM-DD), JOBS (pytest-xdist
 # workers for check, default 8), MODEL (e2e's model style, default llama). src/ goes first on PYTHONPATH, so the checkout is what runs.
@@ -31,7 +35,7 @@ set -uo pipefail
 results=${RESULTS:-benchmarks/results}
 date=${DATE:-$(date +%F)}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 mkdir -p "$results"
 
 bench() {  # bench NAME SEQLENS MASKS
@@ -77,6 +81,25 @@ for step in "$@"; do
             --out "$results/cp_gpu_$date"
         ;;
     sass) python benchmarks/sass_report.py --out "$results/sass_report_$date" ;;
+    cute-det)
+        python benchmarks/cute_backward.py --deterministic --out "$results/cute_det_$date"
+        ;;
+    profile)
+        impls=flashmask
+        python -c "from flashmask.bench import flashmask4; exit(flashmask4() is None)" &&
+            impls="flashmask fm4"
+        log="$results/profile_$date.log"
+        : >"$log"
+        profiled=0
+        for impl in $impls; do
+            for case in "causal 8192" "full 32768"; do
+                read -r mask seqlen <<<"$case"
+                python benchmarks/profile_call.py --impl "$impl" --mask "$mask" \
+                    --seqlen "$seqlen" >>"$log" || profiled=1
+            done
+        done
+        [ "$profiled" -eq 0 ]
+        ;;
     *)
         echo "unknown step: $step (see the top of $0)" >&2
         exit 2
