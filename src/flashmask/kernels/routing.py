@@ -274,12 +274,12 @@ CUTE_BWD_HEAD_DIMS: tuple[int, ...] = ()
 # dQ added over its key tiles from the highest down, in turn) takes the deterministic calls
 # without a mask from 8K keys at head dim 128, where the Triton passes ran them: 1.16-1.27x
 # their backward on full, causal at 8K and 32K (H100, 2026-12-07, ``flashmask bench --impls
-# flashmask_deterministic``, ``benchmarks/results/cute_2026-12-06.md``). With a mask the turns
-# serialise short lists: 1.02-1.26x on the dense masks (qk_sparse, random_eviction,
-# prefix_lm_causal) but 0.31x / 0.35x / 0.67x on sliding_window, share_question and
-# global_sliding_window at 8K and 0.61x on share_question at 32K, so masked calls keep the Triton
-# passes. Head dim 64 compiles and passes the GPU check but was
-# not timed.
+# flashmask_deterministic``, ``benchmarks/results/cute_2026-12-06.md``). With a mask it measured
+# 1.02-1.26x on the dense masks (qk_sparse, random_eviction, prefix_lm_causal) but 0.31x / 0.35x /
+# 0.67x on sliding_window, share_question and global_sliding_window at 8K and 0.61x on
+# share_question at 32K (causes in ``docs/performance.md``: the turns for global_sliding_window,
+# still open for the other two), so masked calls keep the Triton passes. Head dim 64 compiles
+# and passes the GPU check but was not timed.
 CUTE_DETERMINISTIC_BWD_HEAD_DIMS: tuple[int, ...] = (128,)
 CUTE_DETERMINISTIC_BWD_MIN_SEQLEN = 8192
 # Whether calls with a mask (``startend_row_indices``) take it too.
