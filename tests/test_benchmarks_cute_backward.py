@@ -44,17 +44,22 @@ def test_it_refuses_to_time_without_a_gpu(script, monkeypatch, capsys):
     assert "needs a Hopper GPU" in capsys.readouterr().err
 
 
+def rendered(script, tmp_path, monkeypatch, capsys, meta: dict, cells: list[dict]) -> str:
+    """The table ``--render`` prints for a run's JSON of ``meta`` and ``cells``."""
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": meta, "cells": cells}))
+    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--render", str(run)])
+    script.main()
+    return capsys.readouterr().out
+
+
 def test_a_source_ab_run_renders_as_the_backward_table(script, tmp_path, monkeypatch, capsys):
     cells = [
         {"d": 128, "s": 8192, "b": 4, "mask": "full", "off": {"ms": 1.0, "tflops": 530.0},
          "on": {"ms": 0.95, "tflops": 557.9}, "max_diff": 0.000244140625},
     ]  # fmt: skip
     meta = {"kind": "source_ab", "kernel": "backward", "source": "lever/backward.py", "rounds": 2}
-    run = tmp_path / "ab.json"
-    run.write_text(json.dumps({"meta": meta, "cells": cells}))
-    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--render", str(run)])
-    script.main()
-    table = capsys.readouterr().out
+    table = rendered(script, tmp_path, monkeypatch, capsys, meta, cells)
     assert "# CuTe backward, this tree (off) against lever/backward.py (on)" in table
     assert "Backward TFLOP/s" in table
     assert "| 128 | 8192 | full | 530 | 558 | 1.053 | 0.000244 |" in table
@@ -70,11 +75,8 @@ def test_a_deterministic_run_renders_both_rates_and_whether_it_repeated(
          "cute_det": {"ms": 1.2, "tflops": 400.0}, "repeats": False, "max_diff": 0.00048828125},
         {"d": 128, "s": 32768, "b": 1, "mask": "document", "error": "RuntimeError: no"},
     ]  # fmt: skip
-    run = tmp_path / "det.json"
-    run.write_text(json.dumps({"meta": {"kind": "deterministic", "rounds": 2}, "cells": cells}))
-    monkeypatch.setattr(sys, "argv", ["cute_backward.py", "--render", str(run)])
-    script.main()
-    table = capsys.readouterr().out
+    meta = {"kind": "deterministic", "rounds": 2}
+    table = rendered(script, tmp_path, monkeypatch, capsys, meta, cells)
     assert "deterministic variant against the plain kernel" in table
     assert "| 8192 | full | 500 | 450 | 0.90 | yes | 0.000244 |" in table
     assert "| 8192 | causal | 480 | 400 | 0.83 | **no** | 0.000488 |" in table
